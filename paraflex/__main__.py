@@ -1,0 +1,5 @@
+"""`python -m paraflex` runs the CLI."""
+
+from paraflex.cli import main
+
+raise SystemExit(main())
