@@ -202,3 +202,16 @@ def test_model_name_defaults_to_arch_and_dtype_override():
     assert cfg.models[0].arch.dtype_bytes == 2 and get_arch("tiny-2l").dtype_bytes == 4
     with pytest.raises(UserError, match="no model named"):
         cfg.model("other")
+
+
+def test_pure_modules_import_no_torch_ray_or_http():
+    import subprocess
+    import sys
+
+    code = ("import sys, paraflex.config, paraflex.catalog, paraflex.costmodel, paraflex.profile_tables;"
+            "from paraflex.config import load_config; load_config(sys.argv[1]).cluster.cost_model();"
+            "bad = [m for m in ('torch', 'ray', 'fastapi', 'httpx', 'uvicorn', 'gguf') if m in sys.modules];"
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code, os.path.join(REPO, "configs", "paper-base.yaml")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
