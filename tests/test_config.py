@@ -8,6 +8,8 @@ import os
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paraflex.catalog import get_arch, smollm2_gguf_path
 from paraflex.config import GIB, Config, load_config
@@ -215,3 +217,53 @@ def test_pure_modules_import_no_torch_ray_or_http():
     proc = subprocess.run([sys.executable, "-c", code, os.path.join(REPO, "configs", "paper-base.yaml")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+_names = st.sampled_from(["tiny-2l", "tiny-4l", "tiny-8l", "smollm2-135m", "llama-2-7b", "phi-2"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    engines=st.integers(1, 64),
+    tp=st.sampled_from([1]),
+    mem=st.floats(20, 70),
+    models=st.lists(st.tuples(_names, st.floats(0.01, 100)), min_size=1, max_size=5),
+    ts=st.one_of(st.just("auto"), st.floats(0.5, 500), st.sampled_from(["x2", "/3", "x0.5"])),
+    ring=st.booleans(),
+    budget=st.one_of(st.none(), st.integers(1, 8192)),
+    workload=st.one_of(st.none(), st.fixed_dictionaries({
+        "arrival": st.sampled_from(["poisson", "lognormal"]), "cv": st.floats(0.1, 30),
+        "rate": st.floats(0.1, 100), "seed": st.integers(0, 10**6)})),
+)
+def test_random_valid_configs_round_trip(engines, tp, mem, models, ts, ring, budget, workload):
+    d = {"cluster": {"num_engines": engines, "device": "h200", "tp": tp, "memory_gb": mem},
+         "models": [{"name": f"m{i}", "arch": a, "rate": r} for i, (a, r) in enumerate(models)],
+         "planner": {"target_stage_time": ts, "ring": ring},
+         "scheduler": {"prefill_token_budget": budget}}
+    if workload is not None:
+        d["workload"] = workload
+    cfg = Config.from_dict(d)
+    assert [m.rate for m in cfg.models] == [r for _a, r in models]
+    again = Config.from_dict(cfg.to_dict())
+    assert again.to_dict() == cfg.to_dict()
+    assert again.models == cfg.models and again.cluster == cfg.cluster and again.planner == cfg.planner
+    assert json.loads(json.dumps(cfg.to_dict())) == cfg.to_dict()  # JSON-serialisable
+
+
+def test_profile_dir_reaches_the_cost_model(tmp_path):
+    from paraflex.profile_tables import ALL_OPS
+
+    table = tmp_path / "profiles" / "cpu" / "demo" / "tiny"
+    table.mkdir(parents=True)
+    cols = [f"time_stats.{op}.median" for op in ALL_OPS]
+    shape = "4,2,64,192,259,True"  # tiny-2l: heads, kv heads, hidden, ffn, vocab, gated
+    rows = [",".join([str(n * 1e-3)] * len(cols)) + f",{shape},{n},1" for n in (1, 100)]
+    (table / "mlp.csv").write_text(
+        ",".join(cols) + ",n_head,n_kv_head,n_embd,n_expanded_embd,vocab_size,use_gated_mlp,"
+        "num_tokens,num_tensor_parallel_workers\n" + "\n".join(rows) + "\n")
+    (tmp_path / "c.yaml").write_text(
+        "cluster: {num_engines: 1, memory_gb: 1, profile_dir: profiles}\nmodels: [{arch: tiny-2l}]\n")
+    cfg = load_config(str(tmp_path / "c.yaml"))
+    assert cfg.cluster.profile_dir == str(tmp_path / "profiles")
+    cm = cfg.cluster.cost_model()
+    assert cm.linear_time(cfg.models[0].arch, 10) == pytest.approx(10 * 10e-6)
