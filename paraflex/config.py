@@ -520,7 +520,7 @@ def _parse_workload(raw, base_dir: str) -> WorkloadConfig:
             raise ConfigError("workload.trace", f"{trace} does not exist")
     elif arrival == "trace":
         raise ConfigError("workload.trace", "arrival: trace needs a CSV path (arrived_at,num_prefill_tokens,num_decode_tokens)")
-    w = WorkloadConfig(
+    return WorkloadConfig(
         arrival=arrival,
         cv=s.num("cv", 2.0, positive=True),
         trace=trace,
@@ -532,7 +532,6 @@ def _parse_workload(raw, base_dir: str) -> WorkloadConfig:
         prompt_scale=s.num("prompt_scale", 1.0, positive=True),
         output_scale=s.num("output_scale", 1.0, positive=True),
     )
-    return w
 
 
 def _resolve(path: str, base_dir: str) -> str:
