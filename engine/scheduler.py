@@ -407,7 +407,7 @@ class EngineScheduler:
                 req = self._new_request(e.req_id, st, e.arrival, e.prompt_len, e.max_new_tokens, e.sampling, None)
             elif req.state == BLOCKED:
                 req.transition(WAITING_PREFILL)
-            elif req.state != WAITING_PREFILL:
+            elif req.state not in (WAITING_PREFILL, RUNNING):  # RUNNING: its previous chunk runs now
                 raise ProtocolError(f"prefill chunk for {e.req_id!r} at {st.model}/{st.stage} in state {req.state}")
             req.pending_chunks += 1
             self._pending[e.req_id] = pb
