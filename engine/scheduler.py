@@ -186,7 +186,7 @@ def _key(item):
 class PendingBatch:
     """A batch received from upstream at a later stage, kept whole until it runs."""
 
-    __slots__ = ("msg", "prefills", "decodes", "key", "seq", "rows", "dropped")
+    __slots__ = ("msg", "prefills", "decodes", "key", "seq", "rows", "dropped", "queue")
 
     def __init__(self, msg: BatchMessage, seq: int):
         self.msg = msg
@@ -196,6 +196,7 @@ class PendingBatch:
         self.key = (float("inf"), seq)
         self.rows: list[tuple[int, int]] = []  # received tensor rows of each live member
         self.dropped = False
+        self.queue: Queue | None = None  # the queue it waits in
 
     def members(self) -> list[StageRequest]:
         return [r for r, _ in self.prefills] + [r for r, _ in self.decodes]
@@ -431,7 +432,8 @@ class EngineScheduler:
         if not len(pb):
             return
         pb.key = (min(r.arrival for r in pb.members()), pb.seq)
-        self._pending_queue(st, pb).push(pb, self.decisions)
+        pb.queue = self._pending_queue(st, pb)
+        pb.queue.push(pb, self.decisions)
 
     def receive_tokens(self, msg: TokenMessage) -> None:
         """Tokens sampled by the last stage arrive at the first stage."""
@@ -649,7 +651,7 @@ class EngineScheduler:
                     pb.dropped = True
                     break
         if not len(pb):
-            self._pending_queue(st, pb).remove(pb)
+            pb.queue.remove(pb)
 
     def _next_batch_id(self, st: ResidentStage) -> str:
         self._batch_seq += 1
