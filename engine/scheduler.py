@@ -480,7 +480,7 @@ class EngineScheduler:
                 self._finish(req, FINISHED)
                 continue
             self._leave_inflight(st, req)
-            if not st.is_last:  # a one-stage model counted it in complete()
+            if not st.is_last:  # a one-stage model counted the token in complete() already
                 req.generated += 1
             if req.token_ids is not None and e.token_id is not None:
                 req.token_ids.append(e.token_id)
