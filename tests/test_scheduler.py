@@ -401,3 +401,29 @@ def test_batch_needing_more_than_the_pool_never_runs_and_never_swaps():
     s.add_stage("A", 0, 1, 256, 1)
     s.add_request("huge", "A", 100, 2, 0.0)
     assert s.schedule() is None and s.pool.host_num_used == 0
+
+
+def test_swap_in_ahead_keeps_the_headroom_free():
+    s = engine(blocks=59, host=100, batch=1)
+    s.add_stage("A", 0, 1, 256, 1)
+    s.add_stage("B", 0, 1, 256, 1)
+    assert s.headroom_blocks == 5  # 10% of the pool
+    dones = prefill_all(s, [("a1", "A", 4 * 20, 0), ("a2", "A", 4 * 20, 1), ("a3", "A", 4 * 19, 2)])
+    deliver(s, dones["a3"])
+    b, _ = run(s)  # the pool is full; a3 grows by a block: evicts a2 (A's newest blocked)
+    assert s.state_of("a2") == SWAPPED_BLOCKED and s.pool.num_free == 19
+    s.add_request("b", "B", 4 * 8, 2, 9.0)  # 8 blocks; 19 free but a2's 20 are reserved
+    assert s.schedule() is None
+    s.free("a1")  # 20 more free: 39
+    b, _ = run(s)  # b admitted (39 - 20 reserved >= 8); 31 left: a2 (20) comes back, 11 >= 5 stay free
+    assert b.req_ids == ["b"] and len(b.swap_in) == 20 and s.state_of("a2") == BLOCKED
+    assert s.pool.num_free == 11
+
+
+def test_from_config_reads_the_scheduler_section():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(max_batch_size=7, block_bytes=1024, policy="prefill-first", prefill_token_budget=99)
+    s = EngineScheduler.from_config(BlockPool(10, 1024), cfg, engine_id=3)
+    assert (s.max_batch_size, s.policy.name, s.prefill_token_budget, s.engine_id) == (7, "prefill-first", 99, 3)
+    assert s.prefill_max_requests == 7  # prefill-first packs prompts by default
