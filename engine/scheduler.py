@@ -97,7 +97,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from paraflex.errors import ConfigError, ParaflexError
+from paraflex.errors import ConfigError, ParaflexError, UserError
 from paraflex.engine.block_pool import BlockPool, tokens_per_block
 from paraflex.engine.messages import (
     DECODE,
@@ -416,6 +416,13 @@ class EngineScheduler:
             raise ConfigError("max_tokens", f"request {req_id!r} asks for {max_new_tokens} new tokens; ask for at least one")
         if prompt_token_ids is not None and len(prompt_token_ids) != prompt_len:
             raise ProtocolError(f"request {req_id!r}: prompt_len {prompt_len} != len(prompt_token_ids) {len(prompt_token_ids)}")
+        longest = prompt_len + max_new_tokens - 1  # the last token is never fed back
+        blocks = -(-longest // st.tokens_per_block) * st.num_layers
+        if blocks > self.pool.capacity:
+            raise UserError(
+                f"request {req_id!r}: {prompt_len} prompt tokens + max_tokens {max_new_tokens} need {blocks} KV blocks "
+                f"at {model} stage 0, but engine {self.engine_id} holds {self.pool.capacity}; shorten the prompt or lower max_tokens"
+            )
         req = self._new_request(req_id, st, arrival_time, prompt_len, max_new_tokens, sampling,
                                 list(prompt_token_ids) if prompt_token_ids is not None else None)
         st.prefill_q.push(req, self.decisions)
@@ -896,6 +903,12 @@ class EngineScheduler:
             if req.state != WAITING_PREFILL or req.prefilled != e.start:
                 return None  # an earlier chunk of this request has not run here yet
         members = [(r, e.start + e.num_tokens) for r, e in pb.prefills] + [(r, e.position + 1) for r, e in pb.decodes]
+        whole = sum(-(-t // st.tokens_per_block) for _, t in members) * st.num_layers
+        if whole > self.pool.capacity:
+            raise ProtocolError(
+                f"engine {self.engine_id}: batch {pb.msg.batch_id} of {st.model} stage {st.stage} needs {whole} KV blocks, "
+                f"the pool holds {self.pool.capacity}; give this engine KV for max_batch_size requests of full context"
+            )
         swap_out: list = []
         swap_in: list = []
         if not self._fit(st, members, True, swap_out, swap_in):
