@@ -999,11 +999,18 @@ class EngineScheduler:
         d = self.decisions
         if not ages or d - ages[0][0] <= limit:
             return None
-        starving = list({id(q): q for since, _, q in ages if q.since == since and q.items and d - since > limit}.values())
-        starving.sort(key=lambda q: q.items[0].key)
-        for q in starving:
+        popped = {}  # id(queue) -> its live entry (a queue touched twice in one decision: keep one)
+        while ages and d - ages[0][0] > limit:
+            entry = heappop(ages)
+            if entry[2].since == entry[0] and entry[2].items:
+                popped[id(entry[2])] = entry
+        batch = None
+        for q in sorted((e[2] for e in popped.values()), key=lambda q: q.items[0].key):
             batch = self.policy.attempt(self, q, now)
             if batch is not None:
                 self.stats["starvation_promotions"] += 1
-                return batch
-        return None
+                break
+        for entry in popped.values():  # still starving (the served queue got a fresh entry)
+            if entry[2].since == entry[0] and entry[2].items:
+                heappush(ages, entry)
+        return batch
