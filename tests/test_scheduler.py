@@ -220,7 +220,7 @@ def test_victims_come_from_the_model_with_most_kv_blocked_first_newest_first():
     # now 1 free block; A's decode [a1, a2] needs 2 more blocks -> evict 1 block's worth
     b, _ = run(s)
     assert b.req_ids == ["a1", "a2"]
-    # A holds 6 blocks (most): its blocked a3 goes (A's only blocked one; 2 blocks)
+    # A holds 6 blocks (B 2, C 1): A's blocked a3 goes, although B's blocked x and b1 are newer
     assert s.state_of("a3") == SWAPPED_BLOCKED
     assert len(b.swap_out) == 2 and b.swap_out_bytes == 2 * 1024
     s.check()
@@ -232,9 +232,10 @@ def test_within_a_model_blocked_before_waiting_decode_newest_first():
     assert s.pool.num_free == 0
     deliver(s, dones["a4"])  # a4 newest, waiting-decode: evicted last
     deliver(s, dones["c1"])
-    # C's decode needs 1 block; victim model A (8 blocks): blocked a1..a3, newest first -> a3
+    # under-sized decodes by arrival: a4 (3) before c1 (4); a4 needs a block, the pool is full:
+    # victim model A (8 blocks vs C's 1), blocked a1..a3 before waiting-decode, newest first -> a3
     b, _ = run(s)
-    assert b.req_ids == ["a4"]  # A's under-sized decode is older than C's... a4 arrived at 3 < c1 at 4
+    assert b.req_ids == ["a4"]
     assert s.state_of("a3") == SWAPPED_BLOCKED and s.state_of("a2") == BLOCKED
     b, _ = run(s)
     assert b.req_ids == ["c1"] and not b.swap_out  # a3's 2 blocks covered both
