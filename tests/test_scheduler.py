@@ -441,3 +441,15 @@ def test_from_config_reads_the_scheduler_section():
     s = EngineScheduler.from_config(BlockPool(10, 1024), cfg, engine_id=3)
     assert (s.max_batch_size, s.policy.name, s.prefill_token_budget, s.engine_id) == (7, "prefill-first", 99, 3)
     assert s.prefill_max_requests == 7  # prefill-first packs prompts by default
+
+
+def test_an_older_blocked_request_goes_before_a_newer_waiting_one():
+    s = engine(blocks=6, host=100, batch=1)
+    s.add_stage("A", 0, 1, 256, 1)
+    dones = prefill_all(s, [("a1", "A", 8, 0), ("a2", "A", 8, 1), ("a3", "A", 8, 2)])
+    deliver(s, dones["a2"])
+    deliver(s, dones["a3"])
+    b, _ = run(s)  # batch of one: a2 needs a third block in a full pool
+    assert b.req_ids == ["a2"]
+    assert s.state_of("a1") == SWAPPED_BLOCKED  # blocked a1 (oldest) rather than waiting a3 (newest)
+    assert s.state_of("a3") == WAITING_DECODE
