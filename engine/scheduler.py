@@ -764,6 +764,8 @@ class EngineScheduler:
         the first request that does not fit, so younger ones never overtake older ones.
         """
         pool = self.pool
+        if pool.num_free <= self.headroom_blocks:
+            return
         for req in sorted(self._swapped, key=_key):
             n = req.alloc.num_blocks
             if pool.num_free - n < self.headroom_blocks:
