@@ -1,9 +1,10 @@
 """Hand-checked scenarios for the scheduler rules of paper §5 (full-batch-first) and the protocol."""
 
 import pytest
+from engine_core_harness import deliver, engine, run
 
 from paraflex.engine.block_pool import BlockPool
-from paraflex.engine.messages import BatchMessage, DecodeEntry, PrefillEntry, TokenMessage
+from paraflex.engine.messages import BatchMessage, DecodeEntry, PrefillEntry
 from paraflex.engine.request import (
     ABORTED,
     BLOCKED,
@@ -15,26 +16,6 @@ from paraflex.engine.request import (
 )
 from paraflex.engine.scheduler import EngineScheduler, ProtocolError
 from paraflex.errors import ConfigError, UserError
-
-
-def engine(blocks=1000, host=1000, batch=2, **kw):
-    """block 1024 bytes, kv 256 bytes/token/layer -> 4 tokens per block."""
-    kw.setdefault("watermark", 0.0)
-    return EngineScheduler(BlockPool(blocks, 1024, host), max_batch_size=batch, **kw)
-
-
-def run(sched, now=0.0, **kw):
-    """One decision + completion; returns (batch, completion)."""
-    b = sched.schedule(now)
-    assert b is not None, "expected a runnable batch"
-    return b, sched.complete(b, **kw)
-
-
-def deliver(sched, done, only=None):
-    """Hand (some of) a single-stage model's tokens back to its first stage."""
-    tm = done.token_message
-    entries = [e for e in tm.entries if only is None or e.req_id in only]
-    sched.receive_tokens(TokenMessage(tm.model, tm.batch_id, entries))
 
 
 # ------------------------------------------------------------------ full-batch-first order
