@@ -113,7 +113,7 @@ def solve(problem: Problem, time_limit: float | None = None, progress: Progress 
             last.stop_reason = f"no feasible placement with {sum(replicas)} replicas {replicas}"
             return last
         engines, phi, proven = found
-        last = Solution(engines, phi, iteration, optimal=proven if last is None else (proven and last.optimal))
+        last = Solution(engines, phi, iteration, optimal=proven)
         if progress:
             progress(iteration, sum(replicas), phi)
         if deadline is not None and time.monotonic() >= deadline:
