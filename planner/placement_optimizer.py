@@ -94,44 +94,96 @@ class _Placer:
         tied = np.flatnonzero(phi >= best - _TIE * max(1.0, abs(best)))
         return int(self.windows(len(weights))[tied[0], 0]), float(best)
 
-    def polish(self, cap: np.ndarray, cnt: np.ndarray, placed: list[list[int]], weights: list[np.ndarray], sweeps: int = 4) -> None:
-        """Local search after the greedy: move single replicas while the engines' levels improve.
+    def polish(self, cap: np.ndarray, cnt: np.ndarray, placed: list[list[int]], weights: list[np.ndarray], sweeps: int = 6) -> None:
+        """Local search after the greedy, kept only while the engines' levels improve.
 
-        A move takes one replica out and puts it at the start whose resulting sorted vector of
-        engine levels (C_e / n_e) is lexicographically largest (DRF's max-min, then the next
-        bottleneck, ...); it is kept only if that beats the current vector. Phi* never drops.
-        `placed[i]` (start engines of model i's replicas), `cap` and `cnt` are updated in place.
+        Moves: (a) take one replica out and put it back at its best start; (b) take out two
+        overlapping replicas, one of them on a bottleneck engine, and put both back greedily
+        (either order). A move is kept only if the sorted vector of engine levels C_e / n_e
+        gets lexicographically larger (DRF's max-min, then the next bottleneck, ...), so Phi*
+        never drops and kappa stays met. `placed[i]` (start engines of model i's replicas),
+        `cap` and `cnt` are updated in place.
         """
         for _ in range(sweeps):
-            moved = False
-            for i, starts in enumerate(placed):
-                idx = self.windows(len(weights[i]))
-                for j, start in enumerate(starts):
-                    current = np.sort(_levels(cap, cnt))
-                    cap[idx[start]] += weights[i]
-                    cnt[idx[start]] -= 1
-                    taken = np.zeros(self.n, dtype=bool)
-                    for other in starts[:j] + starts[j + 1:]:
-                        taken[idx[other]] = True
-                    phi = self.scores(cap, cnt, taken, weights[i])
-                    best_p, best_levels = start, current
-                    for p in np.flatnonzero(phi >= current[0] - _TIE * max(1.0, abs(current[0]))):
-                        if p == start:
-                            continue
-                        cap[idx[p]] -= weights[i]
-                        cnt[idx[p]] += 1
-                        trial = np.sort(_levels(cap, cnt))
-                        cap[idx[p]] += weights[i]
-                        cnt[idx[p]] -= 1
-                        if _lex_greater(trial, best_levels):
-                            best_p, best_levels = int(p), trial
-                    cap[idx[best_p]] -= weights[i]
-                    cnt[idx[best_p]] += 1
-                    if best_p != start:
-                        starts[j] = best_p
-                        moved = True
+            moved = self._single_moves(cap, cnt, placed, weights)
+            moved = self._pair_move(cap, cnt, placed, weights) or moved
             if not moved:
                 return
+
+    def _shift(self, cap: np.ndarray, cnt: np.ndarray, weights: np.ndarray, start: int, sign: int) -> None:
+        """Add (sign=+1) or remove (sign=-1) one replica starting at `start`."""
+        win = self.windows(len(weights))[start]
+        cap[win] -= sign * weights
+        cnt[win] += sign
+
+    def _taken(self, starts: list[int], num_stages: int) -> np.ndarray:
+        taken = np.zeros(self.n, dtype=bool)
+        for p in starts:
+            taken[self.windows(num_stages)[p]] = True
+        return taken
+
+    def _single_moves(self, cap, cnt, placed, weights) -> bool:
+        moved = False
+        for i, starts in enumerate(placed):
+            idx = self.windows(len(weights[i]))
+            for j, start in enumerate(starts):
+                current = np.sort(_levels(cap, cnt))
+                self._shift(cap, cnt, weights[i], start, -1)
+                phi = self.scores(cap, cnt, self._taken(starts[:j] + starts[j + 1:], len(weights[i])), weights[i])
+                best_p, best_levels = start, current
+                for p in np.flatnonzero(phi >= current[0] - _TIE * max(1.0, abs(current[0]))):
+                    if p == start:
+                        continue
+                    self._shift(cap, cnt, weights[i], p, +1)
+                    trial = np.sort(_levels(cap, cnt))
+                    self._shift(cap, cnt, weights[i], p, -1)
+                    if _lex_greater(trial, best_levels):
+                        best_p, best_levels = int(idx[p, 0]), trial
+                self._shift(cap, cnt, weights[i], best_p, +1)
+                if best_p != start:
+                    starts[j] = best_p
+                    moved = True
+        return moved
+
+    def _pair_move(self, cap, cnt, placed, weights) -> bool:
+        levels = _levels(cap, cnt)
+        floor = levels.min()
+        bottleneck = set(np.flatnonzero(levels <= floor + _TIE * max(1.0, abs(floor))).tolist())
+        reps = [(i, j) for i, starts in enumerate(placed) for j in range(len(starts))]
+        span = {(i, j): set(self.windows(len(weights[i]))[placed[i][j]].tolist()) for i, j in reps}
+        for a in (r for r in reps if span[r] & bottleneck):
+            for b in reps:
+                if b == a or not span[a] & span[b]:
+                    continue
+                current = np.sort(_levels(cap, cnt))
+                old = {a: placed[a[0]][a[1]], b: placed[b[0]][b[1]]}
+                for r in (a, b):
+                    self._shift(cap, cnt, weights[r[0]], old[r], -1)
+                best = None
+                for first, second in ((a, b), (b, a)):
+                    new = {}
+                    for r in (first, second):
+                        i, j = r
+                        others = [p for jj, p in enumerate(placed[i]) if (i, jj) not in (a, b)]
+                        others += [new[q] for q in new if q[0] == i]
+                        start, _ = self.best_start(cap, cnt, self._taken(others, len(weights[i])), weights[i])
+                        if start < 0:
+                            break
+                        new[r] = start
+                        self._shift(cap, cnt, weights[i], start, +1)
+                    if len(new) == 2:
+                        trial = np.sort(_levels(cap, cnt))
+                        if _lex_greater(trial, current if best is None else best[1]):
+                            best = (dict(new), trial)
+                    for r, start in new.items():
+                        self._shift(cap, cnt, weights[r[0]], start, -1)
+                chosen = best[0] if best is not None else old
+                for r in (a, b):
+                    self._shift(cap, cnt, weights[r[0]], chosen[r], +1)
+                    placed[r[0]][r[1]] = chosen[r]
+                if best is not None:
+                    return True
+        return False
 
 
 def _levels(cap: np.ndarray, cnt: np.ndarray) -> np.ndarray:
