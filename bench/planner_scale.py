@@ -4,8 +4,8 @@ Usage: python bench/planner_scale.py [--engines 8 64 256] [--models 4 16 64] [--
 
 Instances: models of 1x-10x a base size (depth-scaled, Llama-7B-like layers, embedding and
 head on the ends), rates Zipf(1.01), stage counts = round(size / smallest) capped at the
-engine count, one replica of everything filling about 40% of the cluster's memory (80 GiB per
-engine), kappa = 2% of an engine. Prints, per cell, the time of the full ParaFlex planner
+engine count, one replica of everything filling about 35% of the cluster's memory (80 GiB per
+engine), kappa = 0.5% of an engine. Prints, per cell, the time of the full ParaFlex planner
 (Alg. 1 + 2 + polish), of Alg. 1 + 2 alone (the peer in the same run), the replicas placed and
 Phi*, then the growth between sizes. Targets on a 2-core machine: 64 x 16 < 1 s, 256 x 64 < 60 s.
 """
@@ -32,14 +32,14 @@ def instance(num_engines: int, num_models: int, seed: int = 0) -> Problem:
     memory = 80 * GIB
     sizes = [rng.choice([1, 1, 2, 2, 3, 4, 6, 8, 10]) for _ in range(num_models)]
     total_layers = sum(32 * s for s in sizes)
-    scale = 0.4 * num_engines * memory / (total_layers * LAYER + num_models * 2 * EMBED)
+    scale = 0.35 * num_engines * memory / (total_layers * LAYER + num_models * 2 * EMBED)
     models = []
     for i, size in enumerate(sizes):
         layers = max(1, round(32 * size * min(scale, 4.0)))
         stages = min(num_engines, layers, max(1, round(size / min(sizes))))
         rate = 1.0 / (i + 1) ** 1.01
         models.append(ModelSpec.from_arch(f"m{i}", layers, stages, rate, UniformLayers(LAYER, EMBED, EMBED)))
-    return Problem(tuple(models), num_engines, memory, kappa_bytes=int(0.02 * memory))
+    return Problem(tuple(models), num_engines, memory, kappa_bytes=int(0.005 * memory))
 
 
 def main() -> int:

@@ -34,6 +34,8 @@ from paraflex.planner.problem import NoFeasiblePlan, Problem, Solution, replica_
 from paraflex.planner.replication import choose_next
 
 _TIE = 1e-9
+_MAX_PAIRS = 256  # pair moves tried per polish round (bounds the polish on dense engines)
+_MAX_PROMOTIONS = 8  # first-step retries, each with one model that did not fit moved to the front
 Progress = Callable[[int, int, float], None]  # (iteration, replicas placed, Phi* bytes)
 
 
@@ -98,7 +100,7 @@ class _Placer:
         """Local search after the greedy, kept only while the engines' levels improve.
 
         Moves: (a) take one replica out and put it back at its best start; (b) take out two
-        overlapping replicas, one of them on a bottleneck engine, and put both back greedily
+        overlapping replicas, one of them on the (first) bottleneck engine, and put both back greedily
         (either order). A move is kept only if the sorted vector of engine levels C_e / n_e
         gets lexicographically larger (DRF's max-min, then the next bottleneck, ...), so Phi*
         never drops and kappa stays met. `placed[i]` (start engines of model i's replicas),
@@ -148,41 +150,39 @@ class _Placer:
     def _pair_move(self, cap, cnt, placed, weights) -> bool:
         levels = _levels(cap, cnt)
         floor = levels.min()
-        bottleneck = set(np.flatnonzero(levels <= floor + _TIE * max(1.0, abs(floor))).tolist())
+        bottleneck = {int(np.flatnonzero(levels <= floor + _TIE * max(1.0, abs(floor)))[0])}
         reps = [(i, j) for i, starts in enumerate(placed) for j in range(len(starts))]
         span = {(i, j): set(self.windows(len(weights[i]))[placed[i][j]].tolist()) for i, j in reps}
-        for a in (r for r in reps if span[r] & bottleneck):
-            for b in reps:
-                if b == a or not span[a] & span[b]:
-                    continue
-                current = np.sort(_levels(cap, cnt))
-                old = {a: placed[a[0]][a[1]], b: placed[b[0]][b[1]]}
-                for r in (a, b):
-                    self._shift(cap, cnt, weights[r[0]], old[r], -1)
-                best = None
-                for first, second in ((a, b), (b, a)):
-                    new = {}
-                    for r in (first, second):
-                        i, j = r
-                        others = [p for jj, p in enumerate(placed[i]) if (i, jj) not in (a, b)]
-                        others += [new[q] for q in new if q[0] == i]
-                        start, _ = self.best_start(cap, cnt, self._taken(others, len(weights[i])), weights[i])
-                        if start < 0:
-                            break
-                        new[r] = start
-                        self._shift(cap, cnt, weights[i], start, +1)
-                    if len(new) == 2:
-                        trial = np.sort(_levels(cap, cnt))
-                        if _lex_greater(trial, current if best is None else best[1]):
-                            best = (dict(new), trial)
-                    for r, start in new.items():
-                        self._shift(cap, cnt, weights[r[0]], start, -1)
-                chosen = best[0] if best is not None else old
-                for r in (a, b):
-                    self._shift(cap, cnt, weights[r[0]], chosen[r], +1)
-                    placed[r[0]][r[1]] = chosen[r]
-                if best is not None:
-                    return True
+        pairs = [(a, b) for a in reps if span[a] & bottleneck for b in reps if b != a and span[a] & span[b]]
+        for a, b in pairs[:_MAX_PAIRS]:
+            current = np.sort(_levels(cap, cnt))
+            old = {a: placed[a[0]][a[1]], b: placed[b[0]][b[1]]}
+            for r in (a, b):
+                self._shift(cap, cnt, weights[r[0]], old[r], -1)
+            best = None
+            for first, second in ((a, b), (b, a)):
+                new = {}
+                for r in (first, second):
+                    i, j = r
+                    others = [p for jj, p in enumerate(placed[i]) if (i, jj) not in (a, b)]
+                    others += [new[q] for q in new if q[0] == i]
+                    start, _ = self.best_start(cap, cnt, self._taken(others, len(weights[i])), weights[i])
+                    if start < 0:
+                        break
+                    new[r] = start
+                    self._shift(cap, cnt, weights[i], start, +1)
+                if len(new) == 2:
+                    trial = np.sort(_levels(cap, cnt))
+                    if _lex_greater(trial, current if best is None else best[1]):
+                        best = (dict(new), trial)
+                for r, start in new.items():
+                    self._shift(cap, cnt, weights[r[0]], start, -1)
+            chosen = best[0] if best is not None else old
+            for r in (a, b):
+                self._shift(cap, cnt, weights[r[0]], chosen[r], +1)
+                placed[r[0]][r[1]] = chosen[r]
+            if best is not None:
+                return True
         return False
 
 
@@ -202,6 +202,7 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
 
     With `polish` the final plan goes through `_Placer.polish` (documented addition).
     """
+    _check_capacity(problem)
     models = problem.models
     stages = problem.stage_counts
     ratios = problem.ratios
@@ -234,8 +235,8 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                 placed[i] = []
                 for j in range(replicas[i]):
                     start, best = placer.best_start(cap, cnt, _taken(placer, placed[i], len(weights[i])), weights[i])
-                    if start < 0 or best < floor:
-                        # repair: local search on what is placed so far, then one more try
+                    if (start < 0 or best < floor) and not repaired:
+                        # repair (once per iteration): local search on what is placed so far, then retry
                         keys = list(placed)
                         placer.polish(cap, cnt, [placed[k] for k in keys], [weights[k] for k in keys])
                         repaired = True
@@ -249,7 +250,7 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                 snapshots.append((cap.copy(), cnt.copy(), list(placed[i])))
         except _Failed as fail:
             if last is None:
-                if order[0] == fail.index or promoted >= len(models):
+                if order[0] == fail.index or promoted >= min(len(models), _MAX_PROMOTIONS):
                     raise NoFeasiblePlan(_explain(problem, fail)) from None
                 # first step failed: place the model that did not fit first, then retry
                 order.remove(fail.index)
@@ -276,6 +277,19 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
             return _finish(problem, placer, weights, last, reason, polish)
         replicas[chosen] += 1
         resume = min(position[chosen], len(snapshots))
+
+
+def _check_capacity(problem: Problem) -> None:
+    """Fail fast when one replica of every model cannot fit whatever the placement."""
+    weights = sum(m.weight_bytes for m in problem.models)
+    kv = problem.kappa_bytes * sum(problem.stage_counts)
+    total = problem.memory_bytes * problem.num_engines
+    if weights + kv > total:
+        raise NoFeasiblePlan(
+            f"no feasible placement: one replica of every model needs {_gb(weights)} of weights plus "
+            f"kappa x {sum(problem.stage_counts)} stages = {_gb(kv)} of KV, more than the cluster's {_gb(total)}; "
+            "lower planner.kappa_gb, add engines or memory, or raise planner.target_stage_time"
+        )
 
 
 def _taken(placer: _Placer, starts: list[int], num_stages: int) -> np.ndarray:
