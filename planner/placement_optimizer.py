@@ -4,7 +4,7 @@ Input: a `Problem` (stage cuts, stage weights, ratios, engines, memory, kappa, r
 Output: a `Solution` (each replica's engines) that `assemble.to_placement` writes out.
 
 Loop (Alg. 2): start with one replica per model; place every replica, models in descending
-stage count (config order among equals), each replica at the start engine that maximises Phi*
+stage count (heavier first among equals, then config order), each replica at the start engine that maximises Phi*
 of the partial placement (DRF, `drf`), ties -> lowest first engine; then ask Alg. 1 for the
 next model to replicate and repeat. Stop when Alg. 1 returns -1, or when some replica cannot be
 placed with Phi* >= kappa; then the last feasible plan is returned.
@@ -22,6 +22,13 @@ Readings of the pseudo-code's gaps (docs/plan.md):
 * Each iteration re-places every replica from scratch, as the paper does; since the order is
   fixed and ties are deterministic, the state before the replicated model is reused instead of
   recomputed (same result, less work).
+
+Additions beyond the pseudo-code (measured by bench/planner_quality.py, docs/plan.md):
+* fail fast when the weights plus kappa on every stage exceed the cluster's memory;
+* a replica that fits nowhere triggers one round of local search on the partial plan
+  (`_Placer.polish`) per iteration; if the first iteration still fails, the model that did
+  not fit is moved to the front of the order and the step retried (at most 8 times);
+* the final plan is polished by the same local search, which never lowers Phi*.
 """
 
 from __future__ import annotations
