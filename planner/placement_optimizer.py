@@ -125,7 +125,8 @@ class _Placer:
         cap[win] -= sign * weights
         cnt[win] += sign
 
-    def _taken(self, starts: list[int], num_stages: int) -> np.ndarray:
+    def taken(self, starts: list[int], num_stages: int) -> np.ndarray:
+        """Engines already holding one of these replicas of a model (constraint 4)."""
         taken = np.zeros(self.n, dtype=bool)
         for p in starts:
             taken[self.windows(num_stages)[p]] = True
@@ -138,7 +139,7 @@ class _Placer:
             for j, start in enumerate(starts):
                 current = np.sort(_levels(cap, cnt))
                 self._shift(cap, cnt, weights[i], start, -1)
-                phi = self.scores(cap, cnt, self._taken(starts[:j] + starts[j + 1:], len(weights[i])), weights[i])
+                phi = self.scores(cap, cnt, self.taken(starts[:j] + starts[j + 1:], len(weights[i])), weights[i])
                 best_p, best_levels = start, current
                 for p in np.flatnonzero(phi >= current[0] - _TIE * max(1.0, abs(current[0]))):
                     if p == start:
@@ -173,7 +174,7 @@ class _Placer:
                     i, j = r
                     others = [p for jj, p in enumerate(placed[i]) if (i, jj) not in (a, b)]
                     others += [new[q] for q in new if q[0] == i]
-                    start, _ = self.best_start(cap, cnt, self._taken(others, len(weights[i])), weights[i])
+                    start, _ = self.best_start(cap, cnt, self.taken(others, len(weights[i])), weights[i])
                     if start < 0:
                         break
                     new[r] = start
@@ -241,13 +242,13 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                 i = order[q]
                 placed[i] = []
                 for j in range(replicas[i]):
-                    start, best = placer.best_start(cap, cnt, _taken(placer, placed[i], len(weights[i])), weights[i])
+                    start, best = placer.best_start(cap, cnt, placer.taken(placed[i], len(weights[i])), weights[i])
                     if (start < 0 or best < floor) and not repaired:
                         # repair (once per iteration): local search on what is placed so far, then retry
                         keys = list(placed)
                         placer.polish(cap, cnt, [placed[k] for k in keys], [weights[k] for k in keys])
                         repaired = True
-                        start, best = placer.best_start(cap, cnt, _taken(placer, placed[i], len(weights[i])), weights[i])
+                        start, best = placer.best_start(cap, cnt, placer.taken(placed[i], len(weights[i])), weights[i])
                     if start < 0 or best < floor:
                         raise _Failed(models[i].name, j, best, i)
                     win = placer.windows(len(weights[i]))[start]
@@ -297,14 +298,6 @@ def _check_capacity(problem: Problem) -> None:
             f"kappa x {sum(problem.stage_counts)} stages = {_gb(kv)} of KV, more than the cluster's {_gb(total)}; "
             "lower planner.kappa_gb, add engines or memory, or raise planner.target_stage_time"
         )
-
-
-def _taken(placer: _Placer, starts: list[int], num_stages: int) -> np.ndarray:
-    """Engines already holding a replica of the model (constraint 4)."""
-    taken = np.zeros(placer.n, dtype=bool)
-    for p in starts:
-        taken[placer.windows(num_stages)[p]] = True
-    return taken
 
 
 def _finish(problem: Problem, placer: _Placer, weights, last, reason: str, polish: bool) -> Solution:
