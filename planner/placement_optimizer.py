@@ -26,8 +26,9 @@ Readings of the pseudo-code's gaps (docs/plan.md):
 Additions beyond the pseudo-code (measured by bench/planner_quality.py, docs/plan.md):
 * fail fast when the weights plus kappa on every stage exceed the cluster's memory;
 * a replica that fits nowhere triggers one round of local search on the partial plan
-  (`_Placer.polish`) per iteration; if the first iteration still fails, the model that did
-  not fit is moved to the front of the order and the step retried (at most 8 times);
+  (`_Placer.polish`) per iteration; if the iteration still fails, the model that did not
+  fit is moved to the front of the order (kept for later iterations) and the iteration
+  retried, at most 8 times per run, before the last feasible plan is returned;
 * the final plan is polished by the same local search, which never lowers Phi*.
 """
 
@@ -42,7 +43,7 @@ from paraflex.planner.replication import choose_next
 
 _TIE = 1e-9
 _MAX_PAIRS = 256  # pair moves tried per polish round (bounds the polish on dense engines)
-_MAX_PROMOTIONS = 8  # first-step retries, each with one model that did not fit moved to the front
+_MAX_PROMOTIONS = 8  # retries per run, each with the model that did not fit moved to the front
 Progress = Callable[[int, int, float], None]  # (iteration, replicas placed, Phi* bytes)
 
 
@@ -217,7 +218,7 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
     # descending stage count (paper); among equals heavier first (first-fit-decreasing), then config order
     order = sorted(range(len(models)), key=lambda i: (-stages[i], -models[i].weight_bytes, i))
     position = {i: q for q, i in enumerate(order)}
-    promoted = 0  # first-step retries with a model that did not fit moved to the front
+    promoted = 0  # retries so far with a model that did not fit moved to the front
     weights = [np.asarray(m.stage_weights, dtype=float) for m in models]
     placer = _Placer(problem)
     n = problem.num_engines
@@ -257,10 +258,8 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                     placed[i].append(start)
                 snapshots.append((cap.copy(), cnt.copy(), list(placed[i])))
         except _Failed as fail:
-            if last is None:
-                if order[0] == fail.index or promoted >= min(len(models), _MAX_PROMOTIONS):
-                    raise NoFeasiblePlan(_explain(problem, fail)) from None
-                # first step failed: place the model that did not fit first, then retry
+            if order[0] != fail.index and promoted < min(len(models), _MAX_PROMOTIONS):
+                # place the model that did not fit first, then retry this step
                 order.remove(fail.index)
                 order.insert(0, fail.index)
                 position = {i: q for q, i in enumerate(order)}
@@ -269,6 +268,8 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                 resume = 0
                 iteration -= 1
                 continue
+            if last is None:
+                raise NoFeasiblePlan(_explain(problem, fail)) from None
             reason = (
                 f"replica {fail.replica + 1} of {fail.model} would leave a stage below kappa "
                 f"({_gb(max(fail.best, 0.0))} < {_gb(problem.kappa_bytes)}) or overflow memory"
