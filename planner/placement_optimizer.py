@@ -26,9 +26,10 @@ Readings of the pseudo-code's gaps (docs/plan.md):
 Additions beyond the pseudo-code (measured by bench/planner_quality.py, docs/plan.md):
 * fail fast when the weights plus kappa on every stage exceed the cluster's memory;
 * a replica that fits nowhere triggers one round of local search on the partial plan
-  (`_Placer.polish`) per iteration; if the iteration still fails, the model that did not
-  fit is moved to the front of the order (kept for later iterations) and the iteration
-  retried, at most 8 times per run, before the last feasible plan is returned;
+  (`_Placer.polish`); if the iteration still fails, the model that did not fit is moved to
+  the front of the order (kept for later iterations) and the iteration retried, at most 8
+  times per run, then once more with the repair on, before the last feasible plan is
+  returned; retries skip the repair except at the first step, to bound the cost;
 * the final plan is polished by the same local search, which never lowers Phi*.
 """
 
@@ -219,6 +220,9 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
     order = sorted(range(len(models)), key=lambda i: (-stages[i], -models[i].weight_bytes, i))
     position = {i: q for q, i in enumerate(order)}
     promoted = 0  # retries so far with a model that did not fit moved to the front
+    repair_mode = False  # reordering is spent: retries also get the local-search repair
+    retrying = False  # this iteration failed before; its retries skip the repair (costly on big
+    # clusters) except at the first step, where failing means no plan at all, and in repair_mode
     weights = [np.asarray(m.stage_weights, dtype=float) for m in models]
     placer = _Placer(problem)
     n = problem.num_engines
@@ -244,8 +248,8 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                 placed[i] = []
                 for j in range(replicas[i]):
                     start, best = placer.best_start(cap, cnt, placer.taken(placed[i], len(weights[i])), weights[i])
-                    if (start < 0 or best < floor) and not repaired:
-                        # repair (once per iteration): local search on what is placed so far, then retry
+                    if (start < 0 or best < floor) and not repaired and (repair_mode or not retrying or last is None):
+                        # repair: local search on what is placed so far, then try this replica again
                         keys = list(placed)
                         placer.polish(cap, cnt, [placed[k] for k in keys], [weights[k] for k in keys])
                         repaired = True
@@ -264,17 +268,22 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                 order.insert(0, fail.index)
                 position = {i: q for q, i in enumerate(order)}
                 promoted += 1
-                snapshots.clear()
-                resume = 0
-                iteration -= 1
-                continue
-            if last is None:
-                raise NoFeasiblePlan(_explain(problem, fail)) from None
-            reason = (
-                f"replica {fail.replica + 1} of {fail.model} would leave a stage below kappa "
-                f"({_gb(max(fail.best, 0.0))} < {_gb(problem.kappa_bytes)}) or overflow memory"
-            )
-            return _finish(problem, placer, weights, last, reason, polish)
+            elif not repair_mode:
+                repair_mode = True  # reordering is spent: retry with the local-search repair
+            else:
+                if last is None:
+                    raise NoFeasiblePlan(_explain(problem, fail)) from None
+                reason = (
+                    f"replica {fail.replica + 1} of {fail.model} would leave a stage below kappa "
+                    f"({_gb(max(fail.best, 0.0))} < {_gb(problem.kappa_bytes)}) or overflow memory"
+                )
+                return _finish(problem, placer, weights, last, reason, polish)
+            snapshots.clear()
+            resume = 0
+            iteration -= 1
+            retrying = True
+            continue
+        retrying = False
         if repaired:  # earlier snapshots no longer describe this iteration's state
             snapshots.clear()
         last = (cap, cnt, [placed[i] for i in range(len(models))], iteration)
