@@ -215,6 +215,12 @@ def arch_from_hf_config(dir_or_config_json: str, name: str | None = None) -> Mod
 
 def _arch_from_hf_dict(cfg: dict, name: str) -> ModelArch:
     model_type = str(cfg.get("model_type", "llama")).lower()
+    rope_params = cfg.get("rope_parameters")  # transformers >= 5 nests rope settings here
+    if isinstance(rope_params, dict):
+        cfg = dict(cfg)
+        cfg.setdefault("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if rope_params.get("rope_type", "default") != "default":
+            cfg.setdefault("rope_scaling", {k: v for k, v in rope_params.items() if k != "rope_theta"})
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     kw: dict = {}

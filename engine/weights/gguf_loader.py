@@ -9,6 +9,8 @@ interleaved rotary layout; they are permuted back to the HF "rotate half" layout
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 
 import numpy as np
@@ -54,10 +56,27 @@ def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def open_gguf(path: str):
+    """A GGUFReader for `path`, shared within the process (parsing the header of a 49k-token
+    vocabulary takes seconds; the tensor data stays memory-mapped)."""
+    stat = os.stat(path)
+    return _open_gguf(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: str, _size: int, _mtime_ns: int):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # gguf raises ValueError/struct errors on a bad file
+        raise UserError(f"cannot read GGUF file {path}: {exc}") from None
+
+
 def load_gguf_stage(path, arch, layer_start, layer_end, dtype, device) -> dict[str, torch.Tensor]:
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     arch_field = reader.fields.get("general.architecture")
     model_arch = arch_field.contents() if arch_field is not None else "llama"
     shapes = stage_tensor_shapes(arch, layer_start, layer_end)
