@@ -41,13 +41,15 @@ def _reference(prompt: tuple, max_tokens: int) -> list[int]:
     reqs=st.lists(st.tuples(st.lists(st.integers(0, 255), min_size=1, max_size=12), st.integers(1, 10)),
                   min_size=1, max_size=6),
     max_batch=st.integers(1, 4),
-    kv_blocks=st.integers(30, 80),
+    kv_blocks=st.integers(8, 24),  # blocks per layer: 6 needed by the longest request
 )
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_pipeline_output_is_independent_of_cut_batching_and_swapping(cut, reqs, max_batch, kv_blocks):
     n = len(cut)
     pl = make_placement({"tiny-4l": (4, cut, [list(range(n))])}, n)
-    cluster = LLMCluster(_config(n, max_batch), pl, kv_bytes=kv_blocks * 1024, host_kv_bytes=400 * 1024)
+    for eng, (a, b) in zip(pl.engines, cut):  # KV in proportion to the layers, as the planner does
+        eng.kv_bytes["tiny-4l"] = kv_blocks * (b - a) * 1024
+    cluster = LLMCluster(_config(n, max_batch), pl, host_kv_bytes=400 * 1024)
     sinks = []
     for prompt, max_tokens in reqs:
         sink = _Sink()
