@@ -4,6 +4,7 @@ actors."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -201,3 +202,85 @@ def test_loopback_delivers_without_a_peer():
     t.send(Envelope(4, 4, "m", "token", {"tok": [1]}))
     assert [e.meta for e in t.recv_ready()] == [{"tok": [1]}]
     t.close()
+
+
+# ----------------------------------------------------------------------------- real Ray actors
+
+def _probe_class(ray):
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+
+    @ray.remote(num_cpus=0.5)
+    class Probe:
+        """A bare actor hosting one RayTransport endpoint (no engine loop)."""
+
+        def __init__(self, engine_id: int) -> None:
+            torch.set_num_threads(1)
+            self.t = RayTransport(engine_id)
+
+        def connect(self, peers, groups, host, port) -> None:
+            self.t.connect(peers, [GroupSpec.from_wire(g) for g in groups], host, port)
+
+        def deliver(self, payload: bytes) -> None:
+            self.t.deliver(payload)
+
+        def send(self, items) -> None:
+            for model, dst, bid, rows in items:
+                env = _batch(model, bid, rows)
+                env.src, env.dst = self.t.engine_id, dst
+                self.t.send(env)
+
+        def send_token(self, model, dst, tokens) -> None:
+            self.t.send(Envelope(self.t.engine_id, dst, model, "token", {"tokens": tokens}))
+
+        def poll(self):
+            """Never blocks: a sync actor runs `deliver` only between other calls."""
+            return [(e.src, e.model, e.kind, e.meta, e.tensors) for e in self.t.recv_ready()]
+
+        def close(self) -> None:
+            self.t.close()
+
+    return Probe
+
+
+def _poll(ray, probe, n: int, timeout: float = 20.0) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got.extend(ray.get(probe.poll.remote(), timeout=timeout))
+        time.sleep(0.01)
+    return got
+
+
+@pytest.mark.slow
+def test_round_trip_between_ray_actors(ray_session):
+    ray = ray_session
+    Probe = _probe_class(ray)
+    probes = {e: Probe.remote(e) for e in range(3)}
+    groups = [GroupSpec("a", 0, (0, 1)), GroupSpec("b", 0, (0, 2)), GroupSpec("c", 0, (1, 2))]
+    store, port = start_store("127.0.0.1")
+    try:
+        ray.get([p.connect.remote(probes, [g.to_wire() for g in groups], "127.0.0.1", port)
+                 for p in probes.values()], timeout=60)
+        # Engine 2 hears from two predecessors (models b and c) interleaved.
+        s0 = probes[0].send.remote([("a", 1, i, 1 + i % 3) if i % 2 else ("b", 2, i, 2)
+                                    for i in range(20)])
+        s1 = probes[1].send.remote([("c", 2, 100 + i, 1 + i % 5) for i in range(10)])
+        ray.get([s0, s1], timeout=30)
+        at1 = _poll(ray, probes[1], 10)
+        at2 = _poll(ray, probes[2], 20)
+        assert sorted(m["batch_id"] for _, _, _, m, _ in at1) == list(range(1, 20, 2))
+        assert sorted(m["batch_id"] for _, _, _, m, _ in at2) == (
+            list(range(0, 20, 2)) + list(range(100, 110)))
+        for src, model, kind, meta, tensors in at1 + at2:
+            env = Envelope(src, 0, model, kind, meta, tensors)
+            _check(env)
+            assert src == {"a": 0, "b": 0, "c": 1}[model]
+        # Last stage -> first stage: metadata only.
+        ray.get(probes[2].send_token.remote("b", 0, [42]), timeout=10)
+        (tok,) = _poll(ray, probes[0], 1)
+        assert tok[2] == "token" and tok[3] == {"tokens": [42]} and tok[4] is None
+    finally:
+        ray.get([p.close.remote() for p in probes.values()], timeout=30)
+        for p in probes.values():
+            ray.kill(p)
+        del store
