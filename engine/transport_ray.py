@@ -25,8 +25,8 @@ communicator (created lazily per rank pair).
 
 GPU: each model has a CUDA stream pair (send, receive); the send stream waits on an event
 recorded on the producer's stream at `send()` time, and a receive is reported only once its
-stream has finished. CPU: the send/receive threads block in gloo's `wait()`, off the engine
-thread.
+stream has finished. CPU: the gloo receives are posted as soon as the phase-1 call lands, and
+the send/receive threads block in gloo's `wait()`, off the engine thread.
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def decode_phase1(payload: bytes) -> tuple[Envelope, list | None, int, int | Non
 def arrival_key(env: Envelope, seq: int) -> tuple:
     """Key of the arrival buffer: (model, batch id, stage) for batches, else unique per message."""
     meta = env.meta if isinstance(env.meta, dict) else {}
-    if env.kind == "batch" and "batch_id" in meta:
-        return (env.model, meta["batch_id"], meta.get("stage"))
+    if env.kind == "batch" and "batch" in meta:  # engine-core BatchMessage.to_dict()
+        return (env.model, meta["batch"], meta.get("stage"))
     return (env.model, env.kind, env.src, seq)
 
 
@@ -177,6 +177,9 @@ class _Incoming:
     specs: list | None
     seq: int
     replica: int | None
+    bufs: list | None = None  # CPU: receive buffers and their posted gloo works
+    works: list | None = None
+    error: BaseException | None = None  # CPU: posting the receives failed
 
 
 class _ModelLane:
@@ -217,26 +220,39 @@ class _ModelLane:
                 self.owner._report(self.model, job.env.dst, exc)
 
     def _send_one(self, job: _Outgoing) -> None:
+        # The tensor sends are posted before the phase-1 call is submitted (submission costs
+        # about a millisecond in Ray), so the receiver finds them in flight when it posts the
+        # matching receives on the phase-1 arrival.
         env, owner = job.env, self.owner
         payload = encode_phase1(env, job.seq, job.replica)
-        owner._phase1(env.dst, payload)
         if not env.tensors:
+            owner._phase1(env.dst, payload)
             return
         group = owner._group_for(env.model, env.src, env.dst, job.replica)
         tensors = list(env.tensors.values())
         if self.streams is None:
-            for work in group.send(tensors, env.dst, job.seq):
+            works = group.send(tensors, env.dst, job.seq)
+            owner._phase1(env.dst, payload)
+            for work in works:
                 work.wait()
             return
         send_stream = self.streams[0]
         with torch.cuda.stream(send_stream):
             send_stream.wait_event(job.ready_event)
             works = group.send(tensors, env.dst, job.seq)
+            owner._phase1(env.dst, payload)
             for work in works:
                 work.wait()
         send_stream.synchronize()  # keep `tensors` alive until NCCL has read them
 
     # -- receive side ------------------------------------------------------------------------
+    def post_cpu_receives(self, job: "_Incoming") -> None:
+        """Post the gloo receives at once (on the phase-1 call); the lane thread waits."""
+        owner = self.owner
+        group = owner._group_for(job.env.model, job.env.src, job.env.dst, job.replica)
+        job.bufs = [torch.empty(s[2], dtype=_DTYPES[s[1]]) for s in job.specs]
+        job.works = group.recv(job.bufs, job.env.src, job.seq)
+
     def _recv_loop(self) -> None:
         while True:
             job = self.recv_q.get()
@@ -250,14 +266,15 @@ class _ModelLane:
                 self.owner._dropped(self, job, exc)
 
     def _recv_tensors(self, job: _Incoming) -> dict[str, torch.Tensor]:
-        owner = self.owner
-        group = owner._group_for(job.env.model, job.env.src, job.env.dst, job.replica)
         names = [s[0] for s in job.specs]
         if self.streams is None:
-            bufs = [torch.empty(s[2], dtype=_DTYPES[s[1]]) for s in job.specs]
-            for work in group.recv(bufs, job.env.src, job.seq):
+            if job.error is not None:
+                raise job.error
+            for work in job.works:
                 work.wait()
-            return dict(zip(names, bufs))
+            return dict(zip(names, job.bufs))
+        owner = self.owner
+        group = owner._group_for(job.env.model, job.env.src, job.env.dst, job.replica)
         recv_stream = self.streams[1]
         with torch.cuda.stream(recv_stream):
             bufs = [torch.empty(s[2], dtype=_DTYPES[s[1]], device=owner.device) for s in job.specs]
@@ -378,7 +395,13 @@ class RayTransport(Transport):
                 self._cv.notify_all()
                 return
             lane.recv_pending += 1
-        lane.recv_q.put(_Incoming(env, specs, seq, replica))
+        job = _Incoming(env, specs, seq, replica)
+        if specs and lane.streams is None:
+            try:
+                lane.post_cpu_receives(job)
+            except BaseException as exc:  # noqa: BLE001 - surfaces on the lane, in order
+                job.error = exc
+        lane.recv_q.put(job)
 
     def pending_receives(self) -> int:
         with self._lock:

@@ -62,7 +62,7 @@ def test_group_spec_rejects_engine_twice():
 
 
 def test_arrival_key_uses_batch_id_and_stage():
-    b = Envelope(0, 1, "m", "batch", {"batch_id": 7, "stage": 2})
+    b = Envelope(0, 1, "m", "batch", {"batch": 7, "stage": 2})
     assert arrival_key(b, 123) == ("m", 7, 2)
     t1, t2 = Envelope(0, 1, "m", "token", {}), Envelope(0, 1, "m", "token", {})
     assert arrival_key(t1, 1) != arrival_key(t2, 2)
@@ -76,7 +76,7 @@ class _FakeMethod:
 
     def remote(self, payload: bytes) -> None:
         env, _, _, _ = decode_phase1(payload)
-        hold = self.gate.get(env.meta.get("batch_id"))
+        hold = self.gate.get(env.meta.get("batch"))
         if hold is not None:  # deliver this phase-1 call only when the test releases it
             threading.Thread(target=lambda: (hold.wait(10), self.target.deliver(payload)),
                              daemon=True).start()
@@ -123,12 +123,12 @@ def pair():
 
 def _batch(model: str, batch_id: int, rows: int, hidden: int = 8) -> Envelope:
     h = torch.full((rows, hidden), float(batch_id)) + torch.arange(hidden)
-    return Envelope(0, 1, model, "batch", {"batch_id": batch_id, "stage": 1, "rows": rows},
+    return Envelope(0, 1, model, "batch", {"batch": batch_id, "stage": 1, "rows": rows},
                     {"hidden": h, "residual": -h.to(torch.bfloat16)})
 
 
 def _check(env: Envelope) -> None:
-    bid, rows = env.meta["batch_id"], env.meta["rows"]
+    bid, rows = env.meta["batch"], env.meta["rows"]
     expect = torch.full((rows, 8), float(bid)) + torch.arange(8)
     assert torch.equal(env.tensors["hidden"], expect)
     assert env.tensors["residual"].dtype == torch.bfloat16
@@ -141,7 +141,7 @@ def test_tensors_and_metadata_pair_up_in_process(pair):
     for env in sent:
         ts[0].send(env)
     got = _drain(ts[1], len(sent))
-    assert sorted(e.meta["batch_id"] for e in got) == list(range(24))
+    assert sorted(e.meta["batch"] for e in got) == list(range(24))
     for env in got:
         _check(env)
 
@@ -153,10 +153,10 @@ def test_later_batch_of_another_model_is_not_held_behind_a_stalled_one(pair):
     ts[0].send(_batch("a", 1, rows=3))
     ts[0].send(_batch("b", 2, rows=2))
     first = _drain(ts[1], 1)
-    assert [e.meta["batch_id"] for e in first] == [2]
+    assert [e.meta["batch"] for e in first] == [2]
     release.set()
     second = _drain(ts[1], 1)
-    assert [e.meta["batch_id"] for e in second] == [1]
+    assert [e.meta["batch"] for e in second] == [1]
     for env in first + second:
         _check(env)
 
@@ -179,7 +179,7 @@ def test_metadata_only_message_never_overtakes_same_model_batch(pair):
 def test_send_without_group_fails_fast_and_lane_failures_are_reported(pair):
     ts, _ = pair
     with pytest.raises(RuntimeError, match="no process group of model 'zzz'"):
-        ts[0].send(Envelope(0, 1, "zzz", "batch", {"batch_id": 9}, {"h": torch.zeros(2)}))
+        ts[0].send(Envelope(0, 1, "zzz", "batch", {"batch": 9}, {"h": torch.zeros(2)}))
     errors = []
     ts[1].on_error = lambda model, peer, exc: errors.append((model, peer))
     # A phase-1 call naming a replica this engine has no group for: the receive fails,
@@ -187,7 +187,7 @@ def test_send_without_group_fails_fast_and_lane_failures_are_reported(pair):
     ts[1].deliver(encode_phase1(_batch("a", 3, rows=1), 0, 7))
     ts[0].send(_batch("a", 11, rows=1))
     got = _drain(ts[1], 1)
-    assert [e.meta["batch_id"] for e in got] == [11] and errors == [("a", 0)]
+    assert [e.meta["batch"] for e in got] == [11] and errors == [("a", 0)]
 
 
 def test_send_after_close_raises():
@@ -268,8 +268,8 @@ def test_round_trip_between_ray_actors(ray_session):
         ray.get([s0, s1], timeout=30)
         at1 = _poll(ray, probes[1], 10)
         at2 = _poll(ray, probes[2], 20)
-        assert sorted(m["batch_id"] for _, _, _, m, _ in at1) == list(range(1, 20, 2))
-        assert sorted(m["batch_id"] for _, _, _, m, _ in at2) == (
+        assert sorted(m["batch"] for _, _, _, m, _ in at1) == list(range(1, 20, 2))
+        assert sorted(m["batch"] for _, _, _, m, _ in at2) == (
             list(range(0, 20, 2)) + list(range(100, 110)))
         for src, model, kind, meta, tensors in at1 + at2:
             env = Envelope(src, 0, model, kind, meta, tensors)
