@@ -311,6 +311,7 @@ class RayTransport(Transport):
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._closed = False
+        self._kicked = False
         self._store = None
         self.errors: list[str] = []
 
@@ -366,11 +367,19 @@ class RayTransport(Transport):
         return out
 
     def wait(self, timeout: float) -> bool:
-        """Block up to `timeout` s until an envelope is ready (lets an idle loop sleep)."""
+        """Block up to `timeout` s until an envelope is ready or `notify()` is called (lets an
+        idle engine loop sleep). True if an envelope is ready."""
         with self._cv:
-            if not self._ready and not self._closed:
+            if not self._ready and not self._closed and not self._kicked:
                 self._cv.wait(timeout)
+            self._kicked = False
             return bool(self._ready)
+
+    def notify(self) -> None:
+        """Wake `wait()` (the engine has other work, e.g. a new request)."""
+        with self._cv:
+            self._kicked = True
+            self._cv.notify_all()
 
     def close(self) -> None:
         with self._cv:
