@@ -79,6 +79,24 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+class _BearerAuth:
+    """Pure ASGI middleware (so disconnect detection still works): 401 without the key."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                    code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class _TicketedStream(StreamingResponse):
     """An SSE response that releases its admission ticket however the response ends."""
 
@@ -218,14 +236,8 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
     async def _api_error(_request: Request, exc: ApiError):
         return exc.response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                code="invalid_api_key").response()
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_BearerAuth, api_key=api_key)
 
     @app.get("/v1/models")
     async def list_models():
