@@ -1,0 +1,155 @@
+"""Sampling: per-request parameters, the batched sampler of the last stage, and stop rules.
+
+Place in the data flow: a request carries `SamplingParams` from the client (gateway or
+`paraflex generate`) through the first stage to the last stage. There the worker turns the
+logits of a batch into one new token per request with `Sampler.sample` (greedy, temperature,
+top-k, top-p, per-request seed, optional logprobs) and asks `StopChecker` whether the request
+is done (stop token ids, end-of-sequence unless ignore_eos, stop strings, max_tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from paraflex.errors import UserError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = whole vocabulary
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # also return this many top alternatives per token
+
+    def validate(self) -> "SamplingParams":
+        """Raise UserError naming the first bad field; returns self."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise UserError(f"max_tokens: {self.max_tokens!r} must be an integer >= 1")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise UserError(f"temperature: {self.temperature!r} must be a number >= 0 (0 = greedy)")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise UserError(f"top_p: {self.top_p!r} must be in (0, 1]")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
+            raise UserError(f"top_k: {self.top_k!r} must be -1 (off) or an integer >= 1")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise UserError(f"seed: {self.seed!r} must be an integer")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise UserError(f"stop: {self.stop!r} must be a list of non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise UserError(f"stop_token_ids: {self.stop_token_ids!r} must be non-negative integers")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise UserError(f"logprobs: {self.logprobs!r} must be an integer in 0..20")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        return cls(**d)
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict | None]  # per request: {"token": id, "logprob": x, "top": {id: x}}
+
+
+class Sampler:
+    """Batched sampler. Requests with a seed draw from their own generator (same seed, same
+    output, whatever the batch); the others share the sampler's generator (seeded too, so a
+    whole run is reproducible)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self._request_gens: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._request_gens.pop(request_id, None)
+
+    def _gen(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self.generator
+        gen = self._request_gens.get(request_id)
+        if gen is None:
+            gen = self._request_gens[request_id] = torch.Generator().manual_seed(params.seed)
+        return gen
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> SampleResult:
+        """logits: float32 [B, vocab] (CPU or GPU); one new token per row."""
+        logits = logits.float()
+        tokens = logits.argmax(-1).cpu()
+        rows = [i for i, p in enumerate(params) if p.temperature > 0]
+        if rows:
+            sub = logits[rows]
+            temps = torch.tensor([params[i].temperature for i in rows], device=sub.device)
+            sub = sub / temps[:, None]
+            sub = _top_k_top_p(sub, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
+            probs = torch.softmax(sub, -1).cpu()
+            for j, i in enumerate(rows):
+                gen = self._gen(request_ids[i], params[i])
+                tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        token_list = tokens.tolist()
+        logprobs: list[dict | None] = [None] * len(params)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(logits[want], -1).cpu()
+            for j, i in enumerate(want):
+                top = {}
+                if params[i].logprobs:
+                    vals, idx = lp[j].topk(params[i].logprobs)
+                    top = dict(zip(idx.tolist(), vals.tolist()))
+                logprobs[i] = {"token": token_list[i], "logprob": float(lp[j, token_list[i]]), "top": top}
+        return SampleResult(token_list, logprobs)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    ks = [k if k > 0 else vocab for k in top_k]
+    if all(k >= vocab for k in ks) and all(p >= 1.0 for p in top_p):
+        return logits
+    sorted_logits, order = logits.sort(-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    drop = rank >= torch.tensor(ks, device=logits.device)[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), -1)
+    before = probs.cumsum(-1) - probs  # mass of strictly better tokens
+    drop |= before >= torch.tensor(top_p, device=logits.device)[:, None]
+    drop[:, 0] = False  # always keep the best token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class StopChecker:
+    """Decides when a request is done. `decode` (ids -> text) is needed only for stop strings."""
+
+    def __init__(self, params: SamplingParams, eos_token_ids: list[int], decode=None) -> None:
+        self.params = params
+        self.stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_ids |= set(eos_token_ids)
+        self.decode = decode if params.stop else None
+        self.longest_stop = max((len(s) for s in params.stop), default=0)
+
+    def check(self, generated: list[int]) -> str | None:
+        """finish reason after the latest token of `generated`: "stop", "length" or None."""
+        if generated[-1] in self.stop_ids:
+            return "stop"
+        if self.decode is not None:
+            # a stop string must end inside the text of the newest token
+            tail = self.decode(generated[-(self.longest_stop + 8):])
+            if any(s in tail for s in self.params.stop):
+                return "stop"
+        if len(generated) >= self.params.max_tokens:
+            return "length"
+        return None
