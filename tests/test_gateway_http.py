@@ -120,7 +120,7 @@ BAD = [
     ({"temperature": -1}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
-    ({"top_k": 0}, "top_k"),
+    ({"top_k": -2}, "top_k"),
     ({"n": 2}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"logprobs": 2}, "logprobs"),

@@ -55,8 +55,8 @@ class _SamplingFields(_Strict):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
-        if v == 0 or v < -1:
-            raise ValueError("must be -1 (disabled) or a positive integer")
+        if v < -1:
+            raise ValueError("must be -1 or 0 (disabled) or a positive integer")
         return v
 
     @field_validator("n")
