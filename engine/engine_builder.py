@@ -1,0 +1,108 @@
+"""Build one engine (scheduler + worker + loop) from a config and a placement.
+
+Place in the data flow: `paraflex.runtime.LLMCluster` (all engines in one process) and the Ray
+engine actors (one engine per process) both call `build_engine(config, placement, engine_id,
+transport, sink)`. It loads only the layers of the engine's resident stages, sizes the one
+shared KV pool, registers the stages with the engine-core scheduler (with the KV bytes per
+token of the dtype actually used) and wires the routes of each model's replica.
+
+Device and dtype: `device="auto"` picks CUDA when available, else CPU; `dtype="auto"` is
+bfloat16 on GPU and float32 on CPU (bfloat16 and float16 can be asked for explicitly; float16
+only on GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from paraflex.engine.block_pool import BlockPool
+from paraflex.engine.engine_loop import EngineLoop
+from paraflex.engine.kv_cache import KVCache
+from paraflex.engine.model import Stage
+from paraflex.engine.scheduler import EngineScheduler
+from paraflex.engine.tokenizer import load_tokenizer
+from paraflex.engine.weights import load_stage_weights
+from paraflex.engine.worker import Worker
+from paraflex.errors import UserError
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CAP_BYTES = 256 * 2**20  # default ceiling of a CPU engine's KV pool (the planner budgets GPU-sized pools)
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def choose_device(device: str | None = "auto") -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device: {device!r} asked for but no CUDA device is visible; use --device cpu")
+    return dev
+
+
+def choose_dtype(device: torch.device, dtype: str | torch.dtype | None = "auto") -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise UserError(f"dtype: {dtype!r} is not one of {sorted(_DTYPES)}")
+    chosen = _DTYPES[dtype]
+    if chosen == torch.float16 and device.type == "cpu":
+        raise UserError("dtype: float16 is GPU-only here; use float32 or bfloat16 on CPU")
+    return chosen
+
+
+def engine_routes(placement, engine_id: int) -> dict[str, tuple[int, int, list[int]]]:
+    """model -> (replica, stage, engine ids of that replica's stages) for the engine's stages."""
+    out = {}
+    for ref in placement.engine(engine_id).stages:
+        out[ref.model] = (ref.replica, ref.stage, list(placement.models[ref.model].replicas[ref.replica]))
+    return out
+
+
+def build_engine(config, placement, engine_id: int, transport, sink, *, device="auto", dtype="auto",
+                 kv_bytes: int | None = None, host_kv_bytes: int | None = None, seed: int = 0,
+                 tokenizers: dict | None = None, progress=None) -> EngineLoop:
+    """The `EngineLoop` of engine `engine_id`. `kv_bytes` overrides the placement's KV budget
+    for this engine (default: the planned bytes, capped at CPU_KV_CAP_BYTES on CPU);
+    `host_kv_bytes` overrides cluster.host_memory_gb (swap space)."""
+    dev = choose_device(device)
+    dt = choose_dtype(dev, dtype)
+    eng = placement.engine(engine_id)
+    block_bytes = config.scheduler.block_bytes
+    if kv_bytes is None:
+        kv_bytes = sum(eng.kv_bytes.values())
+        if dev.type == "cpu" and kv_bytes > CPU_KV_CAP_BYTES:
+            log.info("engine %d: KV pool capped at %d MiB on CPU (planned %d MiB)", engine_id,
+                     CPU_KV_CAP_BYTES >> 20, kv_bytes >> 20)
+            kv_bytes = CPU_KV_CAP_BYTES
+    if host_kv_bytes is None:
+        host_kv_bytes = config.cluster.host_memory_bytes
+    num_blocks, host_blocks = kv_bytes // block_bytes, host_kv_bytes // block_bytes
+    if num_blocks < 1:
+        raise UserError(
+            f"engine {engine_id}: KV budget {kv_bytes} bytes holds no {block_bytes}-byte block; "
+            "give the engine more memory or lower scheduler.block_bytes"
+        )
+    kv = KVCache(num_blocks, block_bytes, host_blocks, dev)
+    worker = Worker(kv)
+    sched = EngineScheduler.from_config(BlockPool(num_blocks, block_bytes, host_blocks), config.scheduler, engine_id)
+    routes, last_tokenizers = {}, {}
+    for model, (replica, stage, route) in engine_routes(placement, engine_id).items():
+        mc = config.model(model)
+        a, b = placement.models[model].stages[stage]
+        if progress:
+            progress(f"engine {engine_id}: loading {model} stage {stage} (layers {a}-{b - 1}) on {dev} as {dt}")
+        weights = load_stage_weights(mc.source, mc.arch, a, b, dt, dev, source_kind=mc.source_kind)
+        worker.add_stage(model, Stage(mc.arch, a, b, weights, dev))
+        num_stages = len(placement.models[model].stages)
+        sched.add_stage(model, stage, b - a, worker.kv_bytes_per_token_per_layer(model), num_stages)
+        routes[model] = route
+        if stage == num_stages - 1:
+            tok = (tokenizers or {}).get(model)
+            last_tokenizers[model] = tok if tok is not None else load_tokenizer(mc.source, mc.source_kind, model)
+    return EngineLoop(engine_id, sched, worker, transport, sink, routes, last_tokenizers, seed)

@@ -1,0 +1,207 @@
+"""One execution engine's main loop: receive -> the scheduler picks -> the worker runs -> send.
+
+Place in the data flow (DESIGN.md "Engine"): an `EngineLoop` owns one engine-core
+`EngineScheduler` (with its `BlockPool`), one torch `Worker` (the resident stages and the
+shared `KVCache`) and one `Transport` endpoint. Each `step()`:
+
+1. drains `transport.recv_ready()`: "batch" envelopes (a batch formed upstream plus its hidden
+   states, parked by (batch id, stage) until the scheduler runs it), "token" envelopes (the
+   last stage's sampled tokens, at a first stage) and "free" envelopes (finished / aborted);
+2. asks the scheduler for the next batch and lets the worker run it (swap plan included);
+3. non-last stage: sends the batch message and the hidden states to the next stage's engine;
+   last stage: samples, checks stop rules, reports tokens to the `OutputSink`, sends the token
+   message to the model's first stage and a free message to the model's other stages.
+
+New requests enter at a first stage through `add_request` (the dispatcher picked this
+replica). Nothing here assumes the other engines share the process: they are reached only
+through the `Transport` ABC, and clients only through the `OutputSink`, so the Ray actors
+run this same class with their own transport.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import torch
+
+from paraflex.engine.messages import BatchMessage, FreeMessage, TokenMessage
+from paraflex.engine.sampling import Sampler, SamplingParams, StopChecker
+from paraflex.engine.transport import Envelope, Transport
+
+log = logging.getLogger(__name__)
+
+
+class OutputSink(Protocol):
+    """Receives a request's output as the last stage produces it.
+
+    `token_ids` are the new tokens (one per call while decoding, empty on an error);
+    `finish_reason` is None while running, then "stop", "length" or "abort"; `error` is a
+    one-line message when the engine failed the request. `logprobs` (only passed when the
+    request asked for them) holds one {"token", "logprob", "top"} dict per new token.
+    """
+
+    def on_output(self, request_id: str, token_ids: list[int], finish_reason: str | None,
+                  error: str | None, **extra) -> None: ...
+
+
+class EngineLoop:
+    def __init__(self, engine_id: int, scheduler, worker, transport: Transport, sink: OutputSink,
+                 routes: dict[str, list[int]], tokenizers: dict | None = None, seed: int = 0,
+                 clock=time.monotonic) -> None:
+        """routes[model]: the engine id of every stage of the replica this engine serves for
+        `model`; tokenizers[model]: eos ids and decoding for the models whose last stage is here."""
+        self.engine_id = engine_id
+        self.scheduler = scheduler
+        self.worker = worker
+        self.transport = transport
+        self.sink = sink
+        self.routes = routes
+        self.tokenizers = tokenizers or {}
+        self.sampler = Sampler(seed + 7919 * engine_id)
+        self.clock = clock
+        self._parked: dict[tuple[str, int], tuple[torch.Tensor, list[str]]] = {}
+        self._generated: dict[str, list[int]] = {}
+        self._stoppers: dict[str, StopChecker] = {}
+        self._params: dict[str, SamplingParams] = {}
+        self.stats = {"batches": 0, "tokens": 0, "sampled": 0}
+
+    # ------------------------------------------------------------------ events in
+    def add_request(self, model: str, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival: float | None = None) -> None:
+        """A new request at this engine's first stage of `model`."""
+        self.scheduler.add_request(
+            request_id, model, len(prompt_token_ids), params.max_tokens,
+            self.clock() if arrival is None else arrival,
+            prompt_token_ids=list(prompt_token_ids), sampling=params.to_dict(),
+        )
+
+    def handle(self, env: Envelope) -> None:
+        if env.kind == "batch":
+            msg = BatchMessage.from_dict(env.meta)
+            self.scheduler.receive_batch(msg)
+            self._parked[(msg.batch_id, msg.stage)] = (env.tensors["hidden"], msg.req_ids)
+        elif env.kind == "token":
+            self.scheduler.receive_tokens(TokenMessage.from_dict(env.meta))
+        else:
+            msg = FreeMessage.from_dict(env.meta)
+            self.scheduler.handle(msg)
+            for rid in msg.req_ids:
+                self._forget(rid)
+            if msg.reason == "aborted":
+                self._drop_dead_parked()
+
+    def _drop_dead_parked(self) -> None:
+        for key, (_, rids) in list(self._parked.items()):
+            if all(self.scheduler.request(r) is None for r in rids):
+                del self._parked[key]
+
+    def _forget(self, rid: str) -> None:
+        self._generated.pop(rid, None)
+        self._stoppers.pop(rid, None)
+        self._params.pop(rid, None)
+        self.sampler.forget(rid)
+
+    # ------------------------------------------------------------------ the loop
+    def has_work(self) -> bool:
+        return self.scheduler.has_ready_work()
+
+    def step(self) -> bool:
+        """Receive, then run at most one batch. True if a batch ran."""
+        for env in self.transport.recv_ready():
+            self.handle(env)
+        batch = self.scheduler.schedule(self.clock())
+        if batch is None:
+            return False
+        hidden = None
+        if not batch.is_first:
+            hidden, _ = self._parked.pop((batch.batch_id, batch.stage))
+        try:
+            out = self.worker.run(batch, hidden)
+        except Exception as exc:  # a failed batch fails its requests, not the engine
+            log.exception("engine %d: batch %s failed", self.engine_id, batch.batch_id)
+            self._fail(batch, f"{type(exc).__name__}: {exc}")
+            return True
+        self.stats["batches"] += 1
+        self.stats["tokens"] += batch.num_tokens
+        if batch.is_last:
+            self._finish_last(batch, out)
+        else:
+            meta = batch.message
+            meta.tensor_shapes = {"hidden": list(out.shape)}
+            self._send(batch.model, batch.stage + 1, "batch", meta.to_dict(), {"hidden": out})
+            done = self.scheduler.complete(batch)
+            self._broadcast_aborts(batch.model, done.aborted)
+        return True
+
+    def _finish_last(self, batch, logits: torch.Tensor) -> None:
+        sampling = [r for r in batch.requests if r.samples]
+        ids = [r.req_id for r in sampling]
+        params = [self._params_of(r) for r in sampling]
+        result = self.sampler.sample(logits, ids, params) if sampling else None
+        tokens, stopped = {}, set()
+        for i, r in enumerate(sampling):
+            tok = result.token_ids[i]
+            tokens[r.req_id] = tok
+            gen = self._generated.setdefault(r.req_id, [])
+            gen.append(tok)
+            if self._stopper_of(batch.model, r.req_id, params[i]).check(gen) == "stop":
+                stopped.add(r.req_id)
+        done = self.scheduler.complete(batch, tokens=tokens, stopped=stopped)
+        self.stats["sampled"] += len(sampling)
+        msg = done.token_message
+        for i, e in enumerate(msg.entries):
+            extra = {}
+            if result is not None and params[i].logprobs is not None:
+                extra["logprobs"] = [result.logprobs[i]]
+            self.sink.on_output(e.req_id, [e.token_id], e.reason if e.finished else None, None, **extra)
+        self._send(batch.model, 0, "token", msg.to_dict())
+        if done.finished:
+            self._send_free(batch.model, done.finished, "finished")
+            for rid in done.finished:
+                self._forget(rid)
+        self._broadcast_aborts(batch.model, done.aborted)
+
+    def _fail(self, batch, error: str) -> None:
+        for rid in batch.req_ids:
+            self.scheduler.abort(rid)
+        done = self.scheduler.complete(batch)
+        for rid in batch.req_ids:
+            self.sink.on_output(rid, [], "abort", error)
+        self._broadcast_aborts(batch.model, list(dict.fromkeys(done.aborted + batch.req_ids)))
+
+    def _broadcast_aborts(self, model: str, req_ids: list[str]) -> None:
+        if req_ids:
+            self._send_free(model, req_ids, "aborted")
+            for rid in req_ids:
+                self._forget(rid)
+
+    def _params_of(self, r) -> SamplingParams:
+        p = self._params.get(r.req_id)
+        if p is None:
+            p = self._params[r.req_id] = SamplingParams.from_dict(r.sampling or {})
+        return p
+
+    def _stopper_of(self, model: str, rid: str, params: SamplingParams) -> StopChecker:
+        s = self._stoppers.get(rid)
+        if s is None:
+            tok = self.tokenizers.get(model)
+            eos = tok.eos_token_ids if tok is not None else []
+            decode = tok.decode if tok is not None else None
+            s = self._stoppers[rid] = StopChecker(params, eos, decode)
+        return s
+
+    # ------------------------------------------------------------------ sending
+    def _send(self, model: str, stage: int, kind: str, meta: dict, tensors=None) -> None:
+        dst = self.routes[model][stage]
+        if dst == self.engine_id and tensors is None:
+            self.handle(Envelope(self.engine_id, dst, model, kind, meta))  # no hop to ourselves
+            return
+        self.transport.send(Envelope(self.engine_id, dst, model, kind, meta, tensors))
+
+    def _send_free(self, model: str, req_ids: list[str], reason: str) -> None:
+        meta = FreeMessage(model, list(req_ids), reason).to_dict()
+        for stage, eid in enumerate(self.routes[model]):
+            if eid != self.engine_id:
+                self._send(model, stage, "free", meta)

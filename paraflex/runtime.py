@@ -1,0 +1,287 @@
+"""In-process runtime: every engine of a placement as an object in this process.
+
+Place in the data flow: `LLMCluster(config, placement=None)` plans (with `paraflex.planner`
+when no placement is given), builds one `EngineLoop` per engine (`build_engine`), wires them
+with one `LocalTransport`, and dispatches each request to the replica of its model with the
+fewest outstanding requests. Tokens flow back through an `OutputSink` per request.
+
+Two ways to drive it:
+
+* `generate(model, prompts, params)` -> list[`Result`]: blocking, for scripts, tests and
+  `paraflex generate`;
+* streaming, for the gateway: `submit(model, prompt_token_ids, params, request_id, sink)`,
+  `abort(request_id)`, and either `step()` called by the owner or `start()` / `shutdown()`
+  for a background thread that steps while there is work. `submit`/`abort` are thread-safe
+  (they queue; the loop applies them); sink callbacks run on the loop thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from paraflex.engine.engine_builder import build_engine, choose_device, engine_routes
+from paraflex.engine.messages import FreeMessage
+from paraflex.engine.sampling import SamplingParams
+from paraflex.engine.tokenizer import Tokenizer, load_tokenizer
+from paraflex.engine.transport import Envelope, LocalTransport
+from paraflex.errors import ParaflexError, UserError
+
+
+@dataclass
+class Result:
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[dict] | None = None
+
+
+@dataclass
+class _Live:
+    model: str
+    replica: int
+    sink: object
+    prompt_len: int
+    max_tokens: int
+
+
+class _Collector:
+    """Sink of `generate`: accumulates tokens into a `Result`."""
+
+    def __init__(self, result: Result) -> None:
+        self.result = result
+        self.done = threading.Event()
+
+    def on_output(self, request_id, token_ids, finish_reason, error, **extra):
+        self.result.token_ids.extend(token_ids)
+        if "logprobs" in extra:
+            self.result.logprobs = (self.result.logprobs or []) + list(extra["logprobs"])
+        if finish_reason is not None:
+            self.result.finish_reason, self.result.error = finish_reason, error
+            self.done.set()
+
+
+class LLMCluster:
+    def __init__(self, config, placement=None, *, device="auto", dtype="auto", kv_bytes=None,
+                 host_kv_bytes=None, seed: int = 0, progress=None, solver: str = "paraflex") -> None:
+        """kv_bytes / host_kv_bytes: per-engine KV pool and swap space (override the plan);
+        progress: a callable taking one line of text, told about planning and loading."""
+        self.config = config
+        if placement is None:
+            from paraflex.planner import plan
+
+            if progress:
+                progress(f"planning {len(config.models)} model(s) on {config.cluster.num_engines} engine(s)")
+            placement = plan(config, solver=solver)
+        self.placement = placement
+        self.device = choose_device(device)
+        self.hub = LocalTransport()
+        self._tokenizers: dict[str, Tokenizer] = {}
+        self.engines = []
+        for eid in range(placement.num_engines):
+            last_models = [m for m, (_, s, r) in engine_routes(placement, eid).items() if s == len(r) - 1]
+            toks = {m: self.tokenizer(m) for m in last_models}
+            self.engines.append(build_engine(
+                config, placement, eid, self.hub.endpoint(eid), self, device=self.device, dtype=dtype,
+                kv_bytes=kv_bytes, host_kv_bytes=host_kv_bytes, seed=seed, tokenizers=toks,
+                progress=progress,
+            ))
+        self._live: dict[str, _Live] = {}
+        self._outstanding = {(m, j): 0 for m, mp in placement.models.items() for j in range(len(mp.replicas))}
+        self._inbox: list[tuple] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.loop_error: BaseException | None = None
+
+    # ------------------------------------------------------------------ models
+    def models(self) -> list[str]:
+        return list(self.placement.models)
+
+    def tokenizer(self, model: str) -> Tokenizer:
+        tok = self._tokenizers.get(model)
+        if tok is None:
+            mc = self.config.model(model)
+            tok = self._tokenizers[model] = load_tokenizer(mc.source, mc.source_kind, model)
+        return tok
+
+    # ------------------------------------------------------------------ streaming API
+    def submit(self, model: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+               request_id: str | None = None, sink=None) -> str:
+        """Queue a request; its output goes to `sink.on_output(...)`. Returns the request id."""
+        if model not in self.placement.models:
+            raise UserError(f"model: {model!r} is not served here; models: {', '.join(self.placement.models)}")
+        params = (params or SamplingParams()).validate()
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise UserError("prompt: empty; give at least one token")
+        arch = self.config.model(model).arch
+        bad = [t for t in prompt if not 0 <= t < arch.vocab_size]
+        if bad:
+            raise UserError(f"prompt: token id {bad[0]} outside the vocabulary of {model} (0..{arch.vocab_size - 1})")
+        if len(prompt) + params.max_tokens > arch.max_context:
+            raise UserError(
+                f"max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {model} ({arch.max_context}); shorten the prompt or lower max_tokens"
+            )
+        self._check_fits(model, len(prompt) + params.max_tokens)
+        rid = request_id or f"req-{next(self._ids)}"
+        with self._wake:
+            if rid in self._live or any(e[1] == rid for e in self._inbox if e[0] == "add"):
+                raise UserError(f"request_id: {rid!r} is already in use")
+            self._inbox.append(("add", rid, model, prompt, params, sink))
+            self._wake.notify()
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its sink gets finish_reason "abort". Unknown ids are ignored."""
+        with self._wake:
+            self._inbox.append(("abort", request_id))
+            self._wake.notify()
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live or self._inbox)
+
+    def step(self) -> bool:
+        """Apply queued submits/aborts, then let every engine run at most one batch.
+        True if anything happened."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            self._apply(item)
+        worked = bool(inbox)
+        for engine in self.engines:
+            worked |= engine.step()
+        return worked
+
+    def run_until_idle(self, timeout_s: float | None = None) -> None:
+        """Drive `step()` in this thread until no request is left."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        idle = 0
+        while self.has_unfinished():
+            if self.step() or self.hub.pending():
+                idle = 0
+            else:
+                idle += 1
+                if idle > 3:
+                    raise ParaflexError(
+                        f"pipeline stalled with {len(self._live)} request(s) left: no engine can run "
+                        "anything (KV pool too small for a request and no host swap space?)"
+                    )
+            if deadline is not None and time.monotonic() > deadline:
+                raise ParaflexError(f"generation did not finish within {timeout_s} s")
+
+    def start(self) -> None:
+        """Run the engines on a background thread (for servers)."""
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._loop, name="paraflex-runtime", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            with self._wake:
+                self._stop = True
+                self._wake.notify()
+            self._thread.join()
+            self._thread = None
+        self.hub.close()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._stop and not self._inbox and not self._live:
+                        self._wake.wait()
+                    if self._stop:
+                        return
+                if not self.step() and not self.hub.pending():
+                    time.sleep(0.0005)
+        except BaseException as exc:  # surface to waiters instead of dying silently
+            self.loop_error = exc
+            for rid in list(self._live):
+                self._emit(rid, [], "abort", f"runtime loop failed: {type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ blocking API
+    def generate(self, model: str, prompts, params: SamplingParams | None = None,
+                 timeout_s: float | None = None) -> list[Result]:
+        """Generate for one prompt or a list (text, or token ids); returns one Result each."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        tok = self.tokenizer(model)
+        collectors = []
+        for p in prompts:
+            ids = tok.encode(p) if isinstance(p, str) else list(p)
+            res = Result("", model, ids)
+            col = _Collector(res)
+            res.request_id = self.submit(model, ids, params, sink=col)
+            collectors.append(col)
+        if self._thread is None:
+            self.run_until_idle(timeout_s)
+        for col in collectors:
+            if not col.done.wait(timeout_s):
+                raise ParaflexError(f"request {col.result.request_id} did not finish within {timeout_s} s")
+        if self.loop_error is not None:
+            raise ParaflexError(f"runtime loop failed: {self.loop_error}")
+        for col in collectors:
+            col.result.text = tok.decode(col.result.token_ids)
+        return [c.result for c in collectors]
+
+    # ------------------------------------------------------------------ internals
+    def _check_fits(self, model: str, tokens: int) -> None:
+        """A request whose whole context cannot fit in a stage's KV pool would never run."""
+        for engine in self.engines:
+            sched = engine.scheduler
+            if model not in engine.routes:
+                continue
+            st = sched.stage_of(model)
+            need = -(-tokens // st.tokens_per_block) * st.num_layers
+            if need > sched.pool.capacity:
+                raise UserError(
+                    f"max_tokens: {tokens} tokens of {model} need {need} KV blocks on engine "
+                    f"{engine.engine_id}, which has {sched.pool.capacity}; shorten the request or give "
+                    "the engine more KV memory"
+                )
+
+    def _apply(self, item) -> None:
+        if item[0] == "add":
+            _, rid, model, prompt, params, sink = item
+            replica = min(range(len(self.placement.models[model].replicas)),
+                          key=lambda j: (self._outstanding[(model, j)], j))
+            first = self.placement.models[model].replicas[replica][0]
+            with self._lock:
+                self._live[rid] = _Live(model, replica, sink, len(prompt), params.max_tokens)
+            self._outstanding[(model, replica)] += 1
+            self.engines[first].add_request(model, rid, prompt, params)
+            return
+        rid = item[1]
+        live = self._live.get(rid)
+        if live is None:
+            return
+        meta = FreeMessage(live.model, [rid], "aborted").to_dict()
+        for eid in self.placement.models[live.model].replicas[live.replica]:
+            self.hub.send(Envelope(eid, eid, live.model, "free", meta))
+        self._emit(rid, [], "abort", None)
+
+    def on_output(self, request_id, token_ids, finish_reason, error, **extra) -> None:
+        """The engines' sink: forward to the request's own sink; drop output after the end."""
+        if request_id in self._live:
+            self._emit(request_id, token_ids, finish_reason, error, **extra)
+
+    def _emit(self, rid, token_ids, finish_reason, error, **extra) -> None:
+        live = self._live[rid]
+        if finish_reason is not None:
+            with self._lock:
+                del self._live[rid]
+            self._outstanding[(live.model, live.replica)] -= 1
+        if live.sink is not None:
+            live.sink.on_output(rid, token_ids, finish_reason, error, **extra)
