@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
 import uuid
@@ -52,6 +53,12 @@ class ApiError(Exception):
                 503: "service_unavailable"}.get(self.status, "server_error")
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status)
+
+
+def _param_of(message: str) -> str | None:
+    """The field a `UserError` message starts with ("max_tokens: ..."), if it names one."""
+    m = re.match(r"([A-Za-z_][\w.\[\]]*):", message)
+    return m.group(1) if m else None
 
 
 def _validation_error(exc: ValidationError) -> ApiError:
@@ -166,7 +173,7 @@ class Gateway:
         except FieldError as exc:
             raise ApiError(400, str(exc), param=exc.param)
         except UserError as exc:
-            raise ApiError(400, str(exc), param=str(exc).split(":")[0] or None)
+            raise ApiError(400, str(exc), param=_param_of(str(exc)))
 
     def admit(self) -> Ticket:
         ticket = self.admission.enter()
@@ -197,6 +204,8 @@ class Gateway:
             watcher.cancel()
             await gen.aclose()
             ticket.release()
+        if last.rejected:
+            raise ApiError(400, last.error, param=_param_of(last.error))
         if last.error:
             raise ApiError(500, f"generation failed: {last.error}")
         return "".join(parts), last
@@ -213,8 +222,9 @@ class Gateway:
             async for chunk in chunks:
                 last = chunk
                 if chunk.error:
-                    yield _sse({"error": {"message": f"generation failed: {chunk.error}", "type": "server_error",
-                                          "param": None, "code": None}})
+                    kind = "invalid_request_error" if chunk.rejected else "server_error"
+                    msg = chunk.error if chunk.rejected else f"generation failed: {chunk.error}"
+                    yield _sse({"error": {"message": msg, "type": kind, "param": None, "code": None}})
                     break
                 if chunk.text or chunk.finish_reason:
                     yield _sse({**head, "choices": [make_choice(chunk)],

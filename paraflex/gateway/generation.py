@@ -16,6 +16,7 @@ from typing import AsyncIterator
 
 import anyio
 
+from paraflex.errors import UserError
 from paraflex.gateway.backend import Backend, ModelCard
 from paraflex.gateway.detok import TextStream
 from paraflex.gateway.metrics import GatewayMetrics
@@ -29,6 +30,7 @@ class Chunk:
     finish_reason: str | None = None
     error: str | None = None
     completion_tokens: int = 0  # running total of output tokens
+    rejected: bool = False  # the backend refused the request up front (a 400, not a failure)
 
 
 class Admission:
@@ -66,8 +68,9 @@ async def generate(backend: Backend, metrics: GatewayMetrics, card: ModelCard, p
     token_times: list[float] = []
     text = TextStream(lambda ids: card.tokenizer.decode(ids, skip_special_tokens=True), list(params.stop))
     live, finish = True, "abort"
+    outputs = backend.stream(card.name, prompt_ids, params, request_id)
     try:
-        async for out in backend.stream(card.name, prompt_ids, params, request_id):
+        async for out in outputs:
             now = time.monotonic()
             token_times.extend([now] * len(out.token_ids))
             if out.final:
@@ -86,8 +89,16 @@ async def generate(backend: Backend, metrics: GatewayMetrics, card: ModelCard, p
         live, finish = False, "error"
         yield Chunk("", error="the backend ended the stream without a finish reason",
                     completion_tokens=len(token_times))
+    except UserError as exc:  # refused at submit, e.g. it can never fit an engine's KV pool
+        live, finish = False, "rejected"
+        yield Chunk("", error=str(exc), rejected=True)
+    except Exception as exc:  # a backend bug must still end the response with an explicit error
+        finish = "error"
+        yield Chunk("", error=f"{type(exc).__name__}: {exc}", completion_tokens=len(token_times))
     finally:
-        if live:  # stop string, client gone, or cancelled: free the KV on every engine
-            with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True):
+            if live:  # stop string, client gone, or cancelled: free the KV on every engine
                 await backend.abort(request_id)
-        metrics.observe_request(card.name, arrival, token_times, time.monotonic(), len(prompt_ids), finish)
+            await outputs.aclose()
+        if finish != "rejected":
+            metrics.observe_request(card.name, arrival, token_times, time.monotonic(), len(prompt_ids), finish)
