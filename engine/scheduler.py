@@ -407,7 +407,7 @@ class EngineScheduler:
                 req = self._new_request(e.req_id, st, e.arrival, e.prompt_len, e.max_new_tokens, e.sampling, None)
             elif req.state == BLOCKED:
                 req.transition(WAITING_PREFILL)
-            elif req.state != WAITING_PREFILL:
+            elif req.state not in (WAITING_PREFILL, RUNNING):  # RUNNING: its previous chunk runs now
                 raise ProtocolError(f"prefill chunk for {e.req_id!r} at {st.model}/{st.stage} in state {req.state}")
             req.pending_chunks += 1
             self._pending[e.req_id] = pb
@@ -450,7 +450,8 @@ class EngineScheduler:
                 self._finish(req, FINISHED)
                 continue
             self._leave_inflight(st, req)
-            req.generated += 1
+            if not st.is_last:  # a one-stage model counted it in complete()
+                req.generated += 1
             if req.token_ids is not None and e.token_id is not None:
                 req.token_ids.append(e.token_id)
             req.transition(WAITING_DECODE if req.state == BLOCKED else SWAPPED_DECODE)
