@@ -115,6 +115,7 @@ def test_disconnect_mid_stream_returns_kv_to_idle(served):
     assert backend.metrics().running["tiny-8l"] == 0
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams_over_three_models_none_lost(served):
     url, backend = served
     rng = random.Random(7)
