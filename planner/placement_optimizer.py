@@ -38,8 +38,8 @@ Progress = Callable[[int, int, float], None]  # (iteration, replicas placed, Phi
 
 
 class _Failed(Exception):
-    def __init__(self, model: str, replica: int, best: float):
-        self.model, self.replica, self.best = model, replica, best
+    def __init__(self, model: str, replica: int, best: float, index: int):
+        self.model, self.replica, self.best, self.index = model, replica, best, index
 
 
 def _sliding_min(values: np.ndarray, width: int) -> np.ndarray:
@@ -71,86 +71,179 @@ class _Placer:
             self._windows[s] = (starts[:, None] + np.arange(s)[None, :]) % self.n
         return self._windows[s]
 
-    def best_start(self, cap: np.ndarray, cnt: np.ndarray, taken: np.ndarray, weights: np.ndarray) -> tuple[int, float]:
-        """Start engine maximising Phi* for one more replica; ties -> lowest start. (-1, -inf) if none."""
+    def scores(self, cap: np.ndarray, cnt: np.ndarray, taken: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """Phi* after adding one replica at each start (row of `windows`); -inf where (4) breaks."""
         s = len(weights)
         idx = self.windows(s)
         inside = ((cap[idx] - weights[None, :]) / (cnt[idx] + 1)).min(axis=1)
-        level = np.where(cnt > 0, cap / np.maximum(cnt, 1), np.inf)
         if s < self.n:  # engines outside window p are values[p + s : p + n] of the doubled ring
+            level = _levels(cap, cnt)
             outside = _sliding_min(np.concatenate([level, level]), self.n - s)[idx[:, 0] + s]
             phi = np.minimum(inside, outside)
         else:
             phi = inside
         phi[taken[idx].any(axis=1)] = -np.inf
+        return phi
+
+    def best_start(self, cap: np.ndarray, cnt: np.ndarray, taken: np.ndarray, weights: np.ndarray) -> tuple[int, float]:
+        """Start engine maximising Phi* for one more replica; ties -> lowest start. (-1, -inf) if none."""
+        phi = self.scores(cap, cnt, taken, weights)
         best = phi.max()
         if not np.isfinite(best):
             return -1, -np.inf
         tied = np.flatnonzero(phi >= best - _TIE * max(1.0, abs(best)))
-        return int(idx[tied[0], 0]), float(best)
+        return int(self.windows(len(weights))[tied[0], 0]), float(best)
+
+    def polish(self, cap: np.ndarray, cnt: np.ndarray, placed: list[list[int]], weights: list[np.ndarray], sweeps: int = 4) -> None:
+        """Local search after the greedy: move single replicas while the engines' levels improve.
+
+        A move takes one replica out and puts it at the start whose resulting sorted vector of
+        engine levels (C_e / n_e) is lexicographically largest (DRF's max-min, then the next
+        bottleneck, ...); it is kept only if that beats the current vector. Phi* never drops.
+        `placed[i]` (start engines of model i's replicas), `cap` and `cnt` are updated in place.
+        """
+        for _ in range(sweeps):
+            moved = False
+            for i, starts in enumerate(placed):
+                idx = self.windows(len(weights[i]))
+                for j, start in enumerate(starts):
+                    current = np.sort(_levels(cap, cnt))
+                    cap[idx[start]] += weights[i]
+                    cnt[idx[start]] -= 1
+                    taken = np.zeros(self.n, dtype=bool)
+                    for other in starts[:j] + starts[j + 1:]:
+                        taken[idx[other]] = True
+                    phi = self.scores(cap, cnt, taken, weights[i])
+                    best_p, best_levels = start, current
+                    for p in np.flatnonzero(phi >= current[0] - _TIE * max(1.0, abs(current[0]))):
+                        if p == start:
+                            continue
+                        cap[idx[p]] -= weights[i]
+                        cnt[idx[p]] += 1
+                        trial = np.sort(_levels(cap, cnt))
+                        cap[idx[p]] += weights[i]
+                        cnt[idx[p]] -= 1
+                        if _lex_greater(trial, best_levels):
+                            best_p, best_levels = int(p), trial
+                    cap[idx[best_p]] -= weights[i]
+                    cnt[idx[best_p]] += 1
+                    if best_p != start:
+                        starts[j] = best_p
+                        moved = True
+            if not moved:
+                return
 
 
-def optimize(problem: Problem, progress: Progress | None = None) -> Solution:
-    """Run Alg. 1 + Alg. 2 to completion; raises NoFeasiblePlan if the first step fails."""
+def _levels(cap: np.ndarray, cnt: np.ndarray) -> np.ndarray:
+    """Per engine C_e / n_e, +inf for engines without stages."""
+    return np.where(cnt > 0, cap / np.maximum(cnt, 1), np.inf)
+
+
+def _lex_greater(a: np.ndarray, b: np.ndarray) -> bool:
+    """a > b lexicographically, ignoring float noise."""
+    differ = np.flatnonzero(~np.isclose(a, b, rtol=1e-9, atol=0.0))
+    return bool(len(differ)) and bool(a[differ[0]] > b[differ[0]])
+
+
+def optimize(problem: Problem, progress: Progress | None = None, polish: bool = True) -> Solution:
+    """Run Alg. 1 + Alg. 2 to completion; raises NoFeasiblePlan if the first step fails.
+
+    With `polish` the final plan goes through `_Placer.polish` (documented addition).
+    """
     models = problem.models
     stages = problem.stage_counts
     ratios = problem.ratios
-    order = sorted(range(len(models)), key=lambda i: (-stages[i], i))
+    # descending stage count (paper); among equals heavier first (first-fit-decreasing), then config order
+    order = sorted(range(len(models)), key=lambda i: (-stages[i], -models[i].weight_bytes, i))
     position = {i: q for q, i in enumerate(order)}
+    promoted = 0  # first-step retries with a model that did not fit moved to the front
     weights = [np.asarray(m.stage_weights, dtype=float) for m in models]
     placer = _Placer(problem)
-    fresh = (np.full(problem.num_engines, float(problem.memory_bytes)), np.zeros(problem.num_engines, dtype=np.int64))
+    n = problem.num_engines
     # snapshots[q] = (cap, cnt, starts of order[q]) after placing all replicas of order[0..q]
     snapshots: list[tuple[np.ndarray, np.ndarray, list[int]]] = []
     replicas = [1] * len(models)
-    last: Solution | None = None
+    last = None  # (cap, cnt, starts per model, iteration) of the last feasible step
+    floor = max(float(problem.kappa_bytes), 0.0)
     resume = 0
     iteration = 0
     while True:
         iteration += 1
         del snapshots[resume:]
-        cap, cnt = (snapshots[resume - 1][0].copy(), snapshots[resume - 1][1].copy()) if resume else (fresh[0].copy(), fresh[1].copy())
+        if resume:
+            cap, cnt = snapshots[resume - 1][0].copy(), snapshots[resume - 1][1].copy()
+        else:
+            cap, cnt = np.full(n, float(problem.memory_bytes)), np.zeros(n, dtype=np.int64)
+        placed = {order[q]: list(snapshots[q][2]) for q in range(resume)}
+        repaired = False
         try:
             for q in range(resume, len(order)):
                 i = order[q]
-                taken = np.zeros(problem.num_engines, dtype=bool)
-                starts = []
+                placed[i] = []
                 for j in range(replicas[i]):
-                    start, best = placer.best_start(cap, cnt, taken, weights[i])
-                    if start < 0 or best < max(placer.kappa, 0.0):
-                        raise _Failed(models[i].name, j, best)
+                    start, best = placer.best_start(cap, cnt, _taken(placer, placed[i], len(weights[i])), weights[i])
+                    if start < 0 or best < floor:
+                        # repair: local search on what is placed so far, then one more try
+                        keys = list(placed)
+                        placer.polish(cap, cnt, [placed[k] for k in keys], [weights[k] for k in keys])
+                        repaired = True
+                        start, best = placer.best_start(cap, cnt, _taken(placer, placed[i], len(weights[i])), weights[i])
+                    if start < 0 or best < floor:
+                        raise _Failed(models[i].name, j, best, i)
                     win = placer.windows(len(weights[i]))[start]
                     cap[win] -= weights[i]
                     cnt[win] += 1
-                    taken[win] = True
-                    starts.append(start)
-                snapshots.append((cap.copy(), cnt.copy(), starts))
+                    placed[i].append(start)
+                snapshots.append((cap.copy(), cnt.copy(), list(placed[i])))
         except _Failed as fail:
             if last is None:
-                raise NoFeasiblePlan(_explain(problem, fail)) from None
-            last.stop_reason = (
+                if order[0] == fail.index or promoted >= len(models):
+                    raise NoFeasiblePlan(_explain(problem, fail)) from None
+                # first step failed: place the model that did not fit first, then retry
+                order.remove(fail.index)
+                order.insert(0, fail.index)
+                position = {i: q for q, i in enumerate(order)}
+                promoted += 1
+                snapshots.clear()
+                resume = 0
+                iteration -= 1
+                continue
+            reason = (
                 f"replica {fail.replica + 1} of {fail.model} would leave a stage below kappa "
                 f"({_gb(max(fail.best, 0.0))} < {_gb(problem.kappa_bytes)}) or overflow memory"
             )
-            return last
-        used = cnt > 0
-        objective = float((cap[used] / cnt[used]).min())
-        last = Solution(
-            replicas=[
-                [replica_engines(p, stages[i], problem.num_engines) for p in snapshots[position[i]][2]]
-                for i in range(len(models))
-            ],
-            objective_bytes=objective,
-            iterations=iteration,
-        )
+            return _finish(problem, placer, weights, last, reason, polish)
+        if repaired:  # earlier snapshots no longer describe this iteration's state
+            snapshots.clear()
+        last = (cap, cnt, [placed[i] for i in range(len(models))], iteration)
         if progress:
-            progress(iteration, sum(replicas), objective)
-        chosen = choose_next(problem.num_engines, stages, replicas, ratios)
+            progress(iteration, sum(replicas), float(_levels(cap, cnt).min()))
+        chosen = choose_next(n, stages, replicas, ratios)
         if chosen < 0:
-            last.stop_reason = "Alg. 1: the next replica of the chosen model would not fit in the engines"
-            return last
+            reason = "Alg. 1: the next replica of the chosen model would not fit in the engines"
+            return _finish(problem, placer, weights, last, reason, polish)
         replicas[chosen] += 1
-        resume = position[chosen]
+        resume = min(position[chosen], len(snapshots))
+
+
+def _taken(placer: _Placer, starts: list[int], num_stages: int) -> np.ndarray:
+    """Engines already holding a replica of the model (constraint 4)."""
+    taken = np.zeros(placer.n, dtype=bool)
+    for p in starts:
+        taken[placer.windows(num_stages)[p]] = True
+    return taken
+
+
+def _finish(problem: Problem, placer: _Placer, weights, last, reason: str, polish: bool) -> Solution:
+    cap, cnt, starts, iteration = last
+    if polish:
+        placer.polish(cap, cnt, starts, weights)
+    return Solution(
+        replicas=[[replica_engines(p, len(weights[i]), problem.num_engines) for p in sorted(st)] for i, st in enumerate(starts)],
+        objective_bytes=float(_levels(cap, cnt).min()),
+        iterations=iteration,
+        stop_reason=reason,
+    )
 
 
 def _gb(nbytes: float) -> str:
