@@ -20,6 +20,7 @@ process groups of its replicas (next generation) and the replicas rejoin dispatc
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import shutil
 import sys
@@ -387,7 +388,7 @@ def start_cluster(config, placement=None, ray_address: str | None = None,
             raise UserError(f"device: {device!r} needs {n} GPU(s) in the Ray cluster; it has "
                             f"{res.get('GPU', 0):g}; use --device cpu")
         cpus = res.get("CPU", 1.0) / n
-        num_cpus = 1.0 if use_gpu else round(min(1.0, cpus), 3)
+        num_cpus = 1.0 if use_gpu else math.floor(min(1.0, cpus) * 1000) / 1000  # shares must fit
         actor_cls = engine_actor_class(num_cpus, 1 if use_gpu else 0, max_restarts)
         router = OutputRouter.remote()
         for e in range(n):
@@ -416,18 +417,29 @@ def start_cluster(config, placement=None, ray_address: str | None = None,
 def _wait_ready(actors: dict, progress, timeout_s: float) -> dict[int, dict]:
     """Poll every actor's status until all are ready, printing new progress lines."""
     shown = {e: 0 for e in actors}
+    statuses: dict[int, dict] = {}
+    pending: dict[int, object] = {}
     deadline = time.monotonic() + timeout_s
     while True:
-        statuses = dict(zip(actors, ray.get([a.status.remote() for a in actors.values()], timeout=timeout_s)))
-        for e, st in statuses.items():
-            for line in st["progress"][shown[e]:]:
-                progress(line)
-            shown[e] = len(st["progress"])
-            if st["state"] == FAILED:
-                raise ParaflexError(f"engine {e} failed to start: {st['error']}")
-        if all(st["state"] == READY for st in statuses.values()):
+        for e, a in actors.items():
+            if e not in pending:
+                pending[e] = a.status.remote()
+        ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=1.0)
+        for e, ref in list(pending.items()):
+            if ref in ready:
+                del pending[e]
+                st = statuses[e] = ray.get(ref)
+                for line in st["progress"][shown[e]:]:
+                    progress(line)
+                shown[e] = len(st["progress"])
+                if st["state"] == FAILED:
+                    raise ParaflexError(f"engine {e} failed to start: {st['error']}")
+        if len(statuses) == len(actors) and all(st["state"] == READY for st in statuses.values()):
             return statuses
         if time.monotonic() > deadline:
-            slow = [e for e, st in statuses.items() if st["state"] != READY]
-            raise ParaflexError(f"engines {slow} not ready after {timeout_s:.0f} s; see the progress above")
+            silent = sorted(set(actors) - set(statuses))
+            slow = sorted(e for e, st in statuses.items() if st["state"] != READY)
+            raise ParaflexError(
+                f"engines not ready after {timeout_s:.0f} s: still loading {slow}, never started "
+                f"{silent} (not enough CPU/GPU in the Ray cluster?); see the progress above")
         time.sleep(0.25)
