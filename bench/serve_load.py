@@ -274,6 +274,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch threads for server and peer")
     p.add_argument("--peer", choices=("transformers", "none"), default="transformers")
     p.add_argument("--peer-batches", default="1,32")
+    p.add_argument("--goodput-ttft-ms", type=float, default=None,
+                   help="TTFT SLO for models whose config sets none (default: no TTFT SLO)")
+    p.add_argument("--goodput-tpot-ms", type=float, default=None,
+                   help="TPOT SLO for models whose config sets none (default: no TPOT SLO)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write all numbers as JSON here")
@@ -289,7 +293,8 @@ def load_phase(args, url: str, rng) -> dict:
     else:
         total = sum(m.rate for m in config.models)
         rates = {m.name: args.rate * m.rate / total for m in config.models}
-    slos = {m.name: (m.slo_ttft_ms or 1e18, m.slo_tbt_ms or 1e18) for m in config.models}
+    slos = {m.name: (m.slo_ttft_ms or args.goodput_ttft_ms or 1e18, m.slo_tbt_ms or args.goodput_tpot_ms or 1e18)
+            for m in config.models}
     total_rate = sum(rates.values())
     plan = []
     for model, rate in rates.items():
