@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     except UserError as exc:
         print(f"costmodel_fidelity: {exc}", file=sys.stderr)
         return 2
-    print(f"machine: {platform.node()} {platform.machine()} {platform.processor() or ''} "
+    print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} CPUs "
           f"python {platform.python_version()}; {len(tables)} tables under {root}")
     devices = {}
     for folder in sorted({t.device_folder for t in tables}):

@@ -60,6 +60,11 @@ def engine_routes(placement, engine_id: int) -> dict[str, tuple[int, int, list[i
     """model -> (replica, stage, engine ids of that replica's stages) for the engine's stages."""
     out = {}
     for ref in placement.engine(engine_id).stages:
+        if ref.model in out:
+            raise UserError(
+                f"placement: engine {engine_id} holds two stages of {ref.model}; an engine may hold "
+                "at most one stage of a model (re-run `paraflex plan`)"
+            )
         out[ref.model] = (ref.replica, ref.stage, list(placement.models[ref.model].replicas[ref.replica]))
     return out
 

@@ -59,15 +59,20 @@ batch takes the ready decodes plus prompt chunks up to the token budget, with at
 KV and swapping (§5 "Swapping policy", §6.2)
 --------------------------------------------
 A batch takes KV for its new tokens before it runs. A new prompt is admitted at the first stage
-only into free blocks (above a 1% watermark) and only while nothing on this engine is swapped
-out, so admissions never cause swapping (back-pressure, as vLLM). Work already admitted (decode
-steps, later-stage batches) evicts when it does not fit: victims come from the resident stage
-with the largest device KV occupancy on this engine (re-ranked after each victim), blocked
-before waiting-decode, newest first; running, prefilling and same-batch requests are never
-victims; nothing is ever recomputed. Eviction is all-or-nothing: if the batch would not fit even
-after every possible victim (or the host pool is full) nothing moves and the batch waits. A
-swapped request is swapped back in, oldest first, when the batch that needs it is formed:
-first-stage decode batches take ready requests in arrival order, swapped or not.
+only into free blocks, keeping a watermark (1% of the pool) plus the blocks of every swapped-out
+request free, so admissions never cause swapping nor take the room swapped requests need to
+come back (back-pressure). Work already admitted (decode steps, later-stage batches) evicts when
+it does not fit: victims come from the resident stage with the largest device KV occupancy on
+this engine (re-ranked after each victim), blocked before waiting-decode, newest first; running,
+mid-prompt and same-batch requests are never victims; nothing is ever recomputed. Eviction is
+all-or-nothing: if the batch would not fit even after every possible victim (or the host pool is
+full) nothing moves and the batch waits. A first-stage decode batch that cannot fit shrinks
+(newest members out); a later-stage batch runs whole or waits. Swap-in: a swapped request in a
+batch is swapped back when the batch is formed (first-stage decode batches take ready requests
+in arrival order, swapped or not); and whenever a decision evicted nothing, swapped requests
+come back ahead of need, oldest first, while 10% of the pool (at least the watermark) stays
+free. These copies ride on the returned batch's `swap_in` list. Sizing requirement: each
+stage's pool must hold one full batch of maximum-length requests by itself.
 
 No model starves (guarantee)
 ----------------------------
@@ -186,7 +191,7 @@ def _key(item):
 class PendingBatch:
     """A batch received from upstream at a later stage, kept whole until it runs."""
 
-    __slots__ = ("msg", "prefills", "decodes", "key", "seq", "rows", "dropped")
+    __slots__ = ("msg", "prefills", "decodes", "key", "seq", "rows", "dropped", "queue")
 
     def __init__(self, msg: BatchMessage, seq: int):
         self.msg = msg
@@ -196,6 +201,7 @@ class PendingBatch:
         self.key = (float("inf"), seq)
         self.rows: list[tuple[int, int]] = []  # received tensor rows of each live member
         self.dropped = False
+        self.queue: Queue | None = None  # the queue it waits in
 
     def members(self) -> list[StageRequest]:
         return [r for r, _ in self.prefills] + [r for r, _ in self.decodes]
@@ -319,13 +325,15 @@ class EngineScheduler:
         self.prefill_max_requests = prefill_max_requests or self.policy.default_prefill_max_requests(max_batch_size)
         self.starvation_limit = starvation_limit
         self.watermark_blocks = int(watermark * pool.capacity + 0.999999) if watermark else 0
+        # free blocks kept when swapping in ahead of need, so the swap-in does not force an eviction
+        self.headroom_blocks = max(self.watermark_blocks, pool.capacity // 10)
         self.engine_id = engine_id
         self.track_history = track_history
         self.stages: list[ResidentStage] = []
         self._by_key: dict[tuple[str, int], ResidentStage] = {}
         self._first: dict[str, ResidentStage] = {}
         self._reqs: dict[str, StageRequest] = {}
-        self._pending: dict[str, PendingBatch] = {}  # later stages: req_id -> the batch holding it
+        self._swapped: set[StageRequest] = set()  # requests whose KV is in the host pool
         self._gone: OrderedDict[str, str] = OrderedDict()  # finished/aborted ids -> final state
         self._seq = 0
         self._batch_seq = 0
@@ -410,7 +418,6 @@ class EngineScheduler:
             elif req.state not in (WAITING_PREFILL, RUNNING):  # RUNNING: its previous chunk runs now
                 raise ProtocolError(f"prefill chunk for {e.req_id!r} at {st.model}/{st.stage} in state {req.state}")
             req.pending_chunks += 1
-            self._pending[e.req_id] = pb
             pb.prefills.append((req, e))
             pb.rows.append((row, row + e.num_tokens))
             row += e.num_tokens
@@ -424,14 +431,14 @@ class EngineScheduler:
             if req.context_len != e.position:
                 raise ProtocolError(f"decode step for {e.req_id!r} at position {e.position}, but {req.context_len} tokens have KV here")
             req.transition(WAITING_DECODE if req.state == BLOCKED else SWAPPED_DECODE)
-            self._pending[e.req_id] = pb
             pb.decodes.append((req, e))
             pb.rows.append((row, row + 1))
             row += 1
         if not len(pb):
             return
         pb.key = (min(r.arrival for r in pb.members()), pb.seq)
-        self._pending_queue(st, pb).push(pb, self.decisions)
+        pb.queue = self._pending_queue(st, pb)
+        pb.queue.push(pb, self.decisions)
 
     def receive_tokens(self, msg: TokenMessage) -> None:
         """Tokens sampled by the last stage arrive at the first stage."""
@@ -504,6 +511,8 @@ class EngineScheduler:
             batch = self.policy.pick(self, now)
         if batch is not None:
             self.decisions += 1
+            if self._swapped and not batch.swap_out:
+                self._swap_in_ahead(batch)
         return batch
 
     def complete(self, batch: ScheduledBatch, tokens: Mapping[str, int] | None = None,
@@ -632,24 +641,22 @@ class EngineScheduler:
                 self._drop_from_pending(st, req)
         req.transition(final)
         self.pool.release(req.req_id)
+        self._swapped.discard(req)
         del self._reqs[req.req_id]
-        self._pending.pop(req.req_id, None)
         self._remember(req.req_id, final)
 
     def _drop_from_pending(self, st: ResidentStage, req: StageRequest) -> None:
-        pb = self._pending.pop(req.req_id, None)
-        if pb is None:
-            return
-        for lst in (pb.prefills, pb.decodes):
-            for i, (r, _) in enumerate(lst):
-                if r is req:
-                    row_index = i if lst is pb.prefills else len(pb.prefills) + i
-                    del lst[i]
-                    del pb.rows[row_index]
-                    pb.dropped = True
-                    break
-        if not len(pb):
-            self._pending_queue(st, pb).remove(pb)
+        """Remove a cancelled request from every received batch that holds it (rare: a scan)."""
+        for q in st.queues():
+            for pb in list(q.items):
+                for lst, base in ((pb.prefills, 0), (pb.decodes, len(pb.prefills))):
+                    for i in range(len(lst) - 1, -1, -1):
+                        if lst[i][0] is req:
+                            del lst[i]
+                            del pb.rows[base + i]
+                            pb.dropped = True
+                if not len(pb):
+                    q.remove(pb)
 
     def _next_batch_id(self, st: ResidentStage) -> str:
         self._batch_seq += 1
@@ -702,7 +709,26 @@ class EngineScheduler:
             self.stats["swap_out_blocks"] += len(plan)
             self.stats["swap_outs"] += 1
             req.transition(SWAPPED_BLOCKED if req.state == BLOCKED else SWAPPED_DECODE)
+            self._swapped.add(req)
         return True
+
+    def _swap_in_ahead(self, batch: ScheduledBatch) -> None:
+        """Space freed: bring swapped requests back, oldest first, while `headroom` stays free.
+
+        The copies ride on `batch.swap_in` (the worker runs them before the batch). Stops at
+        the first request that does not fit, so younger ones never overtake older ones.
+        """
+        pool = self.pool
+        for req in sorted(self._swapped, key=_key):
+            n = pool.get(req.req_id).num_blocks
+            if pool.num_free - n < self.headroom_blocks:
+                break
+            plan = pool.swap_in(req.req_id)
+            batch.swap_in.extend(plan)
+            self.stats["swap_in_blocks"] += len(plan)
+            self.stats["swap_ins"] += 1
+            req.transition(BLOCKED if req.state == SWAPPED_BLOCKED else WAITING_DECODE)
+            self._swapped.discard(req)
 
     def _fit(self, st: ResidentStage, members: list[tuple[StageRequest, int]], allow_evict: bool,
              swap_out: list, swap_in: list) -> bool:
@@ -726,6 +752,7 @@ class EngineScheduler:
                 self.stats["swap_in_blocks"] += len(plan)
                 self.stats["swap_ins"] += 1
                 req.transition(WAITING_DECODE)
+                self._swapped.discard(req)
             pool.grow(alloc, target)
         return True
 
@@ -755,16 +782,16 @@ class EngineScheduler:
     def try_first_prefill(self, st: ResidentStage, now: float, budget: int, max_requests: int) -> ScheduledBatch | None:
         """First stage: admit the oldest waiting prompts (whole) under the budget, into free KV."""
         q = st.prefill_q
-        if not q.items or self.pool.host_num_used:
+        if not q.items:
             return None
         chosen: list[StageRequest] = []
         tokens = 0
-        need = 0
+        need = self.watermark_blocks + self.pool.host_num_used  # swapped requests keep their room
         for req in q.items:
             if len(chosen) >= max_requests or (chosen and tokens + req.prompt_len > budget):
                 break
             n = self._blocks_needed(st, req, req.prompt_len)
-            if need + n + self.watermark_blocks > self.pool.num_free:
+            if need + n > self.pool.num_free:
                 break
             chosen.append(req)
             tokens += req.prompt_len
@@ -782,7 +809,7 @@ class EngineScheduler:
     def _take_chunks(self, st: ResidentStage, budget: int, swap_out: list, swap_in: list) -> list:
         """Sarathi: prompt chunks of the oldest waiting prompts filling `budget` tokens."""
         q = st.prefill_q
-        if budget <= 0 or not q.items or self.pool.host_num_used:
+        if budget <= 0 or not q.items:
             return []
         chunks = []
         for req in list(q.items):
@@ -790,7 +817,7 @@ class EngineScheduler:
                 break
             n = min(budget, req.prompt_len - req.prefilled)
             target = req.prefilled + n
-            if self._blocks_needed(st, req, target) + self.watermark_blocks > self.pool.num_free:
+            if self._blocks_needed(st, req, target) + self.watermark_blocks + self.pool.host_num_used > self.pool.num_free:
                 break
             self._fit(st, [(req, target)], False, swap_out, swap_in)
             q.remove(req)
@@ -815,7 +842,8 @@ class EngineScheduler:
             reqs.append(ScheduledRequest(req.req_id, PREFILL, start, n, end, pool.get(req.req_id).table, toks,
                                          st.is_last and end == req.prompt_len, req.sampling))
             pentries.append(PrefillEntry(req.req_id, start, n, req.prompt_len, req.max_new_tokens, req.arrival,
-                                         req.token_ids if start == 0 else None, req.sampling if start == 0 else None))
+                                         req.token_ids[: req.prompt_len] if start == 0 and req.token_ids is not None else None,
+                                         req.sampling if start == 0 else None))
         for req in decodes:
             req.transition(RUNNING)
             pos = req.context_len
@@ -846,13 +874,11 @@ class EngineScheduler:
         pool = self.pool
         for req, e in pb.prefills:
             req.transition(RUNNING)
-            self._pending.pop(req.req_id, None)
             end = e.start + e.num_tokens
             reqs.append(ScheduledRequest(req.req_id, PREFILL, e.start, e.num_tokens, end, pool.get(req.req_id).table,
                                          None, st.is_last and end == req.prompt_len, req.sampling))
         for req, e in pb.decodes:
             req.transition(RUNNING)
-            self._pending.pop(req.req_id, None)
             reqs.append(ScheduledRequest(req.req_id, DECODE, e.position, 1, e.position + 1, pool.get(req.req_id).table,
                                          None, st.is_last, req.sampling))
         msg = None

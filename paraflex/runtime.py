@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from paraflex.engine.dispatcher import Dispatcher
 from paraflex.engine.engine_builder import build_engine, choose_device, engine_routes
 from paraflex.engine.messages import FreeMessage
 from paraflex.engine.sampling import SamplingParams
@@ -93,7 +94,7 @@ class LLMCluster:
                 progress=progress,
             ))
         self._live: dict[str, _Live] = {}
-        self._outstanding = {(m, j): 0 for m, mp in placement.models.items() for j in range(len(mp.replicas))}
+        self.dispatcher = Dispatcher.from_placement(placement)
         self._inbox: list[tuple] = []
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -255,12 +256,10 @@ class LLMCluster:
     def _apply(self, item) -> None:
         if item[0] == "add":
             _, rid, model, prompt, params, sink = item
-            replica = min(range(len(self.placement.models[model].replicas)),
-                          key=lambda j: (self._outstanding[(model, j)], j))
+            replica = self.dispatcher.pick(model)
             first = self.placement.models[model].replicas[replica][0]
             with self._lock:
                 self._live[rid] = _Live(model, replica, sink, len(prompt), params.max_tokens)
-            self._outstanding[(model, replica)] += 1
             self.engines[first].add_request(model, rid, prompt, params)
             return
         rid = item[1]
@@ -282,6 +281,6 @@ class LLMCluster:
         if finish_reason is not None:
             with self._lock:
                 del self._live[rid]
-            self._outstanding[(live.model, live.replica)] -= 1
+            self.dispatcher.done(live.model, live.replica)
         if live.sink is not None:
             live.sink.on_output(rid, token_ids, finish_reason, error, **extra)

@@ -11,6 +11,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 VOCAB = 320
 
+# The test machine has 2 shared cores: one intra-op thread avoids OpenMP spin contention that
+# makes tiny matmuls 100x slower under load.
+torch.set_num_threads(1)
+
 
 def build_llama(directory, num_layers=3, seed=0, llama3_rope=True, max_shard_size=None):
     torch.manual_seed(seed)

@@ -38,6 +38,12 @@ def test_published_parameter_counts(name, billions):
     assert get_arch(name).num_params() / 1e9 == pytest.approx(billions, rel=0.003)
 
 
+def test_flops_per_token_by_hand():
+    h, f, v = 4096, 11008, 32000
+    matmul_weights = 32 * (4 * h * h + 3 * h * f) + v * h  # blocks + LM head (no norms, no gather)
+    assert get_arch("llama-2-7b").flops_per_token() == 2 * matmul_weights
+
+
 def test_kv_bytes_per_token_per_layer_by_hand():
     assert get_arch("llama-2-70b").kv_bytes_per_token_per_layer() == 2 * 8 * 128 * 2
     assert get_arch("llama-2-7b").kv_bytes_per_token_per_layer() == 2 * 32 * 128 * 2

@@ -122,6 +122,7 @@ def test_defaults_and_units():
         ({"planner.target_stage_time": "fast"}, "planner.target_stage_time", "x2"),
         ({"planner.target_stage_time": "x0"}, "planner.target_stage_time", "> 0"),
         ({"planner.target_stage_time": -5}, "planner.target_stage_time", "> 0"),
+        ({"planner.target_stage_time": "0ms"}, "planner.target_stage_time", "> 0"),
         ({"planner.target_stage_time": True}, "planner.target_stage_time", "auto"),
         ({"planner.ring": "yes"}, "planner.ring", "true or false"),
         ({"planner.kappa_gb": -1}, "planner.kappa_gb", ">= 0"),
@@ -182,7 +183,8 @@ def test_missing_hf_dir_is_reported_at_the_model(tmp_path):
 
 def test_target_stage_time_forms():
     for value, auto, expected in [("auto", 0.04, 0.04), (25, 1.0, 0.025), ("x2", 0.04, 0.08),
-                                  ("/2", 0.04, 0.02), ("X1.5", 0.02, 0.03)]:
+                                  ("/2", 0.04, 0.02), ("X1.5", 0.02, 0.03), ("40ms", 1.0, 0.04),
+                                  ("12.5 ms", 1.0, 0.0125)]:
         cfg = Config.from_dict(make(**{"planner.target_stage_time": value}))
         assert cfg.planner.resolve_target_stage_time(auto) == pytest.approx(expected)
 

@@ -273,11 +273,51 @@ def test_swap_in_oldest_first_when_space_frees():
     deliver(s, dones["a3"])  # a3 becomes ready first ...
     deliver(s, dones["a2"])
     b, _ = run(s)
-    assert b.req_ids == ["a2"] and len(b.swap_in) == 2 and not b.swap_out  # ... but a2 is older
+    assert b.req_ids == ["a2"] and not b.swap_out  # ... but a2 is older
+    # a2 comes in for its batch; the freed space brings a3 back too, after it
+    a2_blocks = {x for layer in s.pool.get("a2").table for x in layer}
+    a3_blocks = {x for layer in s.pool.get("a3").table for x in layer}
+    assert {d for _, d in b.swap_in[:2]} <= a2_blocks and {d for _, d in b.swap_in[2:]} == a3_blocks
+    assert s.state_of("a3") == WAITING_DECODE and s.pool.host_num_used == 0
     b, _ = run(s)
-    assert b.req_ids == ["a3"] and len(b.swap_in) == 2
-    assert s.pool.host_num_used == 0
+    assert b.req_ids == ["a3"] and not b.swap_in
     s.check()
+
+
+def test_swapped_blocked_requests_return_ahead_of_need_oldest_first():
+    s = engine(blocks=6, host=100, batch=1)
+    s.add_stage("A", 0, 1, 256, 1)
+    s.add_stage("B", 0, 1, 256, 1)
+    dones = prefill_all(s, [("a1", "A", 8, 0), ("a2", "A", 8, 1), ("a3", "A", 8, 2)])
+    d = dones["a1"]
+    while s.state_of("a2") != SWAPPED_BLOCKED:
+        deliver(s, d)
+        _, d = run(s)
+    s.free("a1")
+    s.add_request("b", "B", 4, 2, 9.0)
+    # b is admitted (the swapped requests' 4 blocks stay reserved) and its batch carries
+    # the swap-ins of the blocked requests, oldest first
+    b, _ = run(s)
+    assert b.req_ids == ["b"] and not b.swap_out
+    a2_blocks = [x for layer in s.pool.get("a2").table for x in layer]
+    a3_blocks = [x for layer in s.pool.get("a3").table for x in layer]
+    assert [dst for _, dst in b.swap_in] == a2_blocks + a3_blocks
+    assert s.state_of("a2") == BLOCKED and s.state_of("a3") == BLOCKED
+    s.check()
+
+
+def test_admission_keeps_room_for_swapped_requests():
+    s = engine(blocks=6, host=100, batch=1)
+    s.add_stage("A", 0, 1, 256, 1)
+    s.add_stage("B", 0, 1, 256, 1)
+    dones = prefill_all(s, [("a1", "A", 8, 0), ("a2", "A", 8, 1), ("a3", "A", 8, 2)])
+    d = dones["a1"]
+    while s.state_of("a2") != SWAPPED_BLOCKED:
+        deliver(s, d)
+        _, d = run(s)
+    # a1 holds 5 blocks (17 tokens), 1 free, a2 + a3 hold 4 host blocks
+    s.add_request("b", "B", 4, 2, 9.0)
+    assert s.pool.num_free == 1 and s.schedule() is None  # b fits the free block, but that is reserved
 
 
 def test_eviction_is_all_or_nothing():
