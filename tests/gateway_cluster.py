@@ -21,7 +21,7 @@ def config_dict() -> dict:
         "name": "gateway-e2e",
         "cluster": {"num_engines": 2, "device": "cpu", "memory_gb": 0.5, "host_memory_gb": 0.1},
         "models": [{"name": m, "arch": m, "rate": 1} for m in MODELS],
-        "scheduler": {"max_batch_size": 8},
+        "scheduler": {"max_batch_size": 8, "prefill_token_budget": 2048},
     }
 
 

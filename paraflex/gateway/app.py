@@ -30,9 +30,12 @@ from paraflex.gateway.generation import Admission, Chunk, Ticket, generate
 from paraflex.gateway.metrics import GatewayMetrics
 from paraflex.gateway.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     FieldError,
+    StreamOptions,
+    TextPart,
     TokenizeRequest,
     sampling_params,
 )
@@ -61,11 +64,28 @@ def _param_of(message: str) -> str | None:
     return m.group(1) if m else None
 
 
+_FIELD_NAMES = {name for schema in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                                    ChatMessage, TextPart, StreamOptions) for name in schema.model_fields}
+
+
+def _field_path(loc: tuple) -> str | None:
+    """pydantic's error location as a field path (`messages[0].role`), minus union-member tags."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in _FIELD_NAMES or not path:
+            path += f".{part}" if path else str(part)
+        else:
+            break
+    return path or None
+
+
 def _validation_error(exc: ValidationError) -> ApiError:
     err = exc.errors()[0]
-    param = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-after", "union")))
-    param = param.split(".str")[0].split(".list[")[0] or None
-    msg = err["msg"].removeprefix("Value error, ")
+    param = _field_path(tuple(err["loc"]))
+    msg = {"extra_forbidden": "unknown field; this server does not implement it, remove it",
+           "missing": "required field is missing"}.get(err["type"], err["msg"].removeprefix("Value error, "))
     return ApiError(400, f"{param}: {msg}" if param else msg, param=param)
 
 
