@@ -78,10 +78,11 @@ No model starves (guarantee)
 ----------------------------
 Every queue (a first stage's prefill queue and decode queue; a later stage's full-decode,
 under-sized-decode and prefill batch queues) records the decision at which it last was served
-or became non-empty. A non-empty queue not served for more than `starvation_limit` decisions
-(default 64) jumps ahead of the policy's class order; starving queues go oldest head first. So
-a queue whose head can get KV is served within `starvation_limit` + (number of queues on the
-engine) decisions, whatever other models do; within a queue, the oldest request/batch goes first,
+or became non-empty. A non-empty queue not served for more than L decisions jumps ahead of the
+policy's class order; starving queues go oldest head first. L is `starvation_limit`, by default
+max(64, 4 x the number of queues on the engine) so that the policy's order rules in normal
+operation; 0 disables the promotion. So a queue whose head can get KV is served within
+L + (number of queues on the engine) decisions, whatever other models do; within a queue, the oldest request/batch goes first,
 and a first-stage decode batch takes up to `max_batch_size` of them. A chatty small model beside
 a large one therefore cannot hold back the large model's under-sized decode batches for ever
 (tests/test_scheduler_starvation.py).
@@ -90,6 +91,8 @@ a large one therefore cannot hold back the large model's under-sized decode batc
 from __future__ import annotations
 
 from bisect import insort
+from heapq import heapify, heappop, heappush
+from itertools import count
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -119,6 +122,7 @@ from paraflex.engine.request import (
     StageRequest,
 )
 
+_TICK = count()  # unique tie-break for the ages heap
 _GONE_MEMORY = 100_000  # ids of finished/aborted requests remembered to drop late messages
 
 
@@ -141,41 +145,55 @@ class ResidentStage:
     decode_q: "Queue" = field(default=None, repr=False)  # first stage: ready decodes; later: under-sized batches
     full_q: "Queue" = field(default=None, repr=False)  # later stages: full decode batches
     inflight: dict[str, int] = field(default_factory=dict, repr=False)  # first stage: batch_id -> requests awaiting a token
+    key: tuple[str, int] = field(init=False, repr=False)
+    is_first: bool = field(init=False, repr=False)
+    is_last: bool = field(init=False, repr=False)
 
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.model, self.stage)
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+    def __post_init__(self):
+        self.key = (self.model, self.stage)
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == self.num_stages - 1
 
     def queues(self) -> tuple["Queue", ...]:
         return (self.prefill_q, self.decode_q) if self.is_first else (self.full_q, self.decode_q, self.prefill_q)
 
 
 class Queue:
-    """Items sorted by arrival key, plus the decision index it last was served/became non-empty."""
+    """Items sorted by arrival key, plus the decision index it last was served/became non-empty.
 
-    __slots__ = ("items", "since", "stage", "name")
+    Every change of `since` also goes on the engine's `ages` heap, so that finding starving
+    queues costs O(1) per decision while none starves.
+    """
 
-    def __init__(self, stage: ResidentStage, name: str):
+    __slots__ = ("items", "since", "stage", "name", "owner", "reg")
+
+    def __init__(self, stage: ResidentStage, name: str, owner: "EngineScheduler"):
         self.items: list = []
         self.since = 0
         self.stage = stage
         self.name = name
+        self.owner = owner
+        self.reg: tuple | None = None  # (class, head key, tick) of its live entry in a class heap
+
+    def touch(self, decision: int) -> None:
+        """Mark the queue served (or newly non-empty) at `decision`."""
+        self.since = decision
+        heappush(self.owner._ages, (decision, next(_TICK), self))
 
     def push(self, item, decision: int) -> None:
         if not self.items:
-            self.since = decision
+            self.touch(decision)
         insort(self.items, item, key=_key)
+        if self.items[0] is item or self.owner._classify_on_len:
+            self.owner._requeue(self)
+
+    def pop_front(self, n: int) -> None:
+        del self.items[:n]
+        self.owner._requeue(self)
 
     def remove(self, item) -> None:
         self.items.remove(item)
+        self.owner._requeue(self)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -301,7 +319,7 @@ class EngineScheduler:
         policy: str = "full-batch-first",
         prefill_token_budget: int = 4096,
         prefill_max_requests: int | None = None,
-        starvation_limit: int | None = 64,
+        starvation_limit: int | None = None,
         watermark: float = 0.01,
         engine_id: int = 0,
         track_history: bool = False,
@@ -314,8 +332,8 @@ class EngineScheduler:
             raise ConfigError("scheduler.prefill_token_budget", f"must be >= 1 (got {prefill_token_budget})")
         if prefill_max_requests is not None and prefill_max_requests < 1:
             raise ConfigError("scheduler.prefill_max_requests", f"must be >= 1 (got {prefill_max_requests})")
-        if starvation_limit is not None and starvation_limit < 1:
-            raise ConfigError("scheduler.starvation_limit", f"must be >= 1 or None (got {starvation_limit})")
+        if starvation_limit is not None and starvation_limit < 0:
+            raise ConfigError("scheduler.starvation_limit", f"must be >= 0 (0 disables, None = automatic; got {starvation_limit})")
         if not 0 <= watermark < 1:
             raise ConfigError("scheduler.watermark", f"must be in [0, 1) (got {watermark})")
         self.pool = pool
@@ -333,6 +351,10 @@ class EngineScheduler:
         self._by_key: dict[tuple[str, int], ResidentStage] = {}
         self._first: dict[str, ResidentStage] = {}
         self._reqs: dict[str, StageRequest] = {}
+        self._ages: list = []  # heap of (since, tick, queue): see Queue
+        self._heaps: list[list] = [[] for _ in range(self.policy.num_classes)]  # per class: (head key, tick, queue)
+        self._classify_on_len = self.policy.classify_on_len
+        self._starvation_auto = 64
         self._swapped: set[StageRequest] = set()  # requests whose KV is in the host pool
         self._gone: OrderedDict[str, str] = OrderedDict()  # finished/aborted ids -> final state
         self._seq = 0
@@ -363,9 +385,10 @@ class EngineScheduler:
         st = ResidentStage(model, stage, num_layers, kv_bytes_per_token_per_layer, num_stages,
                            tokens_per_block(self.pool.block_bytes, kv_bytes_per_token_per_layer, model))
         if st.is_first:
-            st.prefill_q, st.decode_q = Queue(st, "prefill"), Queue(st, "decode")
+            st.prefill_q, st.decode_q = Queue(st, "prefill", self), Queue(st, "decode", self)
         else:
-            st.full_q, st.decode_q, st.prefill_q = Queue(st, "full"), Queue(st, "decode"), Queue(st, "prefill")
+            st.full_q, st.decode_q, st.prefill_q = Queue(st, "full", self), Queue(st, "decode", self), Queue(st, "prefill", self)
+        self._starvation_auto = max(64, 4 * sum(len(x.queues()) for x in self.stages + [st]))
         self.stages.append(st)
         self._by_key[st.key] = st
         if st.is_first:
@@ -505,7 +528,7 @@ class EngineScheduler:
     def schedule(self, now: float = 0.0) -> ScheduledBatch | None:
         """The next batch to run on this engine, or None if nothing can run now."""
         batch = None
-        if self.starvation_limit is not None:
+        if self.starvation_limit != 0:
             batch = self._serve_starving(now)
         if batch is None:
             batch = self.policy.pick(self, now)
@@ -775,8 +798,8 @@ class EngineScheduler:
         if not take and not chunks:
             return None
         if take:
-            del q.items[: len(take)]
-            q.since = self.decisions
+            q.pop_front(len(take))
+            q.touch(self.decisions)
         return self._form_first(st, chunks, take, now, swap_out, swap_in)
 
     def try_first_prefill(self, st: ResidentStage, now: float, budget: int, max_requests: int) -> ScheduledBatch | None:
@@ -802,8 +825,8 @@ class EngineScheduler:
         swap_in: list = []
         ok = self._fit(st, [(r, r.prompt_len) for r in chosen], False, swap_out, swap_in)
         assert ok, "prefill admission checked free blocks"
-        del q.items[: len(chosen)]
-        q.since = self.decisions
+        q.pop_front(len(chosen))
+        q.touch(self.decisions)
         return self._form_first(st, [(r, r.prefilled, r.prompt_len - r.prefilled) for r in chosen], [], now, swap_out, swap_in)
 
     def _take_chunks(self, st: ResidentStage, budget: int, swap_out: list, swap_in: list) -> list:
@@ -824,7 +847,7 @@ class EngineScheduler:
             chunks.append((req, req.prefilled, n))
             budget -= n
         if chunks:
-            q.since = self.decisions
+            q.touch(self.decisions)
         return chunks
 
     def _form_first(self, st: ResidentStage, chunks: list, decodes: list[StageRequest], now: float,
@@ -868,8 +891,8 @@ class EngineScheduler:
         swap_in: list = []
         if not self._fit(st, members, True, swap_out, swap_in):
             return None
-        q.items.pop(0)
-        q.since = self.decisions
+        q.pop_front(1)
+        q.touch(self.decisions)
         reqs = []
         pool = self.pool
         for req, e in pb.prefills:
@@ -889,24 +912,68 @@ class EngineScheduler:
         return ScheduledBatch(src.batch_id, st.model, st.stage, src.kind, reqs, st.num_layers, False, st.is_last,
                               pool.block_bytes, swap_out, swap_in, msg, list(pb.rows) if pb.dropped else None, now)
 
-    def serve_queue(self, q: Queue, now: float) -> ScheduledBatch | None:
-        """Form a batch from one queue regardless of class (starvation promotion)."""
-        st = q.stage
-        if not st.is_first:
-            return self.try_pending(st, q, now)
-        if q is st.decode_q:
-            return self.policy.first_decode(self, st, now)
-        return self.policy.first_prefill(self, st, now)
+    # --- class heaps: each policy class keeps its non-empty queues ordered by head key -------
+    def _requeue(self, q: Queue) -> None:
+        """Re-register `q` in its policy class heap after its head or size changed."""
+        if not q.items:
+            q.reg = None
+            return
+        cls = self.policy.classify(self, q)
+        key = q.items[0].key
+        reg = q.reg
+        if reg is not None and reg[0] == cls and reg[1] == key:
+            return
+        tick = next(_TICK)
+        q.reg = (cls, key, tick)
+        heap = self._heaps[cls]
+        heappush(heap, (key, tick, q))
+        if len(heap) > 4 * (len(self.stages) + 16):
+            heap[:] = [e for e in heap if e[2].reg is not None and e[2].reg[2] == e[1]]
+            heapify(heap)
+
+    def pick_from_class(self, cls: int, now: float) -> ScheduledBatch | None:
+        """Try the queues of one policy class, oldest head first; the first batch formed wins."""
+        heap = self._heaps[cls]
+        attempt = self.policy.attempt
+        skipped = []
+        batch = None
+        while heap:
+            entry = heap[0]
+            reg = entry[2].reg
+            if reg is None or reg[2] != entry[1]:
+                heappop(heap)  # stale: the queue changed since
+                continue
+            batch = attempt(self, entry[2], now)
+            if batch is not None:
+                break
+            skipped.append(heappop(heap))
+        for entry in skipped:
+            heappush(heap, entry)
+        return batch
+
+    @property
+    def effective_starvation_limit(self) -> int:
+        """`starvation_limit`, or when it is None: max(64, 4 x the number of queues)."""
+        if self.starvation_limit is not None:
+            return self.starvation_limit
+        return self._starvation_auto
 
     def _serve_starving(self, now: float) -> ScheduledBatch | None:
-        limit = self.starvation_limit
+        ages = self._ages
+        # drop stale heap entries (the queue was touched again, or emptied) from the top
+        while ages and (ages[0][2].since != ages[0][0] or not ages[0][2].items):
+            heappop(ages)
+        if len(ages) > 8 * (len(self.stages) + 8):
+            ages[:] = [a for a in ages if a[2].since == a[0] and a[2].items]
+            heapify(ages)
+        limit = self.effective_starvation_limit
         d = self.decisions
-        starving = [q for st in self.stages for q in st.queues() if q.items and d - q.since > limit]
-        if not starving:
+        if not ages or d - ages[0][0] <= limit:
             return None
+        starving = list({id(q): q for since, _, q in ages if q.since == since and q.items and d - since > limit}.values())
         starving.sort(key=lambda q: q.items[0].key)
         for q in starving:
-            batch = self.serve_queue(q, now)
+            batch = self.policy.attempt(self, q, now)
             if batch is not None:
                 self.stats["starvation_promotions"] += 1
                 return batch

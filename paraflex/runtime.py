@@ -70,9 +70,11 @@ class _Collector:
 
 class LLMCluster:
     def __init__(self, config, placement=None, *, device="auto", dtype="auto", kv_bytes=None,
-                 host_kv_bytes=None, seed: int = 0, progress=None, solver: str = "paraflex") -> None:
+                 host_kv_bytes=None, seed: int = 0, progress=None, solver: str = "paraflex",
+                 models: list[str] | None = None) -> None:
         """kv_bytes / host_kv_bytes: per-engine KV pool and swap space (override the plan);
-        progress: a callable taking one line of text, told about planning and loading."""
+        progress: a callable taking one line of text, told about planning and loading;
+        models: serve only these models of the placement (load nothing of the others)."""
         self.config = config
         if placement is None:
             from paraflex.planner import plan
@@ -80,12 +82,20 @@ class LLMCluster:
             if progress:
                 progress(f"planning {len(config.models)} model(s) on {config.cluster.num_engines} engine(s)")
             placement = plan(config, solver=solver)
+        if models is not None:
+            unknown = [m for m in models if m not in placement.models]
+            if unknown:
+                raise UserError(f"model: {unknown[0]!r} is not in the placement; models: {', '.join(placement.models)}")
+            placement = _restrict(placement, models)
         self.placement = placement
         self.device = choose_device(device)
         self.hub = LocalTransport()
         self._tokenizers: dict[str, Tokenizer] = {}
         self.engines = []
         for eid in range(placement.num_engines):
+            if not placement.engine(eid).stages:
+                self.engines.append(None)
+                continue
             last_models = [m for m, (_, s, r) in engine_routes(placement, eid).items() if s == len(r) - 1]
             toks = {m: self.tokenizer(m) for m in last_models}
             self.engines.append(build_engine(
@@ -161,7 +171,8 @@ class LLMCluster:
             self._apply(item)
         worked = bool(inbox)
         for engine in self.engines:
-            worked |= engine.step()
+            if engine is not None:
+                worked |= engine.step()
         return worked
 
     def run_until_idle(self, timeout_s: float | None = None) -> None:
@@ -241,9 +252,9 @@ class LLMCluster:
     def _check_fits(self, model: str, tokens: int) -> None:
         """A request whose whole context cannot fit in a stage's KV pool would never run."""
         for engine in self.engines:
-            sched = engine.scheduler
-            if model not in engine.routes:
+            if engine is None or model not in engine.routes:
                 continue
+            sched = engine.scheduler
             st = sched.stage_of(model)
             need = -(-tokens // st.tokens_per_block) * st.num_layers
             if need > sched.pool.capacity:
@@ -284,3 +295,16 @@ class LLMCluster:
             self.dispatcher.done(live.model, live.replica)
         if live.sink is not None:
             live.sink.on_output(rid, token_ids, finish_reason, error, **extra)
+
+
+def _restrict(placement, models):
+    """The placement with only `models` (engines keep their ids; others become empty)."""
+    from paraflex.placement import EnginePlacement, Placement
+
+    engines = [
+        EnginePlacement(e.id, [s for s in e.stages if s.model in models], e.weight_bytes,
+                        {m: b for m, b in e.kv_bytes.items() if m in models})
+        for e in placement.engines
+    ]
+    return Placement(placement.version, placement.planner, placement.params, placement.objective,
+                     {m: p for m, p in placement.models.items() if m in models}, engines)

@@ -23,7 +23,7 @@ def clusters(draw, blocks=st.integers(96, 160)):
         layers = draw(st.lists(st.integers(1, 2), min_size=stages, max_size=stages))
         models.append(ModelSpec(f"m{i}", list(engines), layers, draw(st.sampled_from([128, 256, 512]))))
     policy = draw(st.sampled_from(["full-batch-first", "prefill-first", "sarathi"]))
-    kw = {"prefill_token_budget": draw(st.integers(3, 24)), "starvation_limit": draw(st.sampled_from([None, 4, 64]))}
+    kw = {"prefill_token_budget": draw(st.integers(3, 24)), "starvation_limit": draw(st.sampled_from([None, 0, 4, 64]))}
     return Cluster(n, models, blocks=draw(blocks), host_blocks=4000, max_batch_size=draw(st.integers(1, 4)),
                    policy=policy, seed=draw(st.integers(0, 2**16)), sched_kwargs=kw)
 

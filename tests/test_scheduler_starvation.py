@@ -31,7 +31,7 @@ def chatty_engine(starvation_limit):
 
 
 def test_without_promotion_the_large_model_starves():
-    s, large_steps = chatty_engine(None)
+    s, large_steps = chatty_engine(0)
     assert large_steps == [1]  # its prefill ran (oldest), then its under-sized decodes never did
     assert s.state_of("L") == "waiting-decode"
 
