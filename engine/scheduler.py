@@ -97,7 +97,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from paraflex.errors import ConfigError, ParaflexError
+from paraflex.errors import ConfigError, ParaflexError, UserError
 from paraflex.engine.block_pool import BlockPool, tokens_per_block
 from paraflex.engine.messages import (
     DECODE,
@@ -416,6 +416,13 @@ class EngineScheduler:
             raise ConfigError("max_tokens", f"request {req_id!r} asks for {max_new_tokens} new tokens; ask for at least one")
         if prompt_token_ids is not None and len(prompt_token_ids) != prompt_len:
             raise ProtocolError(f"request {req_id!r}: prompt_len {prompt_len} != len(prompt_token_ids) {len(prompt_token_ids)}")
+        longest = prompt_len + max_new_tokens - 1  # the last token is never fed back
+        blocks = -(-longest // st.tokens_per_block) * st.num_layers
+        if blocks > self.pool.capacity:
+            raise UserError(
+                f"request {req_id!r}: {prompt_len} prompt tokens + max_tokens {max_new_tokens} need {blocks} KV blocks "
+                f"at {model} stage 0, but engine {self.engine_id} holds {self.pool.capacity}; shorten the prompt or lower max_tokens"
+            )
         req = self._new_request(req_id, st, arrival_time, prompt_len, max_new_tokens, sampling,
                                 list(prompt_token_ids) if prompt_token_ids is not None else None)
         st.prefill_q.push(req, self.decisions)
@@ -480,7 +487,7 @@ class EngineScheduler:
                 self._finish(req, FINISHED)
                 continue
             self._leave_inflight(st, req)
-            if not st.is_last:  # a one-stage model counted it in complete()
+            if not st.is_last:  # a one-stage model counted the token in complete() already
                 req.generated += 1
             if req.token_ids is not None and e.token_id is not None:
                 req.token_ids.append(e.token_id)
@@ -610,6 +617,8 @@ class EngineScheduler:
         self.pool.check()
         for rid, req in self._reqs.items():
             alloc = self.pool.get(rid)
+            if alloc is not req.alloc:
+                raise ParaflexError(f"{rid!r}: the request's allocation is not the pool's")
             if req.swapped != (alloc is not None and alloc.on_host):
                 raise ParaflexError(f"{rid!r} in state {req.state} but its KV is {'on host' if alloc and alloc.on_host else 'not on host'}")
             if alloc is not None and alloc.token_capacity < req.context_len:
@@ -664,6 +673,7 @@ class EngineScheduler:
                 self._drop_from_pending(st, req)
         req.transition(final)
         self.pool.release(req.req_id)
+        req.alloc = None
         self._swapped.discard(req)
         del self._reqs[req.req_id]
         self._remember(req.req_id, final)
@@ -686,11 +696,16 @@ class EngineScheduler:
         return f"{st.model}/e{self.engine_id}/{self._batch_seq}"
 
     # --- KV: fit a set of (request, target context) pairs, evicting if allowed ---------------
-    def _blocks_needed(self, st: ResidentStage, req: StageRequest, target: int) -> int:
-        alloc = self.pool.get(req.req_id)
+    @staticmethod
+    def _blocks_needed(st: ResidentStage, req: StageRequest, target: int) -> int:
+        """Device blocks `req` needs to cover `target` tokens (all of them if swapped out)."""
+        alloc = req.alloc
         if alloc is None:
             return -(-target // st.tokens_per_block) * st.num_layers
-        return self.pool.extra_blocks(alloc, target)
+        per_layer = -(-target // alloc.tokens_per_block)
+        if not alloc.on_host:
+            per_layer -= alloc.blocks_per_layer
+        return per_layer * alloc.num_layers if per_layer > 0 else 0
 
     def _make_room(self, need: int, exclude: set[str], swap_out: list) -> bool:
         """Evict until `need` device blocks are free; all-or-nothing. Appends to swap_out."""
@@ -704,7 +719,7 @@ class EngineScheduler:
         for req in self._reqs.values():
             if req.state not in (BLOCKED, WAITING_DECODE) or req.req_id in exclude or req.prefilled < req.prompt_len:
                 continue  # running, prefilling (a chunked prompt between chunks too) or in this batch
-            alloc = pool.get(req.req_id)
+            alloc = req.alloc
             if alloc is None or alloc.on_host or not alloc.num_blocks:
                 continue
             cands.setdefault((req.model, req.stage), []).append((req, alloc.num_blocks))
@@ -743,7 +758,7 @@ class EngineScheduler:
         """
         pool = self.pool
         for req in sorted(self._swapped, key=_key):
-            n = pool.get(req.req_id).num_blocks
+            n = req.alloc.num_blocks
             if pool.num_free - n < self.headroom_blocks:
                 break
             plan = pool.swap_in(req.req_id)
@@ -758,17 +773,18 @@ class EngineScheduler:
         """Give every (request, target context) KV; swap in swapped members. False: nothing changed."""
         pool = self.pool
         need = 0
+        blocks_needed = self._blocks_needed
         for req, target in members:
-            need += self._blocks_needed(st, req, target)
+            need += blocks_needed(st, req, target)
         if need > pool.num_free:
             if not allow_evict or need > pool.capacity:
                 return False
             if not self._make_room(need, {r.req_id for r, _ in members}, swap_out):
                 return False
         for req, target in members:
-            alloc = pool.get(req.req_id)
+            alloc = req.alloc
             if alloc is None:
-                alloc = pool.open(req.req_id, st.key, st.num_layers, st.tokens_per_block)
+                alloc = req.alloc = pool.open(req.req_id, st.key, st.num_layers, st.tokens_per_block)
             elif alloc.on_host:
                 plan = pool.swap_in(req.req_id)
                 swap_in.extend(plan)
@@ -862,7 +878,7 @@ class EngineScheduler:
             req.transition(RUNNING)
             end = start + n
             toks = req.token_ids[start:end] if req.token_ids is not None else None
-            reqs.append(ScheduledRequest(req.req_id, PREFILL, start, n, end, pool.get(req.req_id).table, toks,
+            reqs.append(ScheduledRequest(req.req_id, PREFILL, start, n, end, req.alloc.table, toks,
                                          st.is_last and end == req.prompt_len, req.sampling))
             pentries.append(PrefillEntry(req.req_id, start, n, req.prompt_len, req.max_new_tokens, req.arrival,
                                          req.token_ids[: req.prompt_len] if start == 0 and req.token_ids is not None else None,
@@ -871,7 +887,7 @@ class EngineScheduler:
             req.transition(RUNNING)
             pos = req.context_len
             tok = req.token_ids[-1] if req.token_ids is not None else None
-            reqs.append(ScheduledRequest(req.req_id, DECODE, pos, 1, pos + 1, pool.get(req.req_id).table,
+            reqs.append(ScheduledRequest(req.req_id, DECODE, pos, 1, pos + 1, req.alloc.table,
                                          [tok] if tok is not None else None, st.is_last, req.sampling))
             dentries.append(DecodeEntry(req.req_id, tok, pos))
         msg = None if st.is_last else BatchMessage(st.model, st.stage + 1, batch_id, kind, pentries, dentries, now)
@@ -887,6 +903,12 @@ class EngineScheduler:
             if req.state != WAITING_PREFILL or req.prefilled != e.start:
                 return None  # an earlier chunk of this request has not run here yet
         members = [(r, e.start + e.num_tokens) for r, e in pb.prefills] + [(r, e.position + 1) for r, e in pb.decodes]
+        whole = sum(-(-t // st.tokens_per_block) for _, t in members) * st.num_layers
+        if whole > self.pool.capacity:
+            raise ProtocolError(
+                f"engine {self.engine_id}: batch {pb.msg.batch_id} of {st.model} stage {st.stage} needs {whole} KV blocks, "
+                f"the pool holds {self.pool.capacity}; give this engine KV for max_batch_size requests of full context"
+            )
         swap_out: list = []
         swap_in: list = []
         if not self._fit(st, members, True, swap_out, swap_in):
@@ -898,11 +920,11 @@ class EngineScheduler:
         for req, e in pb.prefills:
             req.transition(RUNNING)
             end = e.start + e.num_tokens
-            reqs.append(ScheduledRequest(req.req_id, PREFILL, e.start, e.num_tokens, end, pool.get(req.req_id).table,
+            reqs.append(ScheduledRequest(req.req_id, PREFILL, e.start, e.num_tokens, end, req.alloc.table,
                                          None, st.is_last and end == req.prompt_len, req.sampling))
         for req, e in pb.decodes:
             req.transition(RUNNING)
-            reqs.append(ScheduledRequest(req.req_id, DECODE, e.position, 1, e.position + 1, pool.get(req.req_id).table,
+            reqs.append(ScheduledRequest(req.req_id, DECODE, e.position, 1, e.position + 1, req.alloc.table,
                                          None, st.is_last, req.sampling))
         msg = None
         src = pb.msg

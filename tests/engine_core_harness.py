@@ -33,6 +33,7 @@ class Cluster:
     max_batch_size: int = 4
     policy: str = "full-batch-first"
     seed: int | None = None  # None: engines step in id order; else in a random order each step
+    overlap: bool = False  # True: a batch runs across a step, so messages arrive while it runs
     sched_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -53,6 +54,7 @@ class Cluster:
         self.finished: set[str] = set()
         self.aborted: set[str] = set()
         self.batches: list = []  # (engine id, ScheduledBatch) in execution order
+        self.running: dict[int, object] = {}  # overlap mode: engine id -> its batch in flight
 
     def add(self, req_id: str, model: str, prompt_len: int, max_new: int) -> None:
         m = self.spec[model]
@@ -83,11 +85,25 @@ class Cluster:
 
     def step_engine(self, e: int) -> bool:
         sched = self.engines[e]
+        if self.overlap:
+            progressed = False
+            if e in self.running:
+                self._finish_batch(e, self.running.pop(e))
+                progressed = True
+            batch = sched.schedule(self.now)
+            if batch is not None:
+                self.batches.append((e, batch))
+                self.running[e] = batch
+            return progressed or batch is not None
         batch = sched.schedule(self.now)
         if batch is None:
             return False
         self.batches.append((e, batch))
-        done = sched.complete(batch)
+        self._finish_batch(e, batch)
+        return True
+
+    def _finish_batch(self, e: int, batch) -> None:
+        done = self.engines[e].complete(batch)
         m = self.spec[batch.model]
         if batch.message is not None:
             self._send(m.engines[batch.stage + 1], batch.message)
@@ -99,7 +115,6 @@ class Cluster:
             if fm is not None:
                 for s in range(len(m.engines) - 1):
                     self._send(m.engines[s], fm)
-        return True
 
     def step(self) -> bool:
         """Deliver pending messages, then let every engine (in random or id order) run one batch."""
@@ -122,7 +137,7 @@ class Cluster:
             progressed = self.step()
             if check:
                 self.check()
-            if not progressed and not any(self.inbox):
+            if not progressed and not any(self.inbox) and not self.running:
                 return n
         raise AssertionError(f"cluster still busy after {max_steps} steps: live {[s.num_live for s in self.engines]}")
 
