@@ -7,8 +7,8 @@ shared KV pool, registers the stages with the engine-core scheduler (with the KV
 token of the dtype actually used) and wires the routes of each model's replica.
 
 Device and dtype: `device="auto"` picks CUDA when available, else CPU; `dtype="auto"` is
-bfloat16 on GPU and float32 on CPU (bfloat16 and float16 can be asked for explicitly; float16
-only on GPU).
+float32 for a model whose config says 4-byte weights (`dtype: float32`), otherwise bfloat16 on
+GPU and float32 on CPU (bfloat16 and float16 can be asked for explicitly; float16 only on GPU).
 """
 
 from __future__ import annotations
@@ -77,7 +77,6 @@ def build_engine(config, placement, engine_id: int, transport, sink, *, device="
     `host_kv_bytes` overrides cluster.host_memory_gb (swap space); `models` limits the
     resident stages to those models (default: all the placement puts here)."""
     dev = choose_device(device)
-    dt = choose_dtype(dev, dtype)
     eng = placement.engine(engine_id)
     block_bytes = config.scheduler.block_bytes
     if kv_bytes is None:
@@ -105,6 +104,7 @@ def build_engine(config, placement, engine_id: int, transport, sink, *, device="
         if models is not None and model not in models:
             continue
         mc = config.model(model)
+        dt = torch.float32 if dtype in (None, "auto") and mc.arch.dtype_bytes == 4 else choose_dtype(dev, dtype)
         a, b = placement.models[model].stages[stage]
         if progress:
             progress(f"engine {engine_id}: loading {model} stage {stage} (layers {a}-{b - 1}) on {dev} as {dt}")

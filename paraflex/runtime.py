@@ -48,8 +48,6 @@ class _Live:
     model: str
     replica: int
     sink: object
-    prompt_len: int
-    max_tokens: int
 
 
 class _Collector:
@@ -91,11 +89,10 @@ class LLMCluster:
         self.device = choose_device(device)
         self.hub = LocalTransport()
         self._tokenizers: dict[str, Tokenizer] = {}
-        self.engines = []
+        self.engines = []  # the EngineLoops of the engines holding at least one stage
         for eid in range(placement.num_engines):
             if not placement.engine(eid).stages:
-                self.engines.append(None)
-                continue
+                continue  # nothing resident (e.g. only other models' stages, filtered out)
             last_models = [m for m, (_, s, r) in engine_routes(placement, eid).items() if s == len(r) - 1]
             toks = {m: self.tokenizer(m) for m in last_models}
             self.engines.append(build_engine(
@@ -103,6 +100,7 @@ class LLMCluster:
                 kv_bytes=kv_bytes, host_kv_bytes=host_kv_bytes, seed=seed, tokenizers=toks,
                 progress=progress,
             ))
+        self._by_id = {e.engine_id: e for e in self.engines}
         self._live: dict[str, _Live] = {}
         self.dispatcher = Dispatcher.from_placement(placement)
         self._inbox: list[tuple] = []
@@ -171,8 +169,7 @@ class LLMCluster:
             self._apply(item)
         worked = bool(inbox)
         for engine in self.engines:
-            if engine is not None:
-                worked |= engine.step()
+            worked |= engine.step()
         return worked
 
     def run_until_idle(self, timeout_s: float | None = None) -> None:
@@ -252,7 +249,7 @@ class LLMCluster:
     def _check_fits(self, model: str, tokens: int) -> None:
         """A request whose whole context cannot fit in a stage's KV pool would never run."""
         for engine in self.engines:
-            if engine is None or model not in engine.routes:
+            if model not in engine.routes:
                 continue
             sched = engine.scheduler
             st = sched.stage_of(model)
@@ -270,8 +267,8 @@ class LLMCluster:
             replica = self.dispatcher.pick(model)
             first = self.placement.models[model].replicas[replica][0]
             with self._lock:
-                self._live[rid] = _Live(model, replica, sink, len(prompt), params.max_tokens)
-            self.engines[first].add_request(model, rid, prompt, params)
+                self._live[rid] = _Live(model, replica, sink)
+            self._by_id[first].add_request(model, rid, prompt, params)
             return
         rid = item[1]
         live = self._live.get(rid)

@@ -148,3 +148,21 @@ def test_generate_command_prints_the_completion(tmp_path, capsys):
     assert code == 0 and captured.out.endswith("\n") and captured.err == ""
     assert main(["generate", str(cfg), "--model", "nope", "--prompt", "hi"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_a_failing_batch_fails_its_requests_not_the_engine(monkeypatch):
+    pl = make_placement({"tiny-2l": (2, [(0, 1), (1, 2)], [[0, 1]])}, 2)
+    c = LLMCluster(_demo_config(), pl, kv_bytes=1 << 20, models=["tiny-2l"])
+    worker = c.engines[1].worker
+    real_run = worker.run
+    monkeypatch.setattr(worker, "run", lambda batch, hidden=None: (_ for _ in ()).throw(RuntimeError("boom")))
+    sink = Sink()
+    c.submit("tiny-2l", [256, 1, 2], SamplingParams(max_tokens=4), sink=sink)
+    c.run_until_idle()
+    assert sink.calls == [([], "abort", "RuntimeError: boom", {})]
+    for _ in range(3):
+        c.step()
+    assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
+    monkeypatch.setattr(worker, "run", real_run)  # the engine still serves the next request
+    ok = c.generate("tiny-2l", "hi", SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 3
