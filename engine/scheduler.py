@@ -37,6 +37,12 @@ The engine loop (one batch in flight per engine)::
     # last stage:     send done.token_message to the model's first stage (metadata only) and
     #                 FreeMessage(model, done.finished) to every other stage of the model
 
+Events may arrive between `schedule` and `complete` (the simulator delivers them at their own
+times; the torch loop between batches); only `free` of a running request is a protocol error,
+an `abort` of one waits for `complete` (`Completion.aborted`). `add_request` refuses (UserError)
+a request whose prompt + max_tokens can never fit this engine's pool; a received batch larger
+than the whole pool raises ProtocolError at `schedule` instead of waiting for ever.
+
 `tokens`/`stopped` matter on the last stage only (the simulator passes neither: a request
 then finishes by length). The first stage forms decode batches continuously: a request
 re-enters waiting-decode when its token arrives. Later stages run each batch exactly as the
@@ -81,9 +87,10 @@ under-sized-decode and prefill batch queues) records the decision at which it la
 or became non-empty. A non-empty queue not served for more than L decisions jumps ahead of the
 policy's class order; starving queues go oldest head first. L is `starvation_limit`, by default
 max(64, 4 x the number of queues on the engine) so that the policy's order rules in normal
-operation; 0 disables the promotion. So a queue whose head can get KV is served within
-L + (number of queues on the engine) decisions, whatever other models do; within a queue, the oldest request/batch goes first,
-and a first-stage decode batch takes up to `max_batch_size` of them. A chatty small model beside
+operation; 0 disables the promotion. A served queue cannot starve again for L decisions, so
+with L >= Q (the number of queues on the engine; the default ensures it) a queue whose head can
+get KV is served within L + Q decisions, whatever other models do. Within a queue the oldest
+request/batch goes first, and a first-stage decode batch takes up to `max_batch_size` of them. A chatty small model beside
 a large one therefore cannot hold back the large model's under-sized decode batches for ever
 (tests/test_scheduler_starvation.py).
 """
@@ -91,9 +98,9 @@ a large one therefore cannot hold back the large model's under-sized decode batc
 from __future__ import annotations
 
 from bisect import insort
+from collections import OrderedDict
 from heapq import heapify, heappop, heappush
 from itertools import count
-from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
@@ -757,6 +764,8 @@ class EngineScheduler:
         the first request that does not fit, so younger ones never overtake older ones.
         """
         pool = self.pool
+        if pool.num_free <= self.headroom_blocks:
+            return
         for req in sorted(self._swapped, key=_key):
             n = req.alloc.num_blocks
             if pool.num_free - n < self.headroom_blocks:
@@ -992,11 +1001,18 @@ class EngineScheduler:
         d = self.decisions
         if not ages or d - ages[0][0] <= limit:
             return None
-        starving = list({id(q): q for since, _, q in ages if q.since == since and q.items and d - since > limit}.values())
-        starving.sort(key=lambda q: q.items[0].key)
-        for q in starving:
+        popped = {}  # id(queue) -> its live entry (a queue touched twice in one decision: keep one)
+        while ages and d - ages[0][0] > limit:
+            entry = heappop(ages)
+            if entry[2].since == entry[0] and entry[2].items:
+                popped[id(entry[2])] = entry
+        batch = None
+        for q in sorted((e[2] for e in popped.values()), key=lambda q: q.items[0].key):
             batch = self.policy.attempt(self, q, now)
             if batch is not None:
                 self.stats["starvation_promotions"] += 1
-                return batch
-        return None
+                break
+        for entry in popped.values():  # still starving (the served queue got a fresh entry)
+            if entry[2].since == entry[0] and entry[2].items:
+                heappush(ages, entry)
+        return batch

@@ -1,8 +1,10 @@
-"""A tiny multi-engine driver for the engine-core tests: message passing without tensors.
+"""Test helpers for the engine core: a tiny multi-engine driver, and single-engine shortcuts.
 
-It follows the driving protocol of engine/scheduler.py exactly (like the simulator and the
-torch engine loop do), with messages going through msgpack, an optional random delivery order
-and random aborts, and it records every event so tests can assert on what happened.
+`Cluster` follows the driving protocol of engine/scheduler.py exactly (like the simulator and
+the torch engine loop do), with messages going through msgpack, an optional random engine
+order, batches that may span a step (messages arriving while they run) and aborts; it records
+every batch so tests can assert on what happened. `engine`/`run`/`deliver` drive one engine by
+hand for the hand-checked scenarios.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 
 from paraflex.engine.block_pool import BlockPool
-from paraflex.engine.messages import FreeMessage, pack, unpack
+from paraflex.engine.messages import FreeMessage, TokenMessage, pack, unpack
 from paraflex.engine.scheduler import EngineScheduler
 
 
@@ -144,3 +146,24 @@ class Cluster:
     def check(self) -> None:
         for s in self.engines:
             s.check()
+
+
+# ---- single-engine helpers for hand-checked scenarios
+def engine(blocks=1000, host=1000, batch=2, **kw):
+    """block 1024 bytes, kv 256 bytes/token/layer -> 4 tokens per block."""
+    kw.setdefault("watermark", 0.0)
+    return EngineScheduler(BlockPool(blocks, 1024, host), max_batch_size=batch, **kw)
+
+
+def run(sched, now=0.0, **kw):
+    """One decision + completion; returns (batch, completion)."""
+    b = sched.schedule(now)
+    assert b is not None, "expected a runnable batch"
+    return b, sched.complete(b, **kw)
+
+
+def deliver(sched, done, only=None):
+    """Hand (some of) a single-stage model's tokens back to its first stage."""
+    tm = done.token_message
+    entries = [e for e in tm.entries if only is None or e.req_id in only]
+    sched.receive_tokens(TokenMessage(tm.model, tm.batch_id, entries))

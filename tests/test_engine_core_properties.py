@@ -8,6 +8,7 @@ request finishes once arrivals stop (the run must go idle), with exactly max_new
 
 import os
 
+import pytest
 from engine_core_harness import Cluster, ModelSpec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -44,6 +45,7 @@ events = st.lists(
 EXAMPLES = int(os.environ.get("PARAFLEX_PROPERTY_EXAMPLES", "150"))
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(clusters(), events)
 def test_random_event_sequences_keep_invariants_and_finish(c, evs):
@@ -74,6 +76,7 @@ def test_random_event_sequences_keep_invariants_and_finish(c, evs):
     assert c.engines[c.spec[c.models[0].name].engines[0]].state_of("r-never") is None
 
 
+@pytest.mark.slow
 @settings(max_examples=max(25, EXAMPLES // 6), deadline=None)
 @given(clusters(blocks=st.just(60)))
 def test_swapping_under_pressure_never_loses_a_request(c):

@@ -1,9 +1,10 @@
 """Hand-checked scenarios for the scheduler rules of paper §5 (full-batch-first) and the protocol."""
 
 import pytest
+from engine_core_harness import deliver, engine, run
 
 from paraflex.engine.block_pool import BlockPool
-from paraflex.engine.messages import BatchMessage, DecodeEntry, PrefillEntry, TokenMessage
+from paraflex.engine.messages import BatchMessage, DecodeEntry, PrefillEntry
 from paraflex.engine.request import (
     ABORTED,
     BLOCKED,
@@ -15,26 +16,6 @@ from paraflex.engine.request import (
 )
 from paraflex.engine.scheduler import EngineScheduler, ProtocolError
 from paraflex.errors import ConfigError, UserError
-
-
-def engine(blocks=1000, host=1000, batch=2, **kw):
-    """block 1024 bytes, kv 256 bytes/token/layer -> 4 tokens per block."""
-    kw.setdefault("watermark", 0.0)
-    return EngineScheduler(BlockPool(blocks, 1024, host), max_batch_size=batch, **kw)
-
-
-def run(sched, now=0.0, **kw):
-    """One decision + completion; returns (batch, completion)."""
-    b = sched.schedule(now)
-    assert b is not None, "expected a runnable batch"
-    return b, sched.complete(b, **kw)
-
-
-def deliver(sched, done, only=None):
-    """Hand (some of) a single-stage model's tokens back to its first stage."""
-    tm = done.token_message
-    entries = [e for e in tm.entries if only is None or e.req_id in only]
-    sched.receive_tokens(TokenMessage(tm.model, tm.batch_id, entries))
 
 
 # ------------------------------------------------------------------ full-batch-first order
@@ -220,7 +201,7 @@ def test_victims_come_from_the_model_with_most_kv_blocked_first_newest_first():
     # now 1 free block; A's decode [a1, a2] needs 2 more blocks -> evict 1 block's worth
     b, _ = run(s)
     assert b.req_ids == ["a1", "a2"]
-    # A holds 6 blocks (most): its blocked a3 goes (A's only blocked one; 2 blocks)
+    # A holds 6 blocks (B 2, C 1): A's blocked a3 goes, although B's blocked x and b1 are newer
     assert s.state_of("a3") == SWAPPED_BLOCKED
     assert len(b.swap_out) == 2 and b.swap_out_bytes == 2 * 1024
     s.check()
@@ -232,9 +213,10 @@ def test_within_a_model_blocked_before_waiting_decode_newest_first():
     assert s.pool.num_free == 0
     deliver(s, dones["a4"])  # a4 newest, waiting-decode: evicted last
     deliver(s, dones["c1"])
-    # C's decode needs 1 block; victim model A (8 blocks): blocked a1..a3, newest first -> a3
+    # under-sized decodes by arrival: a4 (3) before c1 (4); a4 needs a block, the pool is full:
+    # victim model A (8 blocks vs C's 1), blocked a1..a3 before waiting-decode, newest first -> a3
     b, _ = run(s)
-    assert b.req_ids == ["a4"]  # A's under-sized decode is older than C's... a4 arrived at 3 < c1 at 4
+    assert b.req_ids == ["a4"]
     assert s.state_of("a3") == SWAPPED_BLOCKED and s.state_of("a2") == BLOCKED
     b, _ = run(s)
     assert b.req_ids == ["c1"] and not b.swap_out  # a3's 2 blocks covered both
@@ -440,3 +422,15 @@ def test_from_config_reads_the_scheduler_section():
     s = EngineScheduler.from_config(BlockPool(10, 1024), cfg, engine_id=3)
     assert (s.max_batch_size, s.policy.name, s.prefill_token_budget, s.engine_id) == (7, "prefill-first", 99, 3)
     assert s.prefill_max_requests == 7  # prefill-first packs prompts by default
+
+
+def test_an_older_blocked_request_goes_before_a_newer_waiting_one():
+    s = engine(blocks=6, host=100, batch=1)
+    s.add_stage("A", 0, 1, 256, 1)
+    dones = prefill_all(s, [("a1", "A", 8, 0), ("a2", "A", 8, 1), ("a3", "A", 8, 2)])
+    deliver(s, dones["a2"])
+    deliver(s, dones["a3"])
+    b, _ = run(s)  # batch of one: a2 needs a third block in a full pool
+    assert b.req_ids == ["a2"]
+    assert s.state_of("a1") == SWAPPED_BLOCKED  # blocked a1 (oldest) rather than waiting a3 (newest)
+    assert s.state_of("a3") == WAITING_DECODE

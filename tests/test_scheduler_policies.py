@@ -1,7 +1,6 @@
 """The baseline policies: prefill-first (vLLM-like) and sarathi (chunked prefill, micro-batch limit)."""
 
-from engine_core_harness import Cluster, ModelSpec
-from test_scheduler import deliver, engine, run
+from engine_core_harness import Cluster, ModelSpec, deliver, engine, run
 
 from paraflex.engine.policies import POLICIES, get_policy
 from paraflex.engine.request import BLOCKED, WAITING_PREFILL
