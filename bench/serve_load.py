@@ -210,8 +210,8 @@ def print_summary(title: str, s: dict) -> None:
 
 # ---------------------------------------------------------------------------------- peer
 
-def transformers_peer(prompts: list[list[int]], out_len: int, batch: int, threads: int) -> float:
-    """Output tok/s of HF transformers generate on SmolLM2-135M (fp32) at `batch`."""
+def transformers_model(threads: int):
+    """SmolLM2-135M as a `transformers` LlamaForCausalLM (fp32) with the same weights ParaFlex loads."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -230,12 +230,21 @@ def transformers_peer(prompts: list[list[int]], out_len: int, batch: int, thread
     weights = load_stage_weights("smollm2-135m", arch, 0, arch.num_layers, dtype=torch.float32)
     missing, _ = model.load_state_dict(weights, strict=False)
     assert all(k == "lm_head.weight" for k in missing), missing
+    return model
+
+
+def transformers_tok_s(model, prompts: list[list[int]], out_len: int, batch: int) -> float:
+    """Output tok/s of `generate` at `batch` (greedy, exactly out_len new tokens each)."""
+    import torch
+
     ids = torch.tensor(prompts[:batch])
+    mask = torch.ones_like(ids)
     with torch.inference_mode():
-        model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
+        model.generate(ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)  # warm-up
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
-                             min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
+                             do_sample=False, pad_token_id=0)
         wall = time.perf_counter() - t0
     return (out.shape[1] - ids.shape[1]) * batch / wall
 
@@ -337,9 +346,10 @@ def peer_phase(args, rng) -> dict:
         server.stop()
         os.unlink(cfg)
     out = {}
+    model = transformers_model(args.threads)
     for b in batches:
         print(f"peer: transformers generate, batch {b} ...", flush=True)
-        theirs = transformers_peer(prompts, args.output_len, b, args.threads)
+        theirs = transformers_tok_s(model, prompts, args.output_len, b)
         out[b] = {"paraflex_tok_s": ours[b], "transformers_tok_s": theirs, "ratio": ours[b] / theirs,
                   "vllm_cpu_reference_tok_s": VLLM_CPU_REFERENCE.get(b)}
     print("\n===== SmolLM2-135M fp32, output tokens/s "
