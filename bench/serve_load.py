@@ -342,6 +342,7 @@ def peer_phase(args, rng) -> dict:
             if bad:
                 raise SystemExit(f"serve_load: {len(bad)} peer-phase requests failed: {bad[0]}")
             ours[b] = sum(r.output_tokens for r in results) / wall
+            print(f"peer: ParaFlex batch {b}: {ours[b]:.1f} output tok/s", flush=True)
     finally:
         server.stop()
         os.unlink(cfg)
@@ -350,6 +351,7 @@ def peer_phase(args, rng) -> dict:
     for b in batches:
         print(f"peer: transformers generate, batch {b} ...", flush=True)
         theirs = transformers_tok_s(model, prompts, args.output_len, b)
+        print(f"peer: transformers batch {b}: {theirs:.1f} output tok/s", flush=True)
         out[b] = {"paraflex_tok_s": ours[b], "transformers_tok_s": theirs, "ratio": ours[b] / theirs,
                   "vllm_cpu_reference_tok_s": VLLM_CPU_REFERENCE.get(b)}
     print("\n===== SmolLM2-135M fp32, output tokens/s "
