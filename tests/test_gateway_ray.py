@@ -86,7 +86,7 @@ def test_disconnect_mid_stream_returns_kv_to_idle_on_every_engine(served):
 def test_64_concurrent_streams_over_three_models_none_lost(served):
     url, _ = served
     rng = random.Random(11)
-    jobs = [(MODELS[i % 3], rng.randint(2, 20)) for i in range(64)]
+    jobs = [(MODELS[i % 3], rng.randint(2, 8)) for i in range(64)]
 
     async def one(c, model, n):
         try:
