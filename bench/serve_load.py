@@ -282,6 +282,7 @@ def parse_args(argv=None):
     p.add_argument("--load-output-len", type=int, default=32, help="output tokens per request in the load phase")
     p.add_argument("--threads", type=int, default=2, help="torch threads for server and peer")
     p.add_argument("--peer", choices=("transformers", "none"), default="transformers")
+    p.add_argument("--skip-load", action="store_true", help="run only the peer comparison")
     p.add_argument("--peer-batches", default="1,32")
     p.add_argument("--goodput-ttft-ms", type=float, default=None,
                    help="TTFT SLO for models whose config sets none (default: no TTFT SLO)")
@@ -371,12 +372,13 @@ def main(argv=None) -> int:
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}, {args.threads} threads"
     print(f"machine: {machine}", flush=True)
     report = {"machine": machine, "args": vars(args)}
-    server = None if args.url else Server(args.config, args.threads)
-    try:
-        report["load"] = load_phase(args, args.url or server.url, rng)
-    finally:
-        if server:
-            server.stop()
+    if not args.skip_load:
+        server = None if args.url else Server(args.config, args.threads)
+        try:
+            report["load"] = load_phase(args, args.url or server.url, rng)
+        finally:
+            if server:
+                server.stop()
     if args.peer == "transformers":
         report["peer"] = peer_phase(args, rng)
     if args.out:
