@@ -210,8 +210,8 @@ def print_summary(title: str, s: dict) -> None:
 
 # ---------------------------------------------------------------------------------- peer
 
-def transformers_peer(prompts: list[list[int]], out_len: int, batch: int, threads: int) -> float:
-    """Output tok/s of HF transformers generate on SmolLM2-135M (fp32) at `batch`."""
+def transformers_model(threads: int):
+    """SmolLM2-135M as a `transformers` LlamaForCausalLM (fp32) with the same weights ParaFlex loads."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -230,12 +230,21 @@ def transformers_peer(prompts: list[list[int]], out_len: int, batch: int, thread
     weights = load_stage_weights("smollm2-135m", arch, 0, arch.num_layers, dtype=torch.float32)
     missing, _ = model.load_state_dict(weights, strict=False)
     assert all(k == "lm_head.weight" for k in missing), missing
+    return model
+
+
+def transformers_tok_s(model, prompts: list[list[int]], out_len: int, batch: int) -> float:
+    """Output tok/s of `generate` at `batch` (greedy, exactly out_len new tokens each)."""
+    import torch
+
     ids = torch.tensor(prompts[:batch])
+    mask = torch.ones_like(ids)
     with torch.inference_mode():
-        model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
+        model.generate(ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)  # warm-up
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
-                             min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
+                             do_sample=False, pad_token_id=0)
         wall = time.perf_counter() - t0
     return (out.shape[1] - ids.shape[1]) * batch / wall
 
@@ -273,6 +282,7 @@ def parse_args(argv=None):
     p.add_argument("--load-output-len", type=int, default=32, help="output tokens per request in the load phase")
     p.add_argument("--threads", type=int, default=2, help="torch threads for server and peer")
     p.add_argument("--peer", choices=("transformers", "none"), default="transformers")
+    p.add_argument("--skip-load", action="store_true", help="run only the peer comparison")
     p.add_argument("--peer-batches", default="1,32")
     p.add_argument("--goodput-ttft-ms", type=float, default=None,
                    help="TTFT SLO for models whose config sets none (default: no TTFT SLO)")
@@ -333,13 +343,16 @@ def peer_phase(args, rng) -> dict:
             if bad:
                 raise SystemExit(f"serve_load: {len(bad)} peer-phase requests failed: {bad[0]}")
             ours[b] = sum(r.output_tokens for r in results) / wall
+            print(f"peer: ParaFlex batch {b}: {ours[b]:.1f} output tok/s", flush=True)
     finally:
         server.stop()
         os.unlink(cfg)
     out = {}
+    model = transformers_model(args.threads)
     for b in batches:
         print(f"peer: transformers generate, batch {b} ...", flush=True)
-        theirs = transformers_peer(prompts, args.output_len, b, args.threads)
+        theirs = transformers_tok_s(model, prompts, args.output_len, b)
+        print(f"peer: transformers batch {b}: {theirs:.1f} output tok/s", flush=True)
         out[b] = {"paraflex_tok_s": ours[b], "transformers_tok_s": theirs, "ratio": ours[b] / theirs,
                   "vllm_cpu_reference_tok_s": VLLM_CPU_REFERENCE.get(b)}
     print("\n===== SmolLM2-135M fp32, output tokens/s "
@@ -359,12 +372,13 @@ def main(argv=None) -> int:
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}, {args.threads} threads"
     print(f"machine: {machine}", flush=True)
     report = {"machine": machine, "args": vars(args)}
-    server = None if args.url else Server(args.config, args.threads)
-    try:
-        report["load"] = load_phase(args, args.url or server.url, rng)
-    finally:
-        if server:
-            server.stop()
+    if not args.skip_load:
+        server = None if args.url else Server(args.config, args.threads)
+        try:
+            report["load"] = load_phase(args, args.url or server.url, rng)
+        finally:
+            if server:
+                server.stop()
     if args.peer == "transformers":
         report["peer"] = peer_phase(args, rng)
     if args.out:

@@ -36,6 +36,8 @@ def add_arguments(parser) -> None:
                         help="run every engine in this process instead of as Ray actors (debugging)")
     parser.add_argument("--ray-address", default=None,
                         help="join this Ray cluster (default: start a local Ray instance)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="Ray restarts of a dead engine actor before its replicas stay down (default 0)")
 
 
 def default_config_path() -> str:
@@ -72,7 +74,7 @@ def start_backend(config, placement, args):
     except ImportError as exc:
         raise UserError(f"the Ray backend is not available in this installation ({exc}); "
                         "serve with --in-process") from None
-    return start_cluster(config, placement, args.ray_address)
+    return start_cluster(config, placement, args.ray_address, max_restarts=args.max_restarts)
 
 
 def run(args) -> int:
@@ -80,6 +82,10 @@ def run(args) -> int:
     from paraflex.gateway.app import build_app
     from paraflex.gateway.server import base_url, bind, serve
 
+    if args.in_process and (args.ray_address or args.max_restarts):
+        raise UserError("--in-process: cannot be combined with --ray-address or --max-restarts (Ray only)")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts: {args.max_restarts} is negative; use 0 (never) or more")
     if args.max_outstanding < 1:
         raise UserError("--max-outstanding: must be at least 1")
     if not 0 <= args.port <= 65535:
