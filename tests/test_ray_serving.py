@@ -186,8 +186,9 @@ def test_engine_kill_fails_its_replicas_others_serve_then_rejoins(backend, refer
     assert health["ok"] is False and health["engines"]["1"] == "dead"
     assert health["models"]["tiny-4l"]["live_replicas"] == 0
     assert health["models"]["tiny-2l"]["live_replicas"] == 1
-    assert others[0][0] == reference["tiny-8l"][0] and others[0][1].finish_reason == "length"
-    assert others[1][0] == reference["tiny-2l"][0] and others[1][1].finish_reason == "length"
+    assert others[0][1].finish_reason == "length" and others[1][1].finish_reason == "length"
+    assert others[0][0] == reference["tiny-8l"][0], (others[0][0], reference["tiny-8l"][0])
+    assert others[1][0] == reference["tiny-2l"][0], (others[1][0], reference["tiny-2l"][0])
 
     deadline = time.monotonic() + 90
     while not backend.health()["ok"] and time.monotonic() < deadline:
