@@ -209,3 +209,26 @@ def test_engine_gone_for_good_is_an_error_not_a_hang(backend):
     assert tokens == [] and "no live replica" in last.error and "engine 0" in last.error
     (tokens, last), = _run_all(backend, [("tiny-2l", PROMPTS[0], GREEDY, "still-fine")])
     assert last.finish_reason == "length" and len(tokens) == GREEDY.max_tokens
+
+
+def test_output_records_keep_their_order_through_the_router(ray_session):
+    """A request's final record must never overtake its earlier tokens (the gateway drops
+    records of a finished stream)."""
+    from paraflex.engine.ray_output import BatchingSink, OutputRouter, unpack_records
+
+    router = OutputRouter.remote()
+    sink = BatchingSink(router)
+    try:
+        for i in range(3000):
+            sink.on_output(f"r{i % 7}", [i], None, None)
+            if i % 50 == 0:
+                time.sleep(0.001)  # let pushes go out in many small payloads
+        got: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(got) < 3000 and time.monotonic() < deadline:
+            for payload in ray.get(router.take.remote(0.2)):
+                got += [rec[1][0] for rec in unpack_records(payload)]
+        assert got == list(range(3000))
+    finally:
+        sink.close()
+        ray.kill(router)
