@@ -15,7 +15,9 @@ measured in the same run on the same machine:
    at B = 32.
 
 The model is a random-weight Llama built with `transformers` (hidden 512, 8 layers, GQA 8/4
-heads, vocab 8192) in float32 on CPU (bfloat16 on GPU). tokens/s counts generated tokens.
+heads, vocab 8192) in float32 on CPU (bfloat16 on GPU). tokens/s counts generated tokens per
+second of process CPU time on CPU (so other tenants of a shared machine do not skew the
+ratios) and per second of wall time on GPU.
 
 Usage: python bench/engine_overhead.py [--batches 1 8 32] [--prompt 32] [--gen 32]
        [--threads N] [--device auto|cpu|cuda] [--repeat 2]
@@ -44,6 +46,9 @@ from paraflex.placement import EnginePlacement, ModelPlacement, Placement, Stage
 from paraflex.runtime import LLMCluster
 
 LAYERS = 8
+# On CPU the figures are tokens per CPU-second of this process (time.process_time): on a shared
+# machine, wall time mostly measures the other tenants. On GPU: wall time (synchronised).
+CLOCK = time.process_time
 
 
 def build_checkpoint(directory: str) -> "torch.nn.Module":
@@ -85,9 +90,9 @@ def run_runtime(cluster: LLMCluster, workload) -> float:
     """workload: [(prompt ids, new tokens)]; returns generated tokens/s."""
     for p, g in workload:
         cluster.submit("bench", p, SamplingParams(max_tokens=g, temperature=0.0, ignore_eos=True))
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     cluster.run_until_idle()
-    return sum(g for _, g in workload) / (time.perf_counter() - t0)
+    return sum(g for _, g in workload) / (CLOCK() - t0)
 
 
 def run_bare(stage: Stage, device, dtype, batch: int, prompt_len: int, gen: int) -> float:
@@ -98,7 +103,7 @@ def run_bare(stage: Stage, device, dtype, batch: int, prompt_len: int, gen: int)
     tables = [[list(range((layer * batch + i) * per_seq, (layer * batch + i + 1) * per_seq)) for i in range(batch)]
               for layer in range(LAYERS)]
     ps = prompts(batch, prompt_len)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     toks = []
     for i, p in enumerate(ps):  # one prefill per request, like the runtime's default policy
         meta = AttentionMetadata.build([prompt_len], [prompt_len], [[t[i]] for t in tables], tpb, device)
@@ -109,11 +114,11 @@ def run_bare(stage: Stage, device, dtype, batch: int, prompt_len: int, gen: int)
         meta = AttentionMetadata.build([1] * batch, [ctx] * batch, tables, tpb, device)
         cur = stage.forward(cur, meta, kv).argmax(-1)
     cur.cpu()
-    return batch * gen / (time.perf_counter() - t0)
+    return batch * gen / (CLOCK() - t0)
 
 
 def run_hf(model, workload, batch: int, device) -> float:
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     for k in range(0, len(workload), batch):
         chunk = workload[k:k + batch]
         width = max(len(p) for p, _ in chunk)
@@ -122,7 +127,7 @@ def run_hf(model, workload, batch: int, device) -> float:
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, max_new_tokens=max(g for _, g in chunk), do_sample=False,
                            pad_token_id=0, eos_token_id=None)
-    return sum(g for _, g in workload) / (time.perf_counter() - t0)
+    return sum(g for _, g in workload) / (CLOCK() - t0)
 
 
 def main(argv=None) -> int:
@@ -138,10 +143,16 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     device = choose_device(args.device)
     dtype = choose_dtype(device)
+    global CLOCK
+    if device.type == "cuda":
+        def CLOCK():  # noqa: N802 - wall clock after the queued GPU work
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
     print(f"machine: {platform.node()} {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} "
           f"torch={torch.__version__} threads={torch.get_num_threads()} device={device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "") + f" dtype={dtype}"
           + (f" loadavg={os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""))
+    print(f"clock: {'wall time' if device.type == 'cuda' else 'process CPU time'}")
     print(f"model: random Llama, {LAYERS} layers, hidden 512, GQA 8/4, vocab 8192; prompt {args.prompt}, "
           f"{args.gen} new tokens")
     with tempfile.TemporaryDirectory() as d:

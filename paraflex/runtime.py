@@ -182,10 +182,7 @@ class LLMCluster:
             else:
                 idle += 1
                 if idle > 3:
-                    raise ParaflexError(
-                        f"pipeline stalled with {len(self._live)} request(s) left: no engine can run "
-                        "anything (KV pool too small for a request and no host swap space?)"
-                    )
+                    raise ParaflexError(self._stall_report())
             if deadline is not None and time.monotonic() > deadline:
                 raise ParaflexError(f"generation did not finish within {timeout_s} s")
 
@@ -260,6 +257,18 @@ class LLMCluster:
                     f"{engine.engine_id}, which has {sched.pool.capacity}; shorten the request or give "
                     "the engine more KV memory"
                 )
+
+    def _stall_report(self) -> str:
+        stuck = [
+            f"engine {e.engine_id} ({e.scheduler.pool.num_free} of {e.scheduler.pool.capacity} KV blocks "
+            f"free, {e.scheduler.pool.host_num_free} host blocks free)"
+            for e in self.engines if e.has_work()
+        ]
+        return (
+            f"pipeline stalled with {len(self._live)} request(s) left: queued work that does not fit "
+            f"in KV on {', '.join(stuck) or 'no engine'}; give later stages KV in proportion to "
+            "their layers, add host swap space, or lower scheduler.max_batch_size"
+        )
 
     def _apply(self, item) -> None:
         if item[0] == "add":

@@ -69,9 +69,16 @@ def test_stops_before_kappa_breaks_and_keeps_last_feasible_plan():
 
 
 def test_no_feasible_plan_names_the_model_and_the_fix():
-    problem = Problem((_model("huge", 4, 2, 1.0, layer_bytes=60),), 2, 100, kappa_bytes=10)
-    with pytest.raises(NoFeasiblePlan, match="huge.*kappa"):
+    # fits the cluster in total (150 + 10 <= 200) but its single stage exceeds one engine
+    problem = Problem((_model("huge", 3, 1, 1.0, layer_bytes=50),), 2, 100, kappa_bytes=10)
+    with pytest.raises(NoFeasiblePlan, match="huge.*kappa_gb"):
         optimize(problem)
+
+
+def test_total_capacity_check_fails_fast():
+    problem = Problem((_model("a", 4, 2, 1.0, layer_bytes=45), _model("b", 4, 2, 1.0, layer_bytes=45)), 4, 100, kappa_bytes=20)
+    with pytest.raises(NoFeasiblePlan, match="more than the cluster"):
+        optimize(problem)  # weights 360 + kappa 4 x 20 > 4 x 100
 
 
 def test_ring_wraps_in_the_same_direction():
@@ -112,7 +119,7 @@ def problems(draw, max_engines=12, max_models=5):
     return Problem(tuple(models), n, memory, kappa_bytes=draw(st.integers(0, 30)), ring=draw(st.booleans()))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_every_plan_satisfies_the_constraints(problem):
     try:
