@@ -376,8 +376,10 @@ class EngineScheduler:
             pool,
             max_batch_size=scheduler_config.max_batch_size,
             policy=scheduler_config.policy,
-            prefill_token_budget=scheduler_config.prefill_token_budget,
             engine_id=engine_id,
+            # the config leaves the budget unset (None) unless the user gives one
+            **({} if scheduler_config.prefill_token_budget is None
+               else {"prefill_token_budget": scheduler_config.prefill_token_budget}),
         )
 
     # ------------------------------------------------------------------ set-up

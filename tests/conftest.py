@@ -1,2 +1,24 @@
 """Shared pytest fixtures. Heavy fixtures (a Ray session, built checkpoints) live here so the
 whole session shares one instance."""
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory):
+    """ONE local Ray instance for the whole test session (temp dir under pytest's tmp, few
+    CPUs, no dashboard, worker logs not echoed); shut down when the session ends."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_DISABLE_IMPORT_WARNING", "1")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")), namespace="paraflex-tests")
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

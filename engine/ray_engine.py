@@ -1,0 +1,182 @@
+"""The engine actor: one Ray actor per engine of the placement (paper §6.3, §7).
+
+Data flow: `paraflex.serving.start_cluster` creates one `EngineActor` per placement engine (a
+CPU share, or one GPU). On start-up the actor loads only its resident stages on a loader thread
+(`status()` reports the progress lines), then runs stage-exec's `EngineLoop` on the engine
+thread. Work arrives three ways, all as actor calls with msgpack bytes:
+  - `add_request` (from the gateway's backend, at a model's first stage);
+  - `deliver` (phase 1 of a hop from another engine; paraflex.engine.transport_ray);
+  - `abort` (the backend frees a request on every engine of its replica).
+The loop sends batches to the next stage through the `RayTransport`, the last stage's token
+back to the first stage as metadata only, and the token stream to the gateway through the
+`OutputRouter` (paraflex.engine.ray_output). A finished or aborted request's KV is freed on
+every stage by the loop's free messages.
+
+Actor methods never block for long: a sync actor runs `deliver` only between other calls, so
+loading happens on a thread and the engine loop runs on its own thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+import uuid
+
+import msgpack
+import ray
+import torch
+
+from paraflex.engine.messages import FreeMessage
+from paraflex.engine.ray_output import BatchingSink
+from paraflex.engine.request import WAITING_PREFILL
+from paraflex.engine.sampling import SamplingParams
+from paraflex.engine.transport import Envelope
+from paraflex.engine.transport_ray import GroupSpec, RayTransport
+
+LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
+STATS_EVERY_S = 0.2  # how often the engine thread refreshes the numbers status() reports
+
+
+class EngineActor:
+    """One execution engine. Wrapped with `ray.remote(...)` options by paraflex.serving."""
+
+    def __init__(self, engine_id: int, config, placement, router, *, device: str = "auto",
+                 dtype: str = "auto", kv_bytes: int | None = None, seed: int = 0,
+                 num_threads: int = 1) -> None:
+        torch.set_num_threads(max(1, num_threads))
+        self.engine_id = engine_id
+        self.incarnation = uuid.uuid4().hex[:12]  # changes when Ray restarts the actor
+        self.state = LOADING
+        self.error: str | None = None
+        self.progress: list[str] = []
+        self.loop = None
+        self.sink = BatchingSink(router)
+        device = "cuda:0" if device == "auto" and torch.cuda.is_available() else device
+        self.transport = RayTransport(engine_id, "cpu" if device == "auto" else device,
+                                      on_error=self._transport_error)
+        self._stats: dict = {}
+        self._inbox: list[tuple] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._engine_thread: threading.Thread | None = None
+        self._build_args = (config, placement, device, dtype, kv_bytes, seed)
+        threading.Thread(target=self._load, name="pf-load", daemon=True).start()
+
+    # ------------------------------------------------------------------ start-up
+    def _say(self, line: str) -> None:
+        self.progress.append(line)
+
+    def _load(self) -> None:
+        from paraflex.engine.engine_builder import build_engine
+
+        config, placement, device, dtype, kv_bytes, seed = self._build_args
+        try:
+            t0 = time.monotonic()
+            self.loop = build_engine(config, placement, self.engine_id, self.transport, self.sink,
+                                     device=device, dtype=dtype, kv_bytes=kv_bytes, seed=seed,
+                                     progress=self._say)
+            self._say(f"engine {self.engine_id}: ready in {time.monotonic() - t0:.1f} s "
+                      f"(pid {os.getpid()})")
+            self.state = READY
+            self._engine_thread = threading.Thread(target=self._run, name="pf-engine", daemon=True)
+            self._engine_thread.start()
+        except Exception as exc:  # noqa: BLE001 - reported through status()
+            self.error = f"{type(exc).__name__}: {exc}"
+            self._say(f"engine {self.engine_id}: failed to load: {self.error}")
+            self.state = FAILED
+
+    # ------------------------------------------------------------------ control (actor calls)
+    def status(self) -> dict:
+        """Liveness, start-up progress and the numbers behind /metrics (cheap)."""
+        out = {"engine": self.engine_id, "state": self.state, "incarnation": self.incarnation,
+               "pid": os.getpid(), "progress": list(self.progress), "error": self.error,
+               "groups": self.transport.group_generations(), "transport_errors": len(self.transport.errors)}
+        out.update(self._stats)
+        return out
+
+    def _snapshot(self) -> None:
+        """Scheduler numbers for status(), taken on the engine thread (no racing reads)."""
+        sched = self.loop.scheduler
+        cap = sched.pool.capacity
+        waiting: dict[str, int] = {}
+        live: dict[str, int] = {}
+        for r in sched.live_requests():
+            live[r.model] = live.get(r.model, 0) + 1
+            if r.state == WAITING_PREFILL and r.stage == 0:
+                waiting[r.model] = waiting.get(r.model, 0) + 1
+        self._stats = {"kv_usage": sched.pool.num_used / cap if cap else 0.0,
+                       "live": live, "waiting": waiting}
+
+    def connect(self, peers: dict, groups: list, store_host: str, store_port: int) -> dict:
+        """Peer handles and this engine's process groups (all members call at once)."""
+        self.transport.connect(peers, [GroupSpec.from_wire(g) for g in groups], store_host, store_port)
+        return self.transport.group_generations()
+
+    def deliver(self, payload: bytes) -> None:
+        self.transport.deliver(payload)
+
+    def add_request(self, payload: bytes) -> None:
+        """msgpack [model, request_id, prompt_token_ids, sampling params dict]."""
+        model, rid, prompt, sampling = msgpack.unpackb(payload, raw=False)
+        self._post(("add", model, rid, prompt, sampling))
+
+    def abort(self, payload: bytes) -> None:
+        """msgpack [model, [request ids]]: free their KV here (idempotent)."""
+        model, rids = msgpack.unpackb(payload, raw=False)
+        self._post(("free", model, rids))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.transport.notify()
+        if self._engine_thread is not None:
+            self._engine_thread.join(5.0)
+        self.transport.close()
+        self.sink.close()
+        self.state = STOPPED
+
+    # ------------------------------------------------------------------ the engine thread
+    def _post(self, item: tuple) -> None:
+        with self._lock:
+            self._inbox.append(item)
+        self.transport.notify()
+
+    def _apply_inbox(self) -> bool:
+        with self._lock:
+            items, self._inbox = self._inbox, []
+        for item in items:
+            if item[0] == "add":
+                _, model, rid, prompt, sampling = item
+                self.loop.add_request(model, rid, prompt, SamplingParams.from_dict(sampling))
+            else:
+                _, model, rids = item
+                meta = FreeMessage(model, list(rids), "aborted").to_dict()
+                self.loop.handle(Envelope(self.engine_id, self.engine_id, model, "free", meta))
+        return bool(items)
+
+    def _run(self) -> None:
+        try:
+            last = 0.0
+            while not self._stop.is_set():
+                worked = self._apply_inbox()
+                worked |= self.loop.step()
+                now = time.monotonic()
+                if now - last > STATS_EVERY_S:
+                    self._snapshot()
+                    last = now
+                if not worked and not self.loop.has_work():
+                    self.transport.wait(STATS_EVERY_S)
+        except Exception as exc:  # noqa: BLE001 - the controller sees FAILED and fails requests
+            self.error = f"engine loop: {type(exc).__name__}: {exc}"
+            self._say(f"engine {self.engine_id}: {self.error}\n{traceback.format_exc()}")
+            self.state = FAILED
+
+    def _transport_error(self, model: str, peer: int, exc: BaseException) -> None:
+        self._say(f"engine {self.engine_id}: transfer of {model} with engine {peer} failed: {exc}")
+
+
+def engine_actor_class(num_cpus: float, num_gpus: float, max_restarts: int):
+    """`EngineActor` as a Ray actor class with this cluster's resources and restart policy."""
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts,
+                      max_task_retries=0)(EngineActor)

@@ -1,0 +1,109 @@
+"""`paraflex serve`: plan (or load) a placement, start the engines, serve the OpenAI API.
+
+Data flow: CONFIG (default: the repo's configs/demo.yaml) -> placement (--placement FILE, or
+planned on the fly with the paraflex planner) -> a Backend: one Ray actor per engine
+(paraflex.serving.start_cluster; joins --ray-address or starts a local Ray instance) or,
+with --in-process, every engine in this process (paraflex.gateway.in_process_backend) ->
+the HTTP gateway (paraflex.gateway.app) on --host:--port. Prints the base URL once
+listening; Ctrl-C stops the gateway, then the engines, leaving no processes behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+from paraflex.errors import UserError
+
+NAME = "serve"
+HELP = "Serve the models of a config over an OpenAI-compatible HTTP API."
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config", nargs="?", default=None,
+                        help="cluster + models config (default: configs/demo.yaml of this checkout)")
+    parser.add_argument("--placement", metavar="FILE",
+                        help="placement file from `paraflex plan` (default: plan the config now)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="interface to listen on (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    parser.add_argument("--api-key", default=os.environ.get("PARAFLEX_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $PARAFLEX_API_KEY, else no auth)")
+    parser.add_argument("--max-outstanding", type=int, default=256, metavar="N",
+                        help="admitted requests before new ones get 503 (default 256)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every engine in this process instead of as Ray actors (debugging)")
+    parser.add_argument("--ray-address", default=None,
+                        help="join this Ray cluster (default: start a local Ray instance)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="Ray restarts of a dead engine actor before its replicas stay down (default 0)")
+
+
+def default_config_path() -> str:
+    import paraflex
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(paraflex.__file__))),
+                        "configs", "demo.yaml")
+    if not os.path.isfile(path):
+        raise UserError(f"CONFIG: no config given and the demo config {path} is missing; "
+                        "pass a config file, e.g. `paraflex serve my-cluster.yaml`")
+    return path
+
+
+def load_placement(config, path: str | None):
+    from paraflex.placement import Placement
+
+    if path is not None:
+        if not os.path.isfile(path):
+            raise UserError(f"--placement: {path} does not exist; create it with `paraflex plan CONFIG -o {path}`")
+        return Placement.load(path)
+    from paraflex.planner import plan
+
+    print(f"planning {len(config.models)} models on {config.cluster.num_engines} engines ...", flush=True)
+    return plan(config)
+
+
+def start_backend(config, placement, args):
+    if args.in_process:
+        from paraflex.gateway.in_process_backend import InProcessBackend
+
+        return InProcessBackend.start(config, placement)
+    try:
+        from paraflex.serving import start_cluster
+    except ImportError as exc:
+        raise UserError(f"the Ray backend is not available in this installation ({exc}); "
+                        "serve with --in-process") from None
+    return start_cluster(config, placement, args.ray_address, max_restarts=args.max_restarts)
+
+
+def run(args) -> int:
+    from paraflex.config import load_config
+    from paraflex.gateway.app import build_app
+    from paraflex.gateway.server import base_url, bind, serve
+
+    if args.in_process and (args.ray_address or args.max_restarts):
+        raise UserError("--in-process: cannot be combined with --ray-address or --max-restarts (Ray only)")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts: {args.max_restarts} is negative; use 0 (never) or more")
+    if args.max_outstanding < 1:
+        raise UserError("--max-outstanding: must be at least 1")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port: {args.port} is not a TCP port (0-65535)")
+    config_path = args.config or default_config_path()
+    config = load_config(config_path)
+    placement = load_placement(config, args.placement)
+    sock = bind(args.host, args.port)  # fail on a taken port before starting any engine
+    print(f"starting {len(placement.engines)} engines ({'in-process' if args.in_process else 'Ray'}) ...",
+          flush=True)
+    backend = start_backend(config, placement, args)
+    try:
+        app = build_app(backend, api_key=args.api_key, max_outstanding=args.max_outstanding)
+        names = ", ".join(c.name for c in backend.models())
+        print(f"serving {names}\n{base_url(sock)}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True)
+        serve(app, sock)
+    finally:
+        print("stopping engines ...", file=sys.stderr, flush=True)
+        asyncio.run(backend.close())
+        sock.close()
+    return 0

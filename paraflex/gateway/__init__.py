@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway: app, request schemas, metrics and backends."""

@@ -1,0 +1,366 @@
+"""The OpenAI-compatible HTTP API (FastAPI): the front door of `paraflex serve`.
+
+Data flow: client JSON -> protocol.py schema (400 naming a bad field) -> model lookup (404)
+-> tokenize (chat template for chat) -> context check (400) -> admission (503 when too many
+requests are outstanding) -> generation.generate over the Backend -> OpenAI JSON, or SSE
+chunks ending in `data: [DONE]`. Non-streaming requests watch for the client going away and
+abort in the backend; streaming requests are cancelled by Starlette on disconnect and abort
+in generation.generate's cleanup. Routes: /v1/models, /v1/completions,
+/v1/chat/completions, /tokenize, /detokenize, /health, /metrics. With an API key, every
+route except /health and /metrics needs `Authorization: Bearer <key>` (401 otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+
+from paraflex.errors import UserError
+from paraflex.gateway.backend import Backend, ModelCard
+from paraflex.gateway.generation import Admission, Chunk, Ticket, generate
+from paraflex.gateway.metrics import GatewayMetrics
+from paraflex.gateway.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    FieldError,
+    StreamOptions,
+    TextPart,
+    TokenizeRequest,
+    sampling_params,
+)
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+_OPEN_PATHS = ("/health", "/metrics")
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        self.status, self.message, self.param, self.code = status, message, param, code
+        super().__init__(message)
+
+    def response(self) -> JSONResponse:
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                503: "service_unavailable"}.get(self.status, "server_error")
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def _param_of(message: str) -> str | None:
+    """The field a `UserError` message starts with ("max_tokens: ..."), if it names one."""
+    m = re.match(r"([A-Za-z_][\w.\[\]]*):", message)
+    return m.group(1) if m else None
+
+
+_FIELD_NAMES = {name for schema in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                                    ChatMessage, TextPart, StreamOptions) for name in schema.model_fields}
+
+
+def _field_path(loc: tuple) -> str | None:
+    """pydantic's error location as a field path (`messages[0].role`), minus union-member tags."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in _FIELD_NAMES or not path:
+            path += f".{part}" if path else str(part)
+        else:
+            break
+    return path or None
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    err = exc.errors()[0]
+    param = _field_path(tuple(err["loc"]))
+    msg = {"extra_forbidden": "unknown field; this server does not implement it, remove it",
+           "missing": "required field is missing"}.get(err["type"], err["msg"].removeprefix("Value error, "))
+    return ApiError(400, f"{param}: {msg}" if param else msg, param=param)
+
+
+async def _parse(request: Request, schema):
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "request body is not valid JSON")
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _BearerAuth:
+    """Pure ASGI middleware (so disconnect detection still works): 401 without the key."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                    code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _TicketedStream(StreamingResponse):
+    """An SSE response that releases its admission ticket however the response ends."""
+
+    def __init__(self, content, ticket: Ticket):
+        super().__init__(content, media_type="text/event-stream")
+        self._ticket = ticket
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._ticket.release()
+
+
+class Gateway:
+    """Route handlers bound to one backend."""
+
+    def __init__(self, backend: Backend, max_outstanding: int):
+        self.backend = backend
+        self.cards: dict[str, ModelCard] = {c.name: c for c in backend.models()}
+        self.metrics = GatewayMetrics(list(self.cards))
+        self.admission = Admission(max_outstanding)
+        self.created = int(time.time())
+
+    def card(self, name: str) -> ModelCard:
+        if name not in self.cards:
+            raise ApiError(404, f"model: {name!r} is not served here; GET /v1/models lists "
+                           f"{sorted(self.cards)}", param="model", code="model_not_found")
+        return self.cards[name]
+
+    # -- request preparation -------------------------------------------------------------
+
+    def prompt_ids(self, card: ModelCard, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = card.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if t >= card.tokenizer.vocab_size]
+            if bad:
+                raise ApiError(400, f"prompt: token id {bad[0]} is out of range for {card.name} "
+                               f"(vocab size {card.tokenizer.vocab_size})", param="prompt")
+        if not ids:
+            raise ApiError(400, "prompt: encodes to zero tokens; send some text", param="prompt")
+        return ids
+
+    def chat_ids(self, card: ModelCard, messages: list[dict]) -> list[int]:
+        text = card.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return card.tokenizer.encode(text, add_special_tokens=False)
+
+    def budget(self, card: ModelCard, n_prompt: int, requested: int | None, default: int | None) -> int:
+        room = card.max_context - n_prompt
+        if room < 1:
+            raise ApiError(400, f"prompt: {n_prompt} tokens leave no room in {card.name}'s context of "
+                           f"{card.max_context} tokens; shorten the prompt", param="prompt")
+        if requested is None:
+            return min(default, room) if default is not None else room
+        if requested > room:
+            raise ApiError(400, f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({requested}) exceeds "
+                           f"{card.name}'s context of {card.max_context} tokens; ask for at most {room}",
+                           param="max_tokens")
+        return requested
+
+    def params(self, req, max_tokens: int):
+        try:
+            req.check_stream_options()
+            return sampling_params(req, max_tokens)
+        except FieldError as exc:
+            raise ApiError(400, str(exc), param=exc.param)
+        except UserError as exc:
+            raise ApiError(400, str(exc), param=_param_of(str(exc)))
+
+    def admit(self) -> Ticket:
+        ticket = self.admission.enter()
+        if ticket is None:
+            raise ApiError(503, f"server overloaded: {self.admission.outstanding} requests outstanding "
+                           f"(limit {self.admission.limit}); retry later")
+        return ticket
+
+    # -- running -------------------------------------------------------------------------
+
+    async def collect(self, request: Request, ticket: Ticket, card, ids, params, rid) -> tuple[str, Chunk]:
+        """Run to completion, aborting if the client disconnects meanwhile."""
+        parts: list[str] = []
+        last = Chunk("")
+        gen = generate(self.backend, self.metrics, card, ids, params, rid)
+
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.2)
+            await self.backend.abort(rid)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for chunk in gen:
+                parts.append(chunk.text)
+                last = chunk
+        finally:
+            watcher.cancel()
+            await gen.aclose()
+            ticket.release()
+        if last.rejected:
+            raise ApiError(400, last.error, param=_param_of(last.error))
+        if last.error:
+            raise ApiError(500, f"generation failed: {last.error}")
+        return "".join(parts), last
+
+    def usage(self, n_prompt: int, n_out: int) -> dict:
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+    async def sse(self, chunks: AsyncIterator[Chunk], make_choice, head: dict, n_prompt: int,
+                  options: StreamOptions | None, first_choice=None) -> AsyncIterator[str]:
+        """SSE events; with include_usage every chunk has `usage` (null, or the running count
+        with continuous_usage_stats) and a last chunk carries the totals."""
+        include = bool(options and options.include_usage)
+        running = bool(include and options.continuous_usage_stats)
+
+        def usage_field(n_out: int) -> dict:
+            if not include:
+                return {}
+            return {"usage": self.usage(n_prompt, n_out) if running else None}
+
+        last = Chunk("")
+        try:
+            if first_choice is not None:
+                yield _sse({**head, "choices": [first_choice], **usage_field(0)})
+            async for chunk in chunks:
+                last = chunk
+                if chunk.error:
+                    kind = "invalid_request_error" if chunk.rejected else "server_error"
+                    msg = chunk.error if chunk.rejected else f"generation failed: {chunk.error}"
+                    yield _sse({"error": {"message": msg, "type": kind, "param": None, "code": None}})
+                    break
+                if chunk.text or chunk.finish_reason:
+                    yield _sse({**head, "choices": [make_choice(chunk)], **usage_field(chunk.completion_tokens)})
+            if include and not last.error:
+                yield _sse({**head, "choices": [], "usage": self.usage(n_prompt, last.completion_tokens)})
+            yield "data: [DONE]\n\n"
+        finally:
+            await chunks.aclose()
+
+
+def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: int = 256) -> FastAPI:
+    """The FastAPI app serving `backend`. max_outstanding: admitted requests before 503."""
+    gw = Gateway(backend, max_outstanding)
+    app = FastAPI(title="ParaFlex", docs_url=None, redoc_url=None)
+    app.state.gateway = gw
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError):
+        return exc.response()
+
+    if api_key is not None:
+        app.add_middleware(_BearerAuth, api_key=api_key)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [
+            {"id": c.name, "object": "model", "created": gw.created, "owned_by": "paraflex",
+             "root": c.name, "parent": None, "max_model_len": c.max_context} for c in gw.cards.values()]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await _parse(request, CompletionRequest)
+        card = gw.card(req.model)
+        ids = gw.prompt_ids(card, req.prompt)
+        params = gw.params(req, gw.budget(card, len(ids), req.max_tokens, DEFAULT_COMPLETION_TOKENS))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": card.name}
+        ticket = gw.admit()
+        if req.stream:
+            chunks = generate(gw.backend, gw.metrics, card, ids, params, rid)
+
+            def choice(c: Chunk) -> dict:
+                return {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            return _TicketedStream(gw.sse(chunks, choice, head, len(ids), req.stream_options), ticket)
+        text, last = await gw.collect(request, ticket, card, ids, params, rid)
+        return {**head, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                     "finish_reason": last.finish_reason}],
+                "usage": gw.usage(len(ids), last.completion_tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await _parse(request, ChatCompletionRequest)
+        card = gw.card(req.model)
+        ids = gw.chat_ids(card, req.chat_messages())
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = gw.params(req, gw.budget(card, len(ids), requested, None))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": card.name}
+        ticket = gw.admit()
+        if req.stream:
+            chunks = generate(gw.backend, gw.metrics, card, ids, params, rid)
+
+            def choice(c: Chunk) -> dict:
+                return {"index": 0, "delta": {"content": c.text} if c.text else {}, "logprobs": None,
+                        "finish_reason": c.finish_reason}
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}
+            return _TicketedStream(gw.sse(chunks, choice, head, len(ids), req.stream_options, first), ticket)
+        text, last = await gw.collect(request, ticket, card, ids, params, rid)
+        return {**head, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": last.finish_reason}],
+                "usage": gw.usage(len(ids), last.completion_tokens)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await _parse(request, TokenizeRequest)
+        card = gw.card(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "prompt: send exactly one of `prompt` or `messages`", param="prompt")
+        if req.messages is not None:
+            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            text = card.tokenizer.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
+            ids = card.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = card.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": card.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await _parse(request, DetokenizeRequest)
+        card = gw.card(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < card.tokenizer.vocab_size]
+        if bad:
+            raise ApiError(400, f"tokens: token id {bad[0]} is out of range (vocab size "
+                           f"{card.tokenizer.vocab_size})", param="tokens")
+        return {"prompt": card.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    @app.get("/health")
+    async def health():
+        state = gw.backend.health()
+        return JSONResponse(state, status_code=200 if state.get("ok") else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(gw.metrics.render(gw.backend.metrics()),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,78 @@
+"""Running the gateway app under uvicorn: in the foreground (`paraflex serve`) or on a thread.
+
+Data flow: `paraflex serve` builds a Backend, wraps it with app.build_app, binds a socket
+(port 0 picks a free port, so the real URL is known before serving) and calls `serve`,
+which returns after Ctrl-C / SIGTERM once uvicorn has drained connections. Tests and the
+load benchmark use `ServerThread` to run the same app on a background thread and stop it
+by handle.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+from paraflex.errors import UserError
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0 = any free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"--port: cannot listen on {host}:{port} ({exc.strerror}); pick another port "
+                        "or 0 for any free one") from exc
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def base_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{port}"
+
+
+def _server(app: FastAPI) -> uvicorn.Server:
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                            lifespan="off")
+    return uvicorn.Server(config)
+
+
+def serve(app: FastAPI, sock: socket.socket) -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn's handlers), then return."""
+    _server(app).run(sockets=[sock])
+
+
+class ServerThread:
+    """The app on a daemon thread (uvicorn leaves signals alone off the main thread);
+    `stop()` shuts uvicorn down and joins the thread."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        self._sock = bind(host, port)
+        self.url = base_url(self._sock)
+        self._server = _server(app)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="paraflex-gateway", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        self._sock.close()

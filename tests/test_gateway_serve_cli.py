@@ -1,0 +1,95 @@
+"""`paraflex serve` as an operator runs it: a subprocess that prints its URL, answers the
+OpenAI client, and stops cleanly on Ctrl-C (SIGINT); bad flags exit 2 with one line."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+import yaml
+
+from gateway_cluster import config_dict, make_placement
+from paraflex.cli import main
+
+
+@pytest.fixture
+def files(tmp_path):
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(yaml.safe_dump(config_dict()))
+    pl = tmp_path / "placement.json"
+    make_placement().save(pl)
+    return str(cfg), str(pl)
+
+
+def start(args: list[str]) -> tuple[subprocess.Popen, "queue.Queue[str]"]:
+    proc = subprocess.Popen([sys.executable, "-m", "paraflex", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    return proc, lines
+
+
+def read_until(lines: "queue.Queue[str]", needle: str, timeout: float) -> list[str]:
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            seen.append(lines.get(timeout=0.2))
+        except queue.Empty:
+            continue
+        if needle in seen[-1]:
+            return seen
+    raise AssertionError(f"{needle!r} not printed within {timeout} s; output: {seen}")
+
+
+@pytest.mark.slow
+def test_serve_prints_url_answers_and_stops_on_ctrl_c(files):
+    cfg, pl = files
+    proc, lines = start([cfg, "--placement", pl, "--in-process", "--port", "0", "--api-key", "k1"])
+    try:
+        out = read_until(lines, "/v1", timeout=120)
+        url = next(line for line in out if "/v1" in line).split()[0]
+        assert url.startswith("http://127.0.0.1:")  # loopback unless told otherwise
+        c = openai.OpenAI(base_url=url, api_key="k1", max_retries=0, timeout=30)
+        assert sorted(m.id for m in c.models.list().data) == ["tiny-2l", "tiny-4l", "tiny-8l"]
+        done = c.completions.create(model="tiny-4l", prompt="hi", max_tokens=4, extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        with socket.socket() as s:  # nothing listens there any more (TIME_WAIT aside)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_rejects_a_missing_placement_file(files, tmp_path, capsys):
+    cfg, _ = files
+    assert main(["serve", cfg, "--placement", str(tmp_path / "nope.json"), "--in-process"]) == 2
+    err = capsys.readouterr().err
+    assert "--placement" in err and "paraflex plan" in err
+
+
+def test_serve_rejects_a_taken_port(files, capsys):
+    cfg, pl = files
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        assert main(["serve", cfg, "--placement", pl, "--in-process", "--port", str(port)]) == 2
+    assert f"--port: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_serve_rejects_a_bad_outstanding_limit(files, capsys):
+    cfg, pl = files
+    assert main(["serve", cfg, "--placement", pl, "--in-process", "--max-outstanding", "0"]) == 2
+    assert "--max-outstanding" in capsys.readouterr().err

@@ -1,0 +1,314 @@
+"""The two-phase Ray transport: phase-1 wire format, gloo phase 2 between endpoints in one
+process (fake actor handles, so ordering can be forced), and a round trip between real Ray
+actors."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paraflex.engine.transport import Envelope
+from paraflex.engine.transport_ray import (
+    GroupSpec,
+    RayTransport,
+    arrival_key,
+    decode_phase1,
+    encode_phase1,
+    start_store,
+)
+
+# ----------------------------------------------------------------------------- phase-1 wire
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**62, 2**62) | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(meta=st.dictionaries(st.text(max_size=8), msgpack_values, max_size=5),
+       shapes=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3), max_size=3),
+       seq=st.integers(0, 2**40), kind=st.sampled_from(["batch", "token", "free"]))
+def test_phase1_round_trip(meta, shapes, seq, kind):
+    tensors = {f"t{i}": torch.zeros(s, dtype=torch.float16) for i, s in enumerate(shapes)} or None
+    env = Envelope(src=3, dst=5, model="m", kind=kind, meta=meta, tensors=tensors)
+    back, specs, seq2, replica = decode_phase1(encode_phase1(env, seq, 2))
+    assert (back.src, back.dst, back.model, back.kind, back.meta) == (3, 5, "m", kind, meta)
+    assert back.tensors is None and seq2 == seq and replica == 2
+    if tensors:
+        assert specs == [[n, "torch.float16", list(t.shape)] for n, t in tensors.items()]
+    else:
+        assert specs is None
+
+
+def test_phase1_rejects_other_wire_version():
+    import msgpack
+
+    with pytest.raises(ValueError, match="version"):
+        decode_phase1(msgpack.packb({"v": 99}))
+
+
+def test_group_spec_rejects_engine_twice():
+    with pytest.raises(ValueError, match="engine listed twice"):
+        GroupSpec("m", 0, (1, 2, 1))
+
+
+def test_arrival_key_uses_batch_id_and_stage():
+    b = Envelope(0, 1, "m", "batch", {"batch": 7, "stage": 2})
+    assert arrival_key(b, 123) == ("m", 7, 2)
+    t1, t2 = Envelope(0, 1, "m", "token", {}), Envelope(0, 1, "m", "token", {})
+    assert arrival_key(t1, 1) != arrival_key(t2, 2)
+
+
+# ----------------------------------------------------------------------------- in-process gloo
+
+class _FakeMethod:
+    def __init__(self, target: RayTransport, gate: dict) -> None:
+        self.target, self.gate = target, gate
+
+    def remote(self, payload: bytes) -> None:
+        env, _, _, _ = decode_phase1(payload)
+        hold = self.gate.get(env.meta.get("batch"))
+        if hold is not None:  # deliver this phase-1 call only when the test releases it
+            threading.Thread(target=lambda: (hold.wait(10), self.target.deliver(payload)),
+                             daemon=True).start()
+        else:
+            self.target.deliver(payload)
+
+
+class _FakeHandle:
+    def __init__(self, target: RayTransport, gate: dict) -> None:
+        self.deliver = _FakeMethod(target, gate)
+
+
+def _connect_all(transports: dict[int, RayTransport], groups: list[GroupSpec], gate: dict):
+    store, port = start_store("127.0.0.1")
+    peers = {e: _FakeHandle(t, gate) for e, t in transports.items()}
+    threads = [threading.Thread(target=t.connect, args=(peers, groups, "127.0.0.1", port))
+               for t in transports.values()]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    return store
+
+
+def _drain(t: RayTransport, n: int, timeout: float = 10.0) -> list[Envelope]:
+    got: list[Envelope] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        t.wait(0.05)
+        got.extend(t.recv_ready())
+    return got
+
+
+@pytest.fixture
+def pair():
+    gate: dict = {}
+    ts = {0: RayTransport(0), 1: RayTransport(1)}
+    store = _connect_all(ts, [GroupSpec("a", 0, (0, 1)), GroupSpec("b", 0, (0, 1))], gate)
+    yield ts, gate
+    for t in ts.values():
+        t.close()
+    del store
+
+
+def _batch(model: str, batch_id: int, rows: int, hidden: int = 8) -> Envelope:
+    h = torch.full((rows, hidden), float(batch_id)) + torch.arange(hidden)
+    return Envelope(0, 1, model, "batch", {"batch": batch_id, "stage": 1, "rows": rows},
+                    {"hidden": h, "residual": -h.to(torch.bfloat16)})
+
+
+def _check(env: Envelope) -> None:
+    bid, rows = env.meta["batch"], env.meta["rows"]
+    expect = torch.full((rows, 8), float(bid)) + torch.arange(8)
+    assert torch.equal(env.tensors["hidden"], expect)
+    assert env.tensors["residual"].dtype == torch.bfloat16
+    assert torch.equal(env.tensors["residual"], -expect.to(torch.bfloat16))
+
+
+def test_tensors_and_metadata_pair_up_in_process(pair):
+    ts, _ = pair
+    sent = [_batch("a" if i % 3 else "b", i, rows=1 + i % 4) for i in range(24)]
+    for env in sent:
+        ts[0].send(env)
+    got = _drain(ts[1], len(sent))
+    assert sorted(e.meta["batch"] for e in got) == list(range(24))
+    for env in got:
+        _check(env)
+
+
+def test_later_batch_of_another_model_is_not_held_behind_a_stalled_one(pair):
+    ts, gate = pair
+    release = threading.Event()
+    gate[1] = release  # model a's batch 1 phase-1 call is delayed
+    ts[0].send(_batch("a", 1, rows=3))
+    ts[0].send(_batch("b", 2, rows=2))
+    first = _drain(ts[1], 1)
+    assert [e.meta["batch"] for e in first] == [2]
+    release.set()
+    second = _drain(ts[1], 1)
+    assert [e.meta["batch"] for e in second] == [1]
+    for env in first + second:
+        _check(env)
+
+
+def test_metadata_only_message_never_overtakes_same_model_batch(pair):
+    ts, _ = pair
+    batch = _batch("a", 5, rows=2)
+    # Phase 1 of the batch arrives; its tensors have not been sent yet.
+    ts[1].deliver(encode_phase1(batch, 0, 0))
+    ts[1].deliver(encode_phase1(Envelope(0, 1, "a", "token", {"n": 1}), 1, 0))
+    ts[1].deliver(encode_phase1(Envelope(0, 1, "b", "token", {"n": 2}), 0, 0))
+    assert [e.meta["n"] for e in _drain(ts[1], 1, timeout=0.3)] == [2]  # model b is not held
+    for work in ts[0]._groups[("a", 0)].send(list(batch.tensors.values()), 1, 0):
+        work.wait()
+    got = _drain(ts[1], 2)
+    assert [e.kind for e in got] == ["batch", "token"]
+    _check(got[0])
+
+
+def test_send_without_group_fails_fast_and_lane_failures_are_reported(pair):
+    ts, _ = pair
+    with pytest.raises(RuntimeError, match="no process group of model 'zzz'"):
+        ts[0].send(Envelope(0, 1, "zzz", "batch", {"batch": 9}, {"h": torch.zeros(2)}))
+    errors = []
+    ts[1].on_error = lambda model, peer, exc: errors.append((model, peer))
+    # A phase-1 call naming a replica this engine has no group for: the receive fails,
+    # is reported, and the lane keeps serving.
+    ts[1].deliver(encode_phase1(_batch("a", 3, rows=1), 0, 7))
+    ts[0].send(_batch("a", 11, rows=1))
+    got = _drain(ts[1], 1)
+    assert [e.meta["batch"] for e in got] == [11] and errors == [("a", 0)]
+
+
+def test_send_after_close_raises():
+    t = RayTransport(0)
+    t.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        t.send(Envelope(0, 1, "m", "token", {}))
+
+
+def test_loopback_delivers_without_a_peer():
+    t = RayTransport(4)
+    t.send(Envelope(4, 4, "m", "token", {"tok": [1]}))
+    assert [e.meta for e in t.recv_ready()] == [{"tok": [1]}]
+    t.close()
+
+
+# ----------------------------------------------------------------------------- real Ray actors
+
+def _probe_class(ray):
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+
+    @ray.remote(num_cpus=0.5)
+    class Probe:
+        """A bare actor hosting one RayTransport endpoint (no engine loop)."""
+
+        def __init__(self, engine_id: int) -> None:
+            torch.set_num_threads(1)
+            self.t = RayTransport(engine_id)
+
+        def connect(self, peers, groups, host, port) -> None:
+            self.t.connect(peers, [GroupSpec.from_wire(g) for g in groups], host, port)
+
+        def deliver(self, payload: bytes) -> None:
+            self.t.deliver(payload)
+
+        def send(self, items) -> None:
+            for model, dst, bid, rows in items:
+                env = _batch(model, bid, rows)
+                env.src, env.dst = self.t.engine_id, dst
+                self.t.send(env)
+
+        def send_token(self, model, dst, tokens) -> None:
+            self.t.send(Envelope(self.t.engine_id, dst, model, "token", {"tokens": tokens}))
+
+        def poll(self):
+            """Never blocks: a sync actor runs `deliver` only between other calls."""
+            return [(e.src, e.model, e.kind, e.meta, e.tensors) for e in self.t.recv_ready()]
+
+        def close(self) -> None:
+            self.t.close()
+
+    return Probe
+
+
+def _poll(ray, probe, n: int, timeout: float = 20.0) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got.extend(ray.get(probe.poll.remote(), timeout=timeout))
+        time.sleep(0.01)
+    return got
+
+
+@pytest.mark.slow
+def test_round_trip_between_ray_actors(ray_session):
+    ray = ray_session
+    Probe = _probe_class(ray)
+    probes = {e: Probe.remote(e) for e in range(3)}
+    groups = [GroupSpec("a", 0, (0, 1)), GroupSpec("b", 0, (0, 2)), GroupSpec("c", 0, (1, 2))]
+    store, port = start_store("127.0.0.1")
+    try:
+        ray.get([p.connect.remote(probes, [g.to_wire() for g in groups], "127.0.0.1", port)
+                 for p in probes.values()], timeout=60)
+        # Engine 2 hears from two predecessors (models b and c) interleaved.
+        s0 = probes[0].send.remote([("a", 1, i, 1 + i % 3) if i % 2 else ("b", 2, i, 2)
+                                    for i in range(20)])
+        s1 = probes[1].send.remote([("c", 2, 100 + i, 1 + i % 5) for i in range(10)])
+        ray.get([s0, s1], timeout=30)
+        at1 = _poll(ray, probes[1], 10)
+        at2 = _poll(ray, probes[2], 20)
+        assert sorted(m["batch"] for _, _, _, m, _ in at1) == list(range(1, 20, 2))
+        assert sorted(m["batch"] for _, _, _, m, _ in at2) == (
+            list(range(0, 20, 2)) + list(range(100, 110)))
+        for src, model, kind, meta, tensors in at1 + at2:
+            env = Envelope(src, 0, model, kind, meta, tensors)
+            _check(env)
+            assert src == {"a": 0, "b": 0, "c": 1}[model]
+        # Last stage -> first stage: metadata only.
+        ray.get(probes[2].send_token.remote("b", 0, [42]), timeout=10)
+        (tok,) = _poll(ray, probes[0], 1)
+        assert tok[2] == "token" and tok[3] == {"tokens": [42]} and tok[4] is None
+    finally:
+        ray.get([p.close.remote() for p in probes.values()], timeout=30)
+        for p in probes.values():
+            ray.kill(p)
+        del store
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices (NCCL ranks cannot share one)")
+def test_nccl_streams_pair_up_tensors_and_metadata():
+    """The GPU path of test_tensors_and_metadata_pair_up_in_process: NCCL groups and the
+    per-model CUDA stream pair, two endpoints on two devices in one process."""
+    ts = {0: RayTransport(0, "cuda:0"), 1: RayTransport(1, "cuda:1")}
+    store = _connect_all(ts, [GroupSpec("a", 0, (0, 1)), GroupSpec("b", 0, (0, 1))], {})
+    try:
+        with torch.cuda.device(0):
+            sent = []
+            for i in range(12):
+                env = _batch("a" if i % 3 else "b", i, rows=1 + i % 4)
+                env.tensors = {k: v.to("cuda:0") for k, v in env.tensors.items()}
+                sent.append(env)
+                ts[0].send(env)
+        got = _drain(ts[1], len(sent), timeout=60)
+        assert sorted(e.meta["batch"] for e in got) == list(range(12))
+        for env in got:
+            assert env.tensors["hidden"].device == torch.device("cuda:1")
+            env.tensors = {k: v.cpu() for k, v in env.tensors.items()}
+            _check(env)
+    finally:
+        for t in ts.values():
+            t.close()
+        del store
