@@ -1,12 +1,12 @@
 """paraflex.simulator.workload: the requests a simulation replays.
 
-`WorkloadSpec` (spec.py) says how; `generate` (generator.py) turns a spec, the models and a
-total rate into a time-ordered list of `SimRequest`s, drawing every random number from one
-seed: Zipf popularity (popularity.py), per-model arrival processes (arrivals.py: Poisson,
-log-normal with a target CV, trace replay from trace.py) and lengths (lengths.py).
+`generate` (generator.py) turns the config's workload section (paraflex.config.WorkloadConfig:
+arrival process, CV, trace, Zipf popularity, scaling), the served models and a total rate into
+a time-ordered list of `SimRequest`s, drawing every random number from one seed: per-model
+arrival processes (arrivals.py: Poisson, log-normal with a target CV, trace replay from
+trace.py) and token counts (lengths.py).
 """
 
-from paraflex.simulator.workload.generator import SimRequest, generate
-from paraflex.simulator.workload.spec import WorkloadSpec
+from paraflex.simulator.workload.generator import SimRequest, WorkloadModel, generate
 
-__all__ = ["SimRequest", "WorkloadSpec", "generate"]
+__all__ = ["SimRequest", "WorkloadModel", "generate"]
