@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 
-def _plt():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,7 +64,7 @@ def write_run(out_dir: str, result) -> list[str]:
 
 
 def plot_run(out_dir: str, result) -> list[str]:
-    plt = _plt()
+    plt = pyplot()
     paths = []
     t, share = result.metrics.active_share()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))

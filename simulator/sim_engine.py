@@ -84,14 +84,13 @@ class SimEngine:
             t += c.head_time(a, num_seqs + batch_size)
         return t
 
-    def batch_time(self, info: StageInfo, message) -> float:
-        """Execution time of one stage of a batch message (prefill chunks and/or decodes)."""
-        prefills, decodes = message.prefills, message.decodes
+    def batch_time(self, info: StageInfo, batch) -> float:
+        """Execution time of one `ScheduledBatch` at this stage: prompt chunks and/or decodes."""
+        decodes = batch.num_decodes
+        prefill_tokens = batch.prefill_tokens
+        seqs = batch.batch_size - decodes
         if decodes:
-            ctx = 0
-            for d in decodes:
-                ctx += d.position + 1
-            if not prefills:
-                return self.decode_time(info, len(decodes), ctx)
-            return self.mixed_time(info, sum(p.num_tokens for p in prefills), len(prefills), len(decodes), ctx)
-        return self.prefill_time(info, sum(p.num_tokens for p in prefills), len(prefills))
+            if not prefill_tokens:
+                return self.decode_time(info, decodes, batch.total_context)
+            return self.mixed_time(info, prefill_tokens, seqs, decodes, batch.total_context)
+        return self.prefill_time(info, prefill_tokens, seqs)

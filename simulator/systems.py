@@ -37,7 +37,6 @@ class SystemLayout:
     policy: str
     gpus_per_engine: int
     memory_bytes: int  # per engine: weights + KV
-    max_decode_batches: int | None = None  # concurrent decode batches per model (Sarathi)
 
     def describe(self) -> dict:
         return {
@@ -47,7 +46,6 @@ class SystemLayout:
             "engines": self.placement.num_engines,
             "gpus_per_engine": self.gpus_per_engine,
             "memory_bytes_per_engine": self.memory_bytes,
-            "max_decode_batches": self.max_decode_batches,
             "models": {name: {"stages": m.num_stages, "replicas": m.num_replicas} for name, m in self.placement.models.items()},
         }
 
@@ -66,10 +64,10 @@ def _engine_shape(config, placement: Placement) -> tuple[int, int]:
     return tp, mem
 
 
-def _layout(name: str, config, solver: str, policy: str, max_decode_batches=None) -> SystemLayout:
+def _layout(name: str, config, solver: str, policy: str) -> SystemLayout:
     placement = _plan(config, solver)
     tp, mem = _engine_shape(config, placement)
-    return SystemLayout(name, placement, policy, tp, mem, max_decode_batches)
+    return SystemLayout(name, placement, policy, tp, mem)
 
 
 @SYSTEMS.register("paraflex")
@@ -93,9 +91,9 @@ def ray_serve(config, settings) -> SystemLayout:
 
 @SYSTEMS.register("sarathi")
 def sarathi(config, settings) -> SystemLayout:
-    layout = _layout("sarathi", config, "shared", "sarathi")
-    layout.max_decode_batches = max(m.num_stages for m in layout.placement.models.values())
-    return layout
+    # the engine core's `sarathi` policy chunks prefills and keeps at most `num_stages`
+    # micro-batches of a model in flight
+    return _layout("sarathi", config, "shared", "sarathi")
 
 
 @SYSTEMS.register("alpaserve")
