@@ -50,6 +50,7 @@ class ModelArch:
     rms_norm_eps: float = 1e-5
     rope_scaling: dict | None = field(default=None, hash=False, compare=True)
     linear_bias: bool = False  # biases on every linear + LayerNorm bias (Phi-2)
+    parallel_block: bool = False  # attention and MLP read one shared norm (Phi-2)
 
     # ---- parameter counts -------------------------------------------------------------
     @property
@@ -67,11 +68,11 @@ class ModelArch:
         if self.qkv_bias or self.linear_bias:
             attn += self.q_size + 2 * self.kv_size
         mlp = (3 if self.gated_mlp else 2) * h * f
-        norms = 2 * h
+        norms = (1 if self.parallel_block else 2) * h
         if self.linear_bias:
             attn += h  # output-projection bias
             mlp += f * (2 if self.gated_mlp else 1) + h
-            norms += 2 * h  # LayerNorm biases
+            norms *= 2  # LayerNorm biases
         return attn + mlp + norms
 
     def embedding_params(self) -> int:
@@ -125,7 +126,8 @@ class ModelArch:
     def flops_per_token(self) -> int:
         """Dense matmul FLOPs of one token through the whole model (2 per weight; no attention
         score FLOPs, which depend on the context: see `paraflex.costmodel`)."""
-        matmul = self.num_layers * (self.layer_params() - 2 * self.hidden_size)
+        norms = (1 if self.parallel_block else 2) * self.hidden_size * (2 if self.linear_bias else 1)
+        matmul = self.num_layers * (self.layer_params() - norms)
         return 2 * (matmul + self.vocab_size * self.hidden_size)
 
     def with_dtype_bytes(self, dtype_bytes: int) -> "ModelArch":
@@ -155,7 +157,7 @@ _BUILTINS: dict[str, ModelArch] = {
         _llama("codellama-34b-instruct", 48, 8192, 22016, 64, 8, 32000, 16384, rope_theta=1e6),
         _llama("internlm2.5-20b-chat", 48, 6144, 16384, 48, 8, 92544, 32768, rope_theta=5e7),
         _llama("phi-2", 32, 2560, 10240, 32, 32, 51200, 2048, gated_mlp=False,
-               linear_bias=True, qkv_bias=True),
+               linear_bias=True, qkv_bias=True, parallel_block=True),
         # Qwen-72B (v1): config intermediate_size 49152 = 2 x the real FFN width (w1, w2 each 24576).
         _llama("qwen-72b", 80, 8192, 24576, 64, 64, 152064, 32768, qkv_bias=True,
                rope_theta=1e6, rms_norm_eps=1e-6),
@@ -215,6 +217,12 @@ def arch_from_hf_config(dir_or_config_json: str, name: str | None = None) -> Mod
 
 def _arch_from_hf_dict(cfg: dict, name: str) -> ModelArch:
     model_type = str(cfg.get("model_type", "llama")).lower()
+    rope_params = cfg.get("rope_parameters")  # transformers >= 5 nests rope settings here
+    if isinstance(rope_params, dict):
+        cfg = dict(cfg)
+        cfg.setdefault("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if rope_params.get("rope_type", "default") != "default":
+            cfg.setdefault("rope_scaling", {k: v for k, v in rope_params.items() if k != "rope_theta"})
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     kw: dict = {}
@@ -231,7 +239,7 @@ def _arch_from_hf_dict(cfg: dict, name: str) -> ModelArch:
         kw.update(rope_theta=float(cfg.get("rope_theta", 10000.0)),
                   rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-5))))
         if model_type == "phi":
-            kw.update(gated_mlp=False, linear_bias=True, qkv_bias=True)
+            kw.update(gated_mlp=False, linear_bias=True, qkv_bias=True, parallel_block=True)
         elif model_type == "qwen2" or cfg.get("attention_bias") or cfg.get("bias"):
             kw.update(qkv_bias=True)
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").lower()

@@ -101,7 +101,9 @@ class SchedulerConfig:
     max_batch_size: int = 32
     block_bytes: int = 32768
     policy: str = "full-batch-first"
-    prefill_token_budget: int = 4096  # max prompt tokens in one prefill batch / Sarathi chunk
+    # None: one request per prefill batch (the paper's setting); a number: pack prompts (and
+    # size Sarathi chunks) up to this many tokens per prefill batch.
+    prefill_token_budget: int | None = None
 
 
 @dataclass
@@ -158,7 +160,7 @@ class Config:
         zipf = self.workload is not None and self.workload.zipf_alpha is not None
         out["models"] = [_model_to_dict(m, with_rate=not zipf) for m in self.models]
         out["planner"] = _asdict(self.planner)
-        out["scheduler"] = _asdict(self.scheduler)
+        out["scheduler"] = _asdict(self.scheduler, drop_none=True)
         if self.workload is not None:
             out["workload"] = _asdict(self.workload, drop_none=True)
         return out
@@ -498,7 +500,7 @@ def _parse_scheduler(raw) -> SchedulerConfig:
         max_batch_size=s.int("max_batch_size", 32, minimum=1),
         block_bytes=block,
         policy=s.str("policy", "full-batch-first", choices=POLICIES),
-        prefill_token_budget=s.int("prefill_token_budget", 4096, minimum=1),
+        prefill_token_budget=s.int("prefill_token_budget", None, minimum=1),
     )
 
 

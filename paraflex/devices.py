@@ -23,8 +23,8 @@ class DeviceSpec:
     peak_flops: float  # dense 16-bit tensor FLOP/s (fp32 for the CPU)
     mem_bandwidth: float  # bytes/s of device memory
     memory_bytes: int
-    intra_bandwidth: float  # bytes/s per direction between GPUs of one TP group (NVLink)
-    intra_latency: float  # s, one collective step inside a TP group
+    intra_bandwidth: float  # bytes/s, all-reduce bus bandwidth inside a TP group (NVLink; fitted)
+    intra_latency: float  # s, one ring step of a collective inside a TP group (fitted)
     # Fitted efficiencies (see docs/costmodel.md, "Calibration").
     matmul_eff: float = 0.7  # fraction of peak_flops a large GEMM reaches
     mem_eff: float = 0.8  # fraction of mem_bandwidth a streaming kernel reaches
@@ -40,14 +40,21 @@ _DEVICES = {
                    intra_bandwidth=1.0e10, intra_latency=2e-5,
                    matmul_eff=0.5, mem_eff=0.6, kernel_overhead=2e-5, matmul_half_tokens=4.0),
         # NVIDIA A100 SXM4 80GB: 312 TFLOPS BF16 dense, 2039 GB/s HBM2e, NVLink3 600 GB/s total.
+        # Efficiencies and NVLink all-reduce constants fitted by
+        # `bench/costmodel_fidelity.py --fit` on the Vidur A100 (DGX) tables.
         DeviceSpec("a100-80g", peak_flops=312e12, mem_bandwidth=2.039e12, memory_bytes=80 * GIB,
-                   intra_bandwidth=300e9, intra_latency=8e-6),
+                   intra_bandwidth=147.7e9, intra_latency=3.65e-6,
+                   matmul_eff=0.722, mem_eff=0.776, kernel_overhead=4.85e-6, matmul_half_tokens=59.9),
         # NVIDIA H100 SXM5 80GB: 989 TFLOPS BF16 dense, 3.35 TB/s HBM3, NVLink4 900 GB/s total.
+        # Fitted the same way on the Vidur H100 (DGX) tables.
         DeviceSpec("h100-80g", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=80 * GIB,
-                   intra_bandwidth=450e9, intra_latency=6e-6),
-        # NVIDIA H200 SXM 141GB: same compute as H100, 4.8 TB/s HBM3e.
+                   intra_bandwidth=309.4e9, intra_latency=2.1e-6,
+                   matmul_eff=0.70, mem_eff=0.90, kernel_overhead=4.78e-6, matmul_half_tokens=118.0),
+        # NVIDIA H200 SXM 141GB: same compute as H100, 4.8 TB/s HBM3e. No measured tables:
+        # it borrows the H100's fitted efficiencies (same GPU die and software stack).
         DeviceSpec("h200", peak_flops=989e12, mem_bandwidth=4.8e12, memory_bytes=140 * GIB,
-                   intra_bandwidth=450e9, intra_latency=6e-6),
+                   intra_bandwidth=309.4e9, intra_latency=2.1e-6,
+                   matmul_eff=0.70, mem_eff=0.90, kernel_overhead=4.78e-6, matmul_half_tokens=118.0),
     ]
 }
 
