@@ -73,7 +73,7 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None) 
         layout = build_system(config, settings)
     workload = workload_of(config)
     shares = workload.model_shares(config.models)
-    models = [WorkloadModel(m.name, m.arch.max_context, shares[m.name]) for m in config.models]
+    models = [WorkloadModel(m.name, m.arch.max_context, s) for m, s in zip(config.models, shares)]
     requests, info = generate(models, workload, settings.rate, settings.seed)
     slos = {m.name: ModelSLO((m.slo_ttft_ms or DEFAULT_TTFT_MS) / 1000, (m.slo_tbt_ms or DEFAULT_TBT_MS) / 1000)
             for m in config.models}
