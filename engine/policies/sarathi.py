@@ -1,0 +1,39 @@
+"""`sarathi` (Sarathi-Serve baseline): chunked prefill under a token budget.
+
+A first stage forms one batch from its ready decodes (oldest first, up to `max_batch_size`) and
+fills the rest of `prefill_token_budget` with prompt chunks of the oldest waiting prompts
+("stall-free" mixed batches), while fewer than `num_stages` micro-batches of the model are in
+flight (formed here and still awaiting their tokens). Later stages run received batches in
+arrival order. Place in the data flow: chosen by `scheduler.policy: sarathi`; called by
+`EngineScheduler.schedule`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from paraflex.engine.policies.base import Policy, head_key, oldest_first
+
+
+class Sarathi(Policy):
+    name = "sarathi"
+
+    def first_prefill(self, sched, st, now):
+        if len(st.inflight) >= st.num_stages:
+            return None
+        return sched.try_first_decode(st, sched.max_batch_size, now, prefill_budget=sched.prefill_token_budget)
+
+    first_decode = first_prefill  # one mixed batch serves both queues
+
+    def pick(self, sched, now):
+        cands = []
+        for i, st in enumerate(sched.stages):
+            if st.is_first:
+                heads = [head_key(q) for q in (st.decode_q, st.prefill_q) if q.items]
+                if heads:
+                    cands.append((min(heads), i, partial(self.first_prefill, sched, st, now)))
+            else:
+                for q in (st.full_q, st.decode_q, st.prefill_q):
+                    if q.items:
+                        cands.append((head_key(q), i, partial(sched.try_pending, st, q, now)))
+        return oldest_first(cands)
