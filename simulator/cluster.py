@@ -22,7 +22,8 @@ from paraflex.simulator.sim_engine import SimEngine, StageInfo
 
 
 class Cluster:
-    def __init__(self, config, layout, settings, loop, metrics):
+    def __init__(self, config, layout, settings, loop, metrics, cost=None):
+        """`cost` replaces the cluster's CostModel (tests use fixed stage times)."""
         self.loop = loop
         self.metrics = metrics
         self.check = settings.check_invariants
@@ -30,7 +31,8 @@ class Cluster:
         cl, sc = config.cluster, config.scheduler
         self.interconnect = cl.interconnect()
         archs = {m.name: m.arch for m in config.models}
-        cost = CostModel(cl.device, tp=layout.gpus_per_engine, profile_dir=cl.profile_dir)
+        if cost is None:
+            cost = CostModel(cl.device, tp=layout.gpus_per_engine, profile_dir=cl.profile_dir)
         swap_Bps = settings.host_link_gbps * 1e9 / 8 * layout.gpus_per_engine
         host_bytes = cl.host_memory_bytes
         self.engines: list[SimEngine] = []
@@ -38,7 +40,8 @@ class Cluster:
             kv_bytes = max(0, layout.memory_bytes - ep.weight_bytes)
             pool = BlockPool.from_bytes(kv_bytes, sc.block_bytes, host_bytes)
             scheduler = EngineScheduler(pool, max_batch_size=sc.max_batch_size, policy=layout.policy,
-                                        prefill_token_budget=sc.prefill_token_budget, engine_id=ep.id)
+                                        prefill_token_budget=layout.prefill_token_budget or sc.prefill_token_budget,
+                                        engine_id=ep.id)
             stages: dict[str, StageInfo] = {}
             for ref in ep.stages:
                 mp = placement.models[ref.model]

@@ -19,7 +19,7 @@ from paraflex.simulator.event_loop import EventLoop
 from paraflex.simulator.events import RequestArrivalEvent
 from paraflex.simulator.metrics import MetricsStore, ModelSLO
 from paraflex.simulator.systems import SystemLayout, build_system
-from paraflex.simulator.workload import WorkloadModel, generate
+from paraflex.simulator.workload import SimRequest, WorkloadModel, generate
 
 # Aegaeon's production SLOs (§7.1 there), used for models whose config sets none.
 DEFAULT_TTFT_MS, DEFAULT_TBT_MS = 10_000.0, 100.0
@@ -65,8 +65,10 @@ def workload_of(config) -> WorkloadConfig:
     return config.workload if config.workload is not None else WorkloadConfig()
 
 
-def simulate(config, settings: SimSettings, layout: SystemLayout | None = None) -> SimResult:
-    """Simulate `config` served by `settings.system`; `layout` skips re-planning (sweeps)."""
+def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, cost=None,
+             requests: list[SimRequest] | None = None) -> SimResult:
+    """Simulate `config` served by `settings.system`. `layout` skips re-planning (sweeps),
+    `cost` replaces the cost model and `requests` the generated workload (tests)."""
     settings.validate()
     wall0 = time.perf_counter()
     if layout is None:
@@ -74,12 +76,15 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None) 
     workload = workload_of(config)
     shares = workload.model_shares(config.models)
     models = [WorkloadModel(m.name, m.arch.max_context, s) for m, s in zip(config.models, shares)]
-    requests, info = generate(models, workload, settings.rate, settings.seed)
+    if requests is None:
+        requests, info = generate(models, workload, settings.rate, settings.seed)
+    else:
+        info = {"requests": len(requests), "given": True}
     slos = {m.name: ModelSLO((m.slo_ttft_ms or DEFAULT_TTFT_MS) / 1000, (m.slo_tbt_ms or DEFAULT_TBT_MS) / 1000)
             for m in config.models}
     metrics = MetricsStore(slos, layout.placement.num_engines, layout.gpus_per_engine)
     loop = EventLoop()
-    sim = _Sim(loop, Cluster(config, layout, settings, loop, metrics))
+    sim = _Sim(loop, Cluster(config, layout, settings, loop, metrics, cost))
     served = set(layout.placement.models)
     for req in requests:
         if req.model not in served:

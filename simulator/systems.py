@@ -28,6 +28,7 @@ from paraflex.placement import Placement
 from paraflex.simulator.registry import Registry
 
 SYSTEMS: Registry = Registry("system")
+SARATHI_CHUNK_TOKENS = 512
 
 
 @dataclass
@@ -37,6 +38,7 @@ class SystemLayout:
     policy: str
     gpus_per_engine: int
     memory_bytes: int  # per engine: weights + KV
+    prefill_token_budget: int | None = None  # overrides scheduler.prefill_token_budget
 
     def describe(self) -> dict:
         return {
@@ -45,6 +47,7 @@ class SystemLayout:
             "planner": self.placement.planner,
             "engines": self.placement.num_engines,
             "gpus_per_engine": self.gpus_per_engine,
+            "prefill_token_budget": self.prefill_token_budget,
             "memory_bytes_per_engine": self.memory_bytes,
             "models": {name: {"stages": m.num_stages, "replicas": m.num_replicas} for name, m in self.placement.models.items()},
         }
@@ -92,8 +95,10 @@ def ray_serve(config, settings) -> SystemLayout:
 @SYSTEMS.register("sarathi")
 def sarathi(config, settings) -> SystemLayout:
     # the engine core's `sarathi` policy chunks prefills and keeps at most `num_stages`
-    # micro-batches of a model in flight
-    return _layout("sarathi", config, "shared", "sarathi")
+    # micro-batches of a model in flight; chunks of 512 tokens (Vidur's Sarathi default)
+    layout = _layout("sarathi", config, "shared", "sarathi")
+    layout.prefill_token_budget = SARATHI_CHUNK_TOKENS
+    return layout
 
 
 @SYSTEMS.register("alpaserve")
