@@ -1,0 +1,43 @@
+"""Replication planner (paper Alg. 1): which model gets the next replica.
+
+Called by the placement loop (`placement_optimizer.optimize`, `milp.solve`) once per
+iteration with the current replica counts; returns the model index to replicate or -1 to stop.
+
+Target resource ratio of model i: R_i * s_i / sum(R * s) (workload ratio times size in stages,
+eq. 7); actual ratio: r_i * s_i / sum(r * s). The model whose actual:target ratio is smallest
+gets the next replica; among equals the one with the largest target, then the lowest index.
+
+Readings of the pseudo-code's gaps (docs/plan.md):
+* Early return: as printed, the lines after ``return arg max_{m in U}`` sit inside the
+  ``if |U| > 0`` block and could never run. We read them as the else branch: unplaced models
+  first (heaviest target first), otherwise the proportional rule.
+* Abort test: ``r_i * s_i > N`` on the current count can never hold once replicas do not
+  overlap (eq. 4 already forces r_i * s_i <= N). We read it as "the chosen model's next replica
+  would not fit": (r_i + 1) * s_i > N returns -1 ("the chosen model runs out of engines").
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+_TIE = 1e-12
+
+
+def choose_next(num_engines: int, stages: Sequence[int], replicas: Sequence[int], ratios: Sequence[float]) -> int:
+    """Index of the model to replicate next, or -1 when the chosen model has no room left."""
+    n = len(stages)
+    if not (len(replicas) == len(ratios) == n) or n == 0:
+        raise ValueError("stages, replicas and ratios must be non-empty and of equal length")
+    target_total = sum(ratios[i] * stages[i] for i in range(n))
+    target = [ratios[i] * stages[i] / target_total for i in range(n)]
+    unplaced = [i for i in range(n) if replicas[i] == 0]
+    if unplaced:
+        return max(unplaced, key=lambda i: (target[i], -i))
+    actual_total = sum(replicas[i] * stages[i] for i in range(n))
+    relative = [(replicas[i] * stages[i] / actual_total) / target[i] for i in range(n)]
+    least = min(relative)
+    tied = [i for i in range(n) if relative[i] <= least * (1 + _TIE)]
+    chosen = max(tied, key=lambda i: (target[i], -i))
+    if (replicas[chosen] + 1) * stages[chosen] > num_engines:
+        return -1
+    return chosen
