@@ -450,7 +450,8 @@ class EngineScheduler:
                 self._finish(req, FINISHED)
                 continue
             self._leave_inflight(st, req)
-            req.generated += 1
+            if not st.is_last:  # a one-stage model counted the token in complete() already
+                req.generated += 1
             if req.token_ids is not None and e.token_id is not None:
                 req.token_ids.append(e.token_id)
             req.transition(WAITING_DECODE if req.state == BLOCKED else SWAPPED_DECODE)

@@ -35,13 +35,14 @@ class Cluster:
             cost = CostModel(cl.device, tp=layout.gpus_per_engine, profile_dir=cl.profile_dir)
         swap_Bps = settings.host_link_gbps * 1e9 / 8 * layout.gpus_per_engine
         host_bytes = cl.host_memory_bytes
+        token_budget = layout.prefill_token_budget or sc.prefill_token_budget
+        budget = {"prefill_token_budget": token_budget} if token_budget else {}  # None: the scheduler's default
         self.engines: list[SimEngine] = []
         for ep in placement.engines:
             kv_bytes = max(0, layout.memory_bytes - ep.weight_bytes)
             pool = BlockPool.from_bytes(kv_bytes, sc.block_bytes, host_bytes)
             scheduler = EngineScheduler(pool, max_batch_size=sc.max_batch_size, policy=layout.policy,
-                                        prefill_token_budget=layout.prefill_token_budget or sc.prefill_token_budget,
-                                        engine_id=ep.id)
+                                        engine_id=ep.id, **budget)
             stages: dict[str, StageInfo] = {}
             for ref in ep.stages:
                 mp = placement.models[ref.model]

@@ -63,14 +63,21 @@ def test_one_request_one_engine():
     assert s["active_gpu_share_mean"] == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("policy", ["full-batch-first", "prefill-first"])
-def test_two_requests_prefill_then_shared_decode(policy):
-    # t=0: prefill r0 (one prompt per prefill batch); t=P: prefill r1 (before r0's lone decode);
-    # t=2P: one decode batch {r0, r1} -> both second tokens at 2P + D
-    recs, res = _run(_config(1, policy), 1, [SimRequest(0, "m", 0.0, 10, 2), SimRequest(1, "m", 0.0, 10, 2)])
+def test_two_requests_full_batch_first_prefills_one_at_a_time():
+    # t=0: prefill r0 (one prompt per prefill batch, §8.1); t=P: prefill r1 (prefills before an
+    # under-sized decode batch); t=2P: one decode batch {r0, r1} -> both second tokens at 2P + D
+    recs, res = _run(_config(1), 1, [SimRequest(0, "m", 0.0, 10, 2), SimRequest(1, "m", 0.0, 10, 2)])
     assert recs[0].first_token == pytest.approx(P) and recs[1].first_token == pytest.approx(2 * P)
     assert recs[0].finish == pytest.approx(2 * P + D) and recs[1].finish == pytest.approx(2 * P + D)
     assert res.summary["decode_batch_size_mean"] == 2
+
+
+def test_two_requests_prefill_first_packs_prompts():
+    # prefill-first (vLLM-like) packs both prompts into one prefill batch: tokens at P, P + D
+    recs, res = _run(_config(1, "prefill-first"), 1, [SimRequest(0, "m", 0.0, 10, 2), SimRequest(1, "m", 0.0, 10, 2)])
+    assert recs[0].first_token == pytest.approx(P) and recs[1].first_token == pytest.approx(P)
+    assert recs[0].finish == pytest.approx(P + D) and recs[1].finish == pytest.approx(P + D)
+    assert res.summary["prefill_batches"] == 1
 
 
 def test_two_stage_pipeline_hop_and_token_latency():
@@ -88,8 +95,7 @@ def test_two_stage_pipeline_hop_and_token_latency():
 
 
 def test_slo_attainment_counts_tokens_against_deadlines():
-    # deadlines: token k due at arrival + TTFT_slo + k * TBT_slo; with TTFT_slo = 0.15 s and
-    # TBT_slo = 5 ms, token 0 (0.10) is on time, tokens 1 and 2 (0.11, 0.12 > 0.155, 0.16? no) ...
+    # Aegaeon: token k is due at arrival + TTFT_slo + k * TBT_slo
     cfg = _config(1)
     cfg.models[0].slo_ttft_ms = 105.0
     cfg.models[0].slo_tbt_ms = 5.0
