@@ -33,14 +33,18 @@ class Cluster:
         archs = {m.name: m.arch for m in config.models}
         if cost is None:
             cost = CostModel(cl.device, tp=layout.gpus_per_engine, profile_dir=cl.profile_dir)
-        swap_Bps = settings.host_link_gbps * 1e9 / 8 * layout.gpus_per_engine
+        tp = layout.gpus_per_engine
+        swap_Bps = settings.host_link_gbps * 1e9 / 8  # per GPU: each GPU swaps its own shard
         host_bytes = cl.host_memory_bytes
         token_budget = layout.prefill_token_budget or sc.prefill_token_budget
         budget = {"prefill_token_budget": token_budget} if token_budget else {}  # None: the scheduler's default
         self.engines: list[SimEngine] = []
         for ep in placement.engines:
-            kv_bytes = max(0, layout.memory_bytes - ep.weight_bytes)
-            pool = BlockPool.from_bytes(kv_bytes, sc.block_bytes, host_bytes)
+            # One pool per GPU of the TP group, all in lock-step: each GPU holds 1/tp of every
+            # layer's KV heads, so the engine's accounting is one GPU's pool with 1/tp of the
+            # per-token KV bytes (blocks are `block_bytes` on each GPU, as on a real worker).
+            kv_bytes = max(0, layout.memory_bytes - ep.weight_bytes) // tp
+            pool = BlockPool.from_bytes(kv_bytes, sc.block_bytes, host_bytes // tp)
             scheduler = EngineScheduler(pool, max_batch_size=sc.max_batch_size, policy=layout.policy,
                                         engine_id=ep.id, **budget)
             stages: dict[str, StageInfo] = {}
@@ -52,7 +56,7 @@ class Cluster:
                 arch = archs[ref.model]
                 stages[ref.model] = StageInfo(ref.model, arch, ref.replica, ref.stage, b - a,
                                               ref.stage == 0, last, -1 if last else route[ref.stage + 1], route[0])
-                scheduler.add_stage(ref.model, ref.stage, b - a, arch.kv_bytes_per_token_per_layer(), mp.num_stages)
+                scheduler.add_stage(ref.model, ref.stage, b - a, -(-arch.kv_bytes_per_token_per_layer() // tp), mp.num_stages)
             self.engines.append(SimEngine(ep.id, scheduler, pool, cost, stages, swap_Bps))
         self.replicas = {name: mp.replicas for name, mp in placement.models.items()}
         self.dispatcher = Dispatcher({name: len(r) for name, r in self.replicas.items()})
