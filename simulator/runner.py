@@ -56,6 +56,7 @@ class SimResult:
     metrics: MetricsStore
     summary: dict
     settings: dict = field(default_factory=dict)
+    engines: list = field(default_factory=list, repr=False)  # the SimEngines, for inspection
 
     @property
     def placement(self):
@@ -85,7 +86,8 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
             for m in config.models}
     metrics = MetricsStore(slos, layout.placement.num_engines, layout.gpus_per_engine)
     loop = EventLoop()
-    sim = _Sim(loop, Cluster(config, layout, settings, loop, metrics, cost))
+    cluster = Cluster(config, layout, settings, loop, metrics, cost)
+    sim = _Sim(loop, cluster)
     served = set(layout.placement.models)
     for req in requests:
         if req.model not in served:
@@ -115,7 +117,7 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
         "sim_requests_per_wall_s": len(requests) / wall if wall > 0 else None,
     })
     resolved = {"config": config.to_dict(), "simulation": asdict(settings), "layout": layout.describe()}
-    return SimResult(layout.name, layout, metrics, summary, resolved)
+    return SimResult(layout.name, layout, metrics, summary, resolved, cluster.engines)
 
 
 class _Sim:
