@@ -100,11 +100,29 @@ def fit(params, score, device: DeviceSpec) -> DeviceSpec:
     return best
 
 
+def cross_validate(tables, devices: dict) -> None:
+    """Leave one model out per device: fit on the rest, score the held-out model's tables."""
+    held_apes = []
+    for folder, spec in devices.items():
+        group = [t for t in tables if t.device_folder == folder]
+        for model in sorted({t.model for t in group}):
+            train = [t for t in group if t.model != model]
+            test = [t for t in group if t.model == model]
+            fitted = fit(FIT_PARAMS, lambda d, g=train: mape(g, d), spec)
+            apes = [abs(p - m) / m for t in test for _n, m, p in table_errors(t, fitted)]
+            held_apes.extend(apes)
+            print(f"{folder:8} held out {model:42} MAPE {100 * sum(apes) / len(apes):5.1f}%")
+    print(f"leave-one-model-out MAPE over {len(held_apes)} rows: {100 * sum(held_apes) / len(held_apes):.1f}%")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=os.path.join(REPO, "..", "shared", "data"),
                     help="reference data folder holding profiles/ (default: ../shared/data from the repo root)")
     ap.add_argument("--csv", help="write per-row measured/predicted times to this CSV")
+    ap.add_argument("--cross-validate", action="store_true",
+                    help="leave-one-model-out: fit the efficiencies on the other models' tables and "
+                         "report the MAPE on the held-out model (out-of-sample fidelity)")
     ap.add_argument("--fit", action="store_true",
                     help="re-fit each device's efficiency constants on these tables and print them "
                          "(paste into paraflex/devices.py); the report then uses the fitted values")
@@ -119,7 +137,7 @@ def main(argv=None) -> int:
     except UserError as exc:
         print(f"costmodel_fidelity: {exc}", file=sys.stderr)
         return 2
-    print(f"machine: {platform.node()} {platform.machine()} {platform.processor() or ''} "
+    print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} CPUs "
           f"python {platform.python_version()}; {len(tables)} tables under {root}")
     devices = {}
     for folder in sorted({t.device_folder for t in tables}):
@@ -139,6 +157,8 @@ def main(argv=None) -> int:
               f"{100 * sum(apes) / len(apes):6.1f}% {100 * max(apes):7.1f}%")
     overall = 100 * sum(all_ape) / len(all_ape)
     print(f"overall MAPE over {len(all_ape)} rows: {overall:.1f}% (target <= 15%)")
+    if args.cross_validate:
+        cross_validate(tables, devices)
     for folder, spec in devices.items():
         path = os.path.join(args.data, "profiles", "network", NET_FOLDER.get(folder, folder), "all_reduce.csv")
         if not os.path.isfile(path):

@@ -260,6 +260,11 @@ def _arch_from_hf_dict(cfg: dict, name: str) -> ModelArch:
     )
 
 
+def _f32(value) -> float:
+    """A float32 header value as the decimal it was written from (1e-5, not 9.99999974e-06)."""
+    return float(f"{float(value):.7g}")
+
+
 def _gguf_value(reader, key: str):
     fld = reader.fields.get(key)
     if fld is None:
@@ -318,8 +323,8 @@ def _read_gguf_arch(path: str, _size: int, _mtime_ns: int) -> ModelArch:
         vocab_size=int(vocab),
         max_context=int(key("context_length", default=4096)),
         tie_embeddings="output.weight" not in tensor_names,
-        rope_theta=float(key("rope.freq_base", default=10000.0)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", default=1e-5)),
+        rope_theta=_f32(key("rope.freq_base", default=10000.0)),
+        rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", default=1e-5)),
     )
 
 

@@ -27,6 +27,7 @@ GIB = 2**30
 POLICIES = ("full-batch-first", "prefill-first", "sarathi")
 ARRIVALS = ("poisson", "lognormal", "trace")
 _DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_MS_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?:ms)?$")
 _STAGE_TIME_RE = re.compile(r"^(x|/)\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)$", re.IGNORECASE)
 
 
@@ -467,28 +468,33 @@ def _check_models(models: list[ModelConfig], cluster: ClusterConfig) -> None:
 
 def _parse_planner(raw) -> PlannerConfig:
     s = _Section(raw, "planner", tuple(PlannerConfig.__dataclass_fields__))
-    ts = s.data.get("target_stage_time", "auto")
-    if isinstance(ts, bool) or not isinstance(ts, (str, int, float)):
-        raise ConfigError("planner.target_stage_time", f"expected auto, milliseconds, 'x2' or '/2', got {_kind(ts)}")
-    if isinstance(ts, str):
-        ts = ts.strip().lower()
-        if ts != "auto" and not _STAGE_TIME_RE.match(ts):
-            raise ConfigError(
-                "planner.target_stage_time",
-                f"{ts!r} is not auto, a number of milliseconds, 'xK' or '/K' (e.g. x2, /2)",
-            )
-        m = _STAGE_TIME_RE.match(ts)
-        if m and float(m.group(2)) <= 0:
-            raise ConfigError("planner.target_stage_time", f"the factor in {ts!r} must be > 0")
-    elif ts <= 0:
-        raise ConfigError("planner.target_stage_time", f"must be > 0 ms, got {ts}")
-    else:
-        ts = float(ts)
     return PlannerConfig(
-        target_stage_time=ts,
+        target_stage_time=_parse_stage_time(s.data.get("target_stage_time", "auto")),
         kappa_gb=s.num("kappa_gb", 0.1, nonneg=True),
         ring=s.bool("ring", False),
     )
+
+
+def _parse_stage_time(ts) -> str | float:
+    """T_s: "auto", "xK" / "/K" (kept as text), or milliseconds (a number, "50", "50ms")."""
+    path = "planner.target_stage_time"
+    if isinstance(ts, bool) or not isinstance(ts, (str, int, float)):
+        raise ConfigError(path, f"expected auto, milliseconds, 'x2' or '/2', got {_kind(ts)}")
+    if isinstance(ts, str):
+        ts = ts.strip().lower()
+        ms = _MS_RE.match(ts)
+        if ms is None:
+            factor = _STAGE_TIME_RE.match(ts)
+            if ts != "auto" and factor is None:
+                raise ConfigError(path, f"{ts!r} is not auto, a number of milliseconds, 'xK' or '/K' (e.g. x2, /2)")
+            if factor is not None and float(factor.group(2)) <= 0:
+                raise ConfigError(path, f"the factor in {ts!r} must be > 0")
+            return ts
+        ts = ms.group(1)
+    ts = float(ts)
+    if not math.isfinite(ts) or ts <= 0:
+        raise ConfigError(path, f"must be > 0 ms, got {ts:g}")
+    return ts
 
 
 def _parse_scheduler(raw) -> SchedulerConfig:
@@ -514,7 +520,7 @@ def _parse_workload(raw, base_dir: str) -> WorkloadConfig:
             raise ConfigError("workload.trace", f"{trace} does not exist")
     elif arrival == "trace":
         raise ConfigError("workload.trace", "arrival: trace needs a CSV path (arrived_at,num_prefill_tokens,num_decode_tokens)")
-    w = WorkloadConfig(
+    return WorkloadConfig(
         arrival=arrival,
         cv=s.num("cv", 2.0, positive=True),
         trace=trace,
@@ -526,7 +532,6 @@ def _parse_workload(raw, base_dir: str) -> WorkloadConfig:
         prompt_scale=s.num("prompt_scale", 1.0, positive=True),
         output_scale=s.num("output_scale", 1.0, positive=True),
     )
-    return w
 
 
 def _resolve(path: str, base_dir: str) -> str:

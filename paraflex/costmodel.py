@@ -59,6 +59,7 @@ class CostModel:
 
             self.profiles = ProfileIndex(profile_dir)
         self._table_cache: dict = {}
+        self._layer_cache: dict = {}  # (kind, arch, tokens[, ...]) -> seconds; simulators repeat
 
     # ---- primitive rooflines --------------------------------------------------------------
     def _gemm(self, m: float, k: float, n: float, dtype: int) -> float:
@@ -162,9 +163,13 @@ class CostModel:
                      last: bool = False, num_seqs: int = 1) -> float:
         """A prefill of num_tokens prompt tokens (num_seqs prompts) through num_layers layers."""
         _check_counts(num_layers=num_layers, num_tokens=num_tokens, num_seqs=num_seqs)
-        per_layer = (self.linear_time(arch, num_tokens)
-                     + self.attention_prefill_time(arch, num_tokens, num_seqs)
-                     + self.tp_comm_time(arch, num_tokens))
+        key = ("prefill", arch, num_tokens, num_seqs)
+        per_layer = self._layer_cache.get(key)
+        if per_layer is None:
+            per_layer = self._layer_cache[key] = (
+                self.linear_time(arch, num_tokens)
+                + self.attention_prefill_time(arch, num_tokens, num_seqs)
+                + self.tp_comm_time(arch, num_tokens))
         total = num_layers * per_layer
         if first:
             total += self.embedding_time(arch, num_tokens)
@@ -178,9 +183,11 @@ class CostModel:
         _check_counts(num_layers=num_layers, batch_size=batch_size)
         if total_context < batch_size:
             raise UserError(f"total_context={total_context} is below batch_size={batch_size}: each request has >= 1 token")
-        per_layer = (self.linear_time(arch, batch_size)
-                     + self.attention_decode_time(arch, batch_size, total_context)
-                     + self.tp_comm_time(arch, batch_size))
+        key = ("decode", arch, batch_size)
+        fixed = self._layer_cache.get(key)
+        if fixed is None:
+            fixed = self._layer_cache[key] = self.linear_time(arch, batch_size) + self.tp_comm_time(arch, batch_size)
+        per_layer = fixed + self.attention_decode_time(arch, batch_size, total_context)
         total = num_layers * per_layer
         if first:
             total += self.embedding_time(arch, batch_size)

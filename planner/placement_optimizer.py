@@ -34,12 +34,14 @@ from paraflex.planner.problem import NoFeasiblePlan, Problem, Solution, replica_
 from paraflex.planner.replication import choose_next
 
 _TIE = 1e-9
+_MAX_PAIRS = 256  # pair moves tried per polish round (bounds the polish on dense engines)
+_MAX_PROMOTIONS = 8  # first-step retries, each with one model that did not fit moved to the front
 Progress = Callable[[int, int, float], None]  # (iteration, replicas placed, Phi* bytes)
 
 
 class _Failed(Exception):
-    def __init__(self, model: str, replica: int, best: float):
-        self.model, self.replica, self.best = model, replica, best
+    def __init__(self, model: str, replica: int, best: float, index: int):
+        self.model, self.replica, self.best, self.index = model, replica, best, index
 
 
 def _sliding_min(values: np.ndarray, width: int) -> np.ndarray:
@@ -71,86 +73,243 @@ class _Placer:
             self._windows[s] = (starts[:, None] + np.arange(s)[None, :]) % self.n
         return self._windows[s]
 
-    def best_start(self, cap: np.ndarray, cnt: np.ndarray, taken: np.ndarray, weights: np.ndarray) -> tuple[int, float]:
-        """Start engine maximising Phi* for one more replica; ties -> lowest start. (-1, -inf) if none."""
+    def scores(self, cap: np.ndarray, cnt: np.ndarray, taken: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """Phi* after adding one replica at each start (row of `windows`); -inf where (4) breaks."""
         s = len(weights)
         idx = self.windows(s)
         inside = ((cap[idx] - weights[None, :]) / (cnt[idx] + 1)).min(axis=1)
-        level = np.where(cnt > 0, cap / np.maximum(cnt, 1), np.inf)
         if s < self.n:  # engines outside window p are values[p + s : p + n] of the doubled ring
+            level = _levels(cap, cnt)
             outside = _sliding_min(np.concatenate([level, level]), self.n - s)[idx[:, 0] + s]
             phi = np.minimum(inside, outside)
         else:
             phi = inside
         phi[taken[idx].any(axis=1)] = -np.inf
+        return phi
+
+    def best_start(self, cap: np.ndarray, cnt: np.ndarray, taken: np.ndarray, weights: np.ndarray) -> tuple[int, float]:
+        """Start engine maximising Phi* for one more replica; ties -> lowest start. (-1, -inf) if none."""
+        phi = self.scores(cap, cnt, taken, weights)
         best = phi.max()
         if not np.isfinite(best):
             return -1, -np.inf
         tied = np.flatnonzero(phi >= best - _TIE * max(1.0, abs(best)))
-        return int(idx[tied[0], 0]), float(best)
+        return int(self.windows(len(weights))[tied[0], 0]), float(best)
+
+    def polish(self, cap: np.ndarray, cnt: np.ndarray, placed: list[list[int]], weights: list[np.ndarray], sweeps: int = 6) -> None:
+        """Local search after the greedy, kept only while the engines' levels improve.
+
+        Moves: (a) take one replica out and put it back at its best start; (b) take out two
+        overlapping replicas, one of them on the (first) bottleneck engine, and put both back greedily
+        (either order). A move is kept only if the sorted vector of engine levels C_e / n_e
+        gets lexicographically larger (DRF's max-min, then the next bottleneck, ...), so Phi*
+        never drops and kappa stays met. `placed[i]` (start engines of model i's replicas),
+        `cap` and `cnt` are updated in place.
+        """
+        for _ in range(sweeps):
+            moved = self._single_moves(cap, cnt, placed, weights)
+            moved = self._pair_move(cap, cnt, placed, weights) or moved
+            if not moved:
+                return
+
+    def _shift(self, cap: np.ndarray, cnt: np.ndarray, weights: np.ndarray, start: int, sign: int) -> None:
+        """Add (sign=+1) or remove (sign=-1) one replica starting at `start`."""
+        win = self.windows(len(weights))[start]
+        cap[win] -= sign * weights
+        cnt[win] += sign
+
+    def _taken(self, starts: list[int], num_stages: int) -> np.ndarray:
+        taken = np.zeros(self.n, dtype=bool)
+        for p in starts:
+            taken[self.windows(num_stages)[p]] = True
+        return taken
+
+    def _single_moves(self, cap, cnt, placed, weights) -> bool:
+        moved = False
+        for i, starts in enumerate(placed):
+            idx = self.windows(len(weights[i]))
+            for j, start in enumerate(starts):
+                current = np.sort(_levels(cap, cnt))
+                self._shift(cap, cnt, weights[i], start, -1)
+                phi = self.scores(cap, cnt, self._taken(starts[:j] + starts[j + 1:], len(weights[i])), weights[i])
+                best_p, best_levels = start, current
+                for p in np.flatnonzero(phi >= current[0] - _TIE * max(1.0, abs(current[0]))):
+                    if p == start:
+                        continue
+                    self._shift(cap, cnt, weights[i], p, +1)
+                    trial = np.sort(_levels(cap, cnt))
+                    self._shift(cap, cnt, weights[i], p, -1)
+                    if _lex_greater(trial, best_levels):
+                        best_p, best_levels = int(idx[p, 0]), trial
+                self._shift(cap, cnt, weights[i], best_p, +1)
+                if best_p != start:
+                    starts[j] = best_p
+                    moved = True
+        return moved
+
+    def _pair_move(self, cap, cnt, placed, weights) -> bool:
+        levels = _levels(cap, cnt)
+        floor = levels.min()
+        bottleneck = {int(np.flatnonzero(levels <= floor + _TIE * max(1.0, abs(floor)))[0])}
+        reps = [(i, j) for i, starts in enumerate(placed) for j in range(len(starts))]
+        span = {(i, j): set(self.windows(len(weights[i]))[placed[i][j]].tolist()) for i, j in reps}
+        pairs = [(a, b) for a in reps if span[a] & bottleneck for b in reps if b != a and span[a] & span[b]]
+        for a, b in pairs[:_MAX_PAIRS]:
+            current = np.sort(_levels(cap, cnt))
+            old = {a: placed[a[0]][a[1]], b: placed[b[0]][b[1]]}
+            for r in (a, b):
+                self._shift(cap, cnt, weights[r[0]], old[r], -1)
+            best = None
+            for first, second in ((a, b), (b, a)):
+                new = {}
+                for r in (first, second):
+                    i, j = r
+                    others = [p for jj, p in enumerate(placed[i]) if (i, jj) not in (a, b)]
+                    others += [new[q] for q in new if q[0] == i]
+                    start, _ = self.best_start(cap, cnt, self._taken(others, len(weights[i])), weights[i])
+                    if start < 0:
+                        break
+                    new[r] = start
+                    self._shift(cap, cnt, weights[i], start, +1)
+                if len(new) == 2:
+                    trial = np.sort(_levels(cap, cnt))
+                    if _lex_greater(trial, current if best is None else best[1]):
+                        best = (dict(new), trial)
+                for r, start in new.items():
+                    self._shift(cap, cnt, weights[r[0]], start, -1)
+            chosen = best[0] if best is not None else old
+            for r in (a, b):
+                self._shift(cap, cnt, weights[r[0]], chosen[r], +1)
+                placed[r[0]][r[1]] = chosen[r]
+            if best is not None:
+                return True
+        return False
 
 
-def optimize(problem: Problem, progress: Progress | None = None) -> Solution:
-    """Run Alg. 1 + Alg. 2 to completion; raises NoFeasiblePlan if the first step fails."""
+def _levels(cap: np.ndarray, cnt: np.ndarray) -> np.ndarray:
+    """Per engine C_e / n_e, +inf for engines without stages."""
+    return np.where(cnt > 0, cap / np.maximum(cnt, 1), np.inf)
+
+
+def _lex_greater(a: np.ndarray, b: np.ndarray) -> bool:
+    """a > b lexicographically, ignoring float noise."""
+    differ = np.flatnonzero(~np.isclose(a, b, rtol=1e-9, atol=0.0))
+    return bool(len(differ)) and bool(a[differ[0]] > b[differ[0]])
+
+
+def optimize(problem: Problem, progress: Progress | None = None, polish: bool = True) -> Solution:
+    """Run Alg. 1 + Alg. 2 to completion; raises NoFeasiblePlan if the first step fails.
+
+    With `polish` the final plan goes through `_Placer.polish` (documented addition).
+    """
+    _check_capacity(problem)
     models = problem.models
     stages = problem.stage_counts
     ratios = problem.ratios
-    order = sorted(range(len(models)), key=lambda i: (-stages[i], i))
+    # descending stage count (paper); among equals heavier first (first-fit-decreasing), then config order
+    order = sorted(range(len(models)), key=lambda i: (-stages[i], -models[i].weight_bytes, i))
     position = {i: q for q, i in enumerate(order)}
+    promoted = 0  # first-step retries with a model that did not fit moved to the front
     weights = [np.asarray(m.stage_weights, dtype=float) for m in models]
     placer = _Placer(problem)
-    fresh = (np.full(problem.num_engines, float(problem.memory_bytes)), np.zeros(problem.num_engines, dtype=np.int64))
+    n = problem.num_engines
     # snapshots[q] = (cap, cnt, starts of order[q]) after placing all replicas of order[0..q]
     snapshots: list[tuple[np.ndarray, np.ndarray, list[int]]] = []
     replicas = [1] * len(models)
-    last: Solution | None = None
+    last = None  # (cap, cnt, starts per model, iteration) of the last feasible step
+    floor = max(float(problem.kappa_bytes), 0.0)
     resume = 0
     iteration = 0
     while True:
         iteration += 1
         del snapshots[resume:]
-        cap, cnt = (snapshots[resume - 1][0].copy(), snapshots[resume - 1][1].copy()) if resume else (fresh[0].copy(), fresh[1].copy())
+        if resume:
+            cap, cnt = snapshots[resume - 1][0].copy(), snapshots[resume - 1][1].copy()
+        else:
+            cap, cnt = np.full(n, float(problem.memory_bytes)), np.zeros(n, dtype=np.int64)
+        placed = {order[q]: list(snapshots[q][2]) for q in range(resume)}
+        repaired = False
         try:
             for q in range(resume, len(order)):
                 i = order[q]
-                taken = np.zeros(problem.num_engines, dtype=bool)
-                starts = []
+                placed[i] = []
                 for j in range(replicas[i]):
-                    start, best = placer.best_start(cap, cnt, taken, weights[i])
-                    if start < 0 or best < max(placer.kappa, 0.0):
-                        raise _Failed(models[i].name, j, best)
+                    start, best = placer.best_start(cap, cnt, _taken(placer, placed[i], len(weights[i])), weights[i])
+                    if (start < 0 or best < floor) and not repaired:
+                        # repair (once per iteration): local search on what is placed so far, then retry
+                        keys = list(placed)
+                        placer.polish(cap, cnt, [placed[k] for k in keys], [weights[k] for k in keys])
+                        repaired = True
+                        start, best = placer.best_start(cap, cnt, _taken(placer, placed[i], len(weights[i])), weights[i])
+                    if start < 0 or best < floor:
+                        raise _Failed(models[i].name, j, best, i)
                     win = placer.windows(len(weights[i]))[start]
                     cap[win] -= weights[i]
                     cnt[win] += 1
-                    taken[win] = True
-                    starts.append(start)
-                snapshots.append((cap.copy(), cnt.copy(), starts))
+                    placed[i].append(start)
+                snapshots.append((cap.copy(), cnt.copy(), list(placed[i])))
         except _Failed as fail:
             if last is None:
-                raise NoFeasiblePlan(_explain(problem, fail)) from None
-            last.stop_reason = (
+                if order[0] == fail.index or promoted >= min(len(models), _MAX_PROMOTIONS):
+                    raise NoFeasiblePlan(_explain(problem, fail)) from None
+                # first step failed: place the model that did not fit first, then retry
+                order.remove(fail.index)
+                order.insert(0, fail.index)
+                position = {i: q for q, i in enumerate(order)}
+                promoted += 1
+                snapshots.clear()
+                resume = 0
+                iteration -= 1
+                continue
+            reason = (
                 f"replica {fail.replica + 1} of {fail.model} would leave a stage below kappa "
                 f"({_gb(max(fail.best, 0.0))} < {_gb(problem.kappa_bytes)}) or overflow memory"
             )
-            return last
-        used = cnt > 0
-        objective = float((cap[used] / cnt[used]).min())
-        last = Solution(
-            replicas=[
-                [replica_engines(p, stages[i], problem.num_engines) for p in snapshots[position[i]][2]]
-                for i in range(len(models))
-            ],
-            objective_bytes=objective,
-            iterations=iteration,
-        )
+            return _finish(problem, placer, weights, last, reason, polish)
+        if repaired:  # earlier snapshots no longer describe this iteration's state
+            snapshots.clear()
+        last = (cap, cnt, [placed[i] for i in range(len(models))], iteration)
         if progress:
-            progress(iteration, sum(replicas), objective)
-        chosen = choose_next(problem.num_engines, stages, replicas, ratios)
+            progress(iteration, sum(replicas), float(_levels(cap, cnt).min()))
+        chosen = choose_next(n, stages, replicas, ratios)
         if chosen < 0:
-            last.stop_reason = "Alg. 1: the next replica of the chosen model would not fit in the engines"
-            return last
+            reason = "Alg. 1: the next replica of the chosen model would not fit in the engines"
+            return _finish(problem, placer, weights, last, reason, polish)
         replicas[chosen] += 1
-        resume = position[chosen]
+        resume = min(position[chosen], len(snapshots))
+
+
+def _check_capacity(problem: Problem) -> None:
+    """Fail fast when one replica of every model cannot fit whatever the placement."""
+    weights = sum(m.weight_bytes for m in problem.models)
+    kv = problem.kappa_bytes * sum(problem.stage_counts)
+    total = problem.memory_bytes * problem.num_engines
+    if weights + kv > total:
+        raise NoFeasiblePlan(
+            f"no feasible placement: one replica of every model needs {_gb(weights)} of weights plus "
+            f"kappa x {sum(problem.stage_counts)} stages = {_gb(kv)} of KV, more than the cluster's {_gb(total)}; "
+            "lower planner.kappa_gb, add engines or memory, or raise planner.target_stage_time"
+        )
+
+
+def _taken(placer: _Placer, starts: list[int], num_stages: int) -> np.ndarray:
+    """Engines already holding a replica of the model (constraint 4)."""
+    taken = np.zeros(placer.n, dtype=bool)
+    for p in starts:
+        taken[placer.windows(num_stages)[p]] = True
+    return taken
+
+
+def _finish(problem: Problem, placer: _Placer, weights, last, reason: str, polish: bool) -> Solution:
+    cap, cnt, starts, iteration = last
+    if polish:
+        placer.polish(cap, cnt, starts, weights)
+    return Solution(
+        replicas=[[replica_engines(p, len(weights[i]), problem.num_engines) for p in sorted(st)] for i, st in enumerate(starts)],
+        objective_bytes=float(_levels(cap, cnt).min()),
+        iterations=iteration,
+        stop_reason=reason,
+    )
 
 
 def _gb(nbytes: float) -> str:

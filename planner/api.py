@@ -1,0 +1,61 @@
+"""`plan(config, solver=...)`: the planner's one entry point, config in, `Placement` out.
+
+Data flow: config -> `sharding.build_problem` (cost model, stage cuts) -> a solver
+(`placement_optimizer.optimize` = paper Alg. 1 + 2, `milp.solve` = exact, or a baseline from
+`baselines`) -> `assemble.to_placement` -> checked by `validate.violations`. `paraflex plan`,
+the simulator and the server call this.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from paraflex.errors import ParaflexError, UserError
+from paraflex.placement import Placement
+from paraflex.planner import baselines, milp
+from paraflex.planner.assemble import to_placement
+from paraflex.planner.placement_optimizer import optimize
+from paraflex.planner.sharding import build_problem
+from paraflex.planner.validate import violations
+
+BASELINES = {
+    "dedicated": baselines.dedicated,
+    "shared": baselines.shared,
+    "grouped": baselines.grouped,
+    "tensor": baselines.tensor,
+}
+SOLVERS = ("paraflex", "milp", *BASELINES)
+
+Progress = Callable[[int, int, float], None]
+
+
+def plan(
+    config,
+    solver: str = "paraflex",
+    time_limit: float | None = None,
+    progress: Progress | None = None,
+    cost_model=None,
+) -> Placement:
+    """Plan `config` with `solver`; raises UserError when no feasible plan exists."""
+    if solver not in SOLVERS:
+        raise UserError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    problem, facts = build_problem(config, cost_model)
+    params = {"device": config.cluster.device, "tp": config.cluster.tp, "devices_per_engine": 1, **facts}
+    if solver == "paraflex":
+        laid_out, solution = problem, optimize(problem, progress)
+    elif solver == "milp":
+        params["time_limit_s"] = time_limit
+        laid_out, solution = problem, milp.solve(problem, time_limit, progress)
+    else:
+        laid_out, solution = BASELINES[solver](problem)
+        if solver == "tensor":
+            params["devices_per_engine"] = problem.num_engines
+            params["tp"] = config.cluster.tp * problem.num_engines
+    placement = to_placement(laid_out, solution, solver, params)
+    problems = violations(placement, config)
+    if problems and solver in ("paraflex", "milp"):
+        raise ParaflexError(f"planner produced an invalid plan: {problems[0]}")
+    overflow = [p for p in problems if p.startswith("(5)")]
+    if overflow:
+        raise UserError(f"the {solver} layout does not fit this cluster: {overflow[0]}")
+    return placement

@@ -1,0 +1,94 @@
+"""Check a placement against its config: every constraint of §4.2, one line per violation.
+
+Used by `paraflex plan --validate placement.json CONFIG` and by `api.plan` on every plan it
+writes. Checks: the file's structure (`Placement.structural_problems`: every layer of every
+replica placed exactly once, engines listing exactly the stages the models place there);
+models and layer counts match the config; P1 (a replica's stages on consecutive engines in
+ascending order, wrapping only when the plan was made with `ring`); (4) no two stages of one
+model on one engine; weight bytes as recomputed from the architecture; (5) memory: weights +
+planned KV within the engine's memory; (6) every resident stage planned at least kappa of KV.
+"""
+
+from __future__ import annotations
+
+from paraflex.placement import Placement
+
+
+def violations(placement: Placement, config) -> list[str]:
+    out = list(placement.structural_problems())
+    per_engine = max(1, int(placement.params.get("devices_per_engine", 1)))
+    n_cfg = config.cluster.num_engines
+    if placement.num_engines * per_engine != n_cfg:
+        out.append(
+            f"placement has {placement.num_engines} engines x {per_engine} devices but the config has "
+            f"cluster.num_engines = {n_cfg}"
+        )
+    memory = config.cluster.memory_bytes * per_engine
+    kappa = config.planner.kappa_bytes
+    ring = bool(placement.params.get("ring", False))
+    archs = {m.name: m.arch for m in config.models}
+    for name in archs:
+        if name not in placement.models:
+            out.append(f"model {name} (in the config) is not placed")
+    n = placement.num_engines
+    weights = [0] * n
+    for name, m in placement.models.items():
+        arch = archs.get(name)
+        if arch is None:
+            out.append(f"model {name} is not in the config")
+            continue
+        if m.num_layers != arch.num_layers:
+            out.append(f"model {name}: placement says {m.num_layers} layers, the config's architecture has {arch.num_layers}")
+            continue
+        for j, rep in enumerate(m.replicas):
+            if any(not 0 <= e < n for e in rep) or len(rep) != len(m.stages):
+                continue  # already reported as structural
+            for k in range(1, len(rep)):
+                step = (rep[k] - rep[k - 1]) % n if ring else rep[k] - rep[k - 1]
+                if step != 1:
+                    out.append(
+                        f"P1: model {name} replica {j}: stage {k} on engine {rep[k]} does not follow stage {k - 1} "
+                        f"on engine {rep[k - 1]} (stages must run on consecutive ascending engines)"
+                    )
+                    break
+            last = len(rep) - 1
+            for k, e in enumerate(rep):
+                a, b = m.stages[k]
+                if 0 <= a <= b <= arch.num_layers:
+                    weights[e] += arch.stage_weight_bytes(a, b, k == 0, k == last)
+        seen: dict[int, tuple[int, int]] = {}
+        for j, rep in enumerate(m.replicas):
+            for k, e in enumerate(rep):
+                if e in seen:
+                    out.append(
+                        f"(4): model {name} has two stages on engine {e} (replica {seen[e][0]} stage {seen[e][1]} "
+                        f"and replica {j} stage {k})"
+                    )
+                seen[e] = (j, k)
+    for eng in placement.engines:
+        if not 0 <= eng.id < n:
+            continue
+        if eng.weight_bytes != weights[eng.id]:
+            out.append(
+                f"engine {eng.id}: records {_gib(eng.weight_bytes)} of weights, its stages weigh {_gib(weights[eng.id])}"
+            )
+        used = weights[eng.id] + sum(eng.kv_bytes.values())
+        if used > memory:
+            out.append(
+                f"(5): engine {eng.id}: weights {_gib(weights[eng.id])} + planned KV {_gib(sum(eng.kv_bytes.values()))} "
+                f"exceed its memory {_gib(memory)}"
+            )
+        for model in sorted({r.model for r in eng.stages}):
+            kv = eng.kv_bytes.get(model)
+            if kv is None:
+                out.append(f"engine {eng.id}: no KV planned for resident model {model}")
+            elif kv < kappa:
+                out.append(f"(6): engine {eng.id}: model {model} gets {_gib(kv)} of KV, below kappa {_gib(kappa)}")
+        for model in eng.kv_bytes:
+            if model in placement.models and model not in {r.model for r in eng.stages}:
+                out.append(f"engine {eng.id}: plans KV for {model}, which has no stage there")
+    return out
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.3f} GiB"
