@@ -68,9 +68,10 @@ def workload_of(config) -> WorkloadConfig:
 
 
 def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, cost=None,
-             requests: list[SimRequest] | None = None) -> SimResult:
+             requests: list[SimRequest] | None = None, loop: EventLoop | None = None) -> SimResult:
     """Simulate `config` served by `settings.system`. `layout` skips re-planning (sweeps),
-    `cost` replaces the cost model and `requests` the generated workload (tests)."""
+    `cost` replaces the cost model, `requests` the generated workload (tests) and `loop` the
+    event loop (bench/sim_speed.py's naive peer)."""
     settings.validate()
     wall0 = time.perf_counter()
     if layout is None:
@@ -85,7 +86,7 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
     slos = {m.name: ModelSLO((m.slo_ttft_ms or DEFAULT_TTFT_MS) / 1000, (m.slo_tbt_ms or DEFAULT_TBT_MS) / 1000)
             for m in config.models}
     metrics = MetricsStore(slos, layout.placement.num_engines, layout.gpus_per_engine)
-    loop = EventLoop()
+    loop = loop if loop is not None else EventLoop()
     cluster = Cluster(config, layout, settings, loop, metrics, cost)
     sim = _Sim(loop, cluster)
     served = set(layout.placement.models)
