@@ -61,12 +61,27 @@ class Cluster:
         self.replicas = {name: mp.replicas for name, mp in placement.models.items()}
         self.dispatcher = Dispatcher({name: len(r) for name, r in self.replicas.items()})
         self.records: dict[str, object] = {}
+        self.woken: list[SimEngine] = []
 
     # --- helpers ------------------------------------------------------------------------
     def _wake(self, eng: SimEngine, t: float) -> None:
+        """Ask `eng` to decide once everything at this instant has been delivered: the loop
+        calls `settle` after each event (see there)."""
         if not eng.busy and not eng.wake_pending:
             eng.wake_pending = True
-            self.loop.schedule(EngineWakeupEvent(t, eng))
+            self.woken.append(eng)
+
+    def settle(self, t: float, more_now: bool) -> None:
+        """After an event: if more events happen at this instant, the woken engines decide
+        after them (wake-up events, lowest priority); otherwise they decide now, which is
+        the same order without the events."""
+        woken, self.woken = self.woken, []
+        if more_now:
+            for eng in woken:
+                self.loop.schedule(EngineWakeupEvent(t, eng))
+        else:
+            for eng in woken:
+                self.wakeup(eng, t)
 
     # --- event handlers -------------------------------------------------------------------
     def admit(self, req, t: float) -> None:
@@ -89,18 +104,17 @@ class Cluster:
         swapped = len(sb.swap_out) + len(sb.swap_in)
         if swapped:
             self.metrics.swap(len(sb.swap_out) * eng.block_bytes, len(sb.swap_in) * eng.block_bytes)
-        duration = eng.swap_time(swapped) + eng.batch_time(eng.stages[sb.model], sb)
+        run, decodes, tokens = eng.batch_time(eng.stages[sb.model], sb)
         eng.busy = True
-        self.loop.schedule(StageEndEvent(t + duration, eng, sb, t))
+        self.loop.schedule(StageEndEvent(t + eng.swap_time(swapped) + run, eng, sb, t, decodes, tokens))
 
-    def stage_done(self, eng: SimEngine, sb, start: float, t: float) -> None:
+    def stage_done(self, eng: SimEngine, sb, start: float, t: float, decodes: int, tokens: int) -> None:
         eng.busy = False
-        decodes = sb.num_decodes
-        self.metrics.batch(eng.id, start, t, decodes == 0, sb.batch_size, sb.num_tokens)
+        self.metrics.batch(eng.id, start, t, decodes == 0, len(sb.requests), tokens)
         done = eng.scheduler.complete(sb)
         info = eng.stages[sb.model]
         if not info.last:
-            nbytes = CostModel.hidden_bytes(info.arch, sb.num_tokens)
+            nbytes = CostModel.hidden_bytes(info.arch, tokens)
             self.metrics.hop(nbytes)
             self.loop.schedule(BatchArrivalEvent(t + self.interconnect.transfer_time(nbytes),
                                                  self.engines[info.next_engine], sb.message))

@@ -2,8 +2,10 @@
 
 `Simulation` (runner.py) pushes the arrival events, then calls `EventLoop.run`; each event's
 `handle(sim)` may schedule further events through `EventLoop.schedule`. Ties at one instant
-break first by the event type's `PRIORITY` (deliveries before completions before arrivals,
-see events/) and then by insertion order, so a run is a pure function of its inputs and seed.
+break first by the event type's `PRIORITY` (see events/) and then by insertion order, so a run
+is a pure function of its inputs and seed. After each event the cluster settles the engines it
+woke (`Cluster.settle`): at once when nothing else happens at that instant, else through
+wake-up events that run after everything else at that instant.
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ class EventLoop:
     def run(self, sim: Any, until: float = float("inf")) -> None:
         heap = self._heap
         pop = heapq.heappop
+        cluster = sim.cluster
         while heap and heap[0][0] <= until:
             time, _, _, event = pop(heap)
             self.now = time
             self.processed += 1
             event.handle(sim)
+            if cluster.woken:
+                cluster.settle(time, bool(heap) and heap[0][0] <= time)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paraflex.engine.messages import DECODE
+
 
 @dataclass
 class StageInfo:
@@ -84,13 +86,21 @@ class SimEngine:
             t += c.head_time(a, num_seqs + batch_size)
         return t
 
-    def batch_time(self, info: StageInfo, batch) -> float:
-        """Execution time of one `ScheduledBatch` at this stage: prompt chunks and/or decodes."""
-        decodes = batch.num_decodes
-        prefill_tokens = batch.prefill_tokens
-        seqs = batch.batch_size - decodes
-        if decodes:
-            if not prefill_tokens:
-                return self.decode_time(info, decodes, batch.total_context)
-            return self.mixed_time(info, prefill_tokens, seqs, decodes, batch.total_context)
-        return self.prefill_time(info, prefill_tokens, seqs)
+    def batch_time(self, info: StageInfo, batch) -> tuple[float, int, int]:
+        """(execution time, decode requests, new tokens) of one `ScheduledBatch` at this stage:
+        prompt chunks and/or decode steps, counted in one pass over its requests."""
+        prefill_tokens = seqs = decodes = ctx = 0
+        for r in batch.requests:
+            if r.kind == DECODE:
+                decodes += 1
+                ctx += r.context_len
+            else:
+                prefill_tokens += r.num_tokens
+                seqs += 1
+        if not decodes:
+            t = self.prefill_time(info, prefill_tokens, seqs)
+        elif not prefill_tokens:
+            t = self.decode_time(info, decodes, ctx)
+        else:
+            t = self.mixed_time(info, prefill_tokens, seqs, decodes, ctx)
+        return t, decodes, prefill_tokens + decodes
