@@ -64,6 +64,10 @@ def _workload(args, config):
             if flag != "zipf_alpha" and not v > 0:
                 raise UserError(f"--{flag.replace('_', '-')} must be > 0, got {v:g}")
             changes[field] = v
+    if "num_requests" in changes:
+        changes["duration_s"] = None  # the flag sets the window; the config's duration yields
+    elif "duration_s" in changes:
+        changes["num_requests"] = None
     w = dataclasses.replace(w, **changes)
     if w.arrival == "trace" and not w.trace:
         raise UserError("--arrival trace needs a trace: pass --trace FILE or set workload.trace")
