@@ -88,3 +88,15 @@ def test_memory_pressure_swaps_and_still_finishes():
     res = _run(seed=1, memory_gb=0.009, max_batch=16, rate=200.0, n=60, output_scale=8.0)
     assert res.summary["swap_outs"] > 0 and res.summary["swap_ins"] > 0
     assert res.summary["finished"] == res.summary["requests"]
+
+
+def test_sarathi_small_chunks_through_pipelines_never_stall():
+    # many prompt chunks per request cross 2- and 3-stage pipelines; a later chunk's batch
+    # must never queue ahead of the batch holding the chunk before it (engine-core fix)
+    w = WorkloadConfig(arrival="lognormal", cv=3.0, num_requests=60, seed=5)
+    cfg = _config(0.05, "sarathi", 8, w)
+    layout = _ring_layout(cfg, "sarathi")
+    layout.prefill_token_budget = 16
+    res = simulate(cfg, SimSettings(system="ring", rate=100.0, seed=5), layout=layout)
+    assert res.summary["finished"] == res.summary["requests"] > 0
+    assert res.summary["batches"] > 3 * res.summary["requests"]
