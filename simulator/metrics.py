@@ -150,17 +150,18 @@ class MetricsStore:
         if bin_s is None:
             bin_s = (t1 - t0) / bins
         edges = np.arange(t0, t1 + bin_s, bin_s)
-        busy = np.zeros(len(edges) - 1)
+        busy_at = np.zeros(len(edges))  # busy engine-seconds in [t0, edge], summed over engines
         for b in self.busy:
-            iv = np.frombuffer(b, dtype=float).reshape(-1, 2) if len(b) else np.zeros((0, 2))
-            for s, e in iv:
-                # add the overlap of [s, e) with every bin it touches
-                i0 = max(0, int((s - t0) // bin_s))
-                i1 = min(len(busy) - 1, int((e - t0) // bin_s))
-                for i in range(i0, i1 + 1):
-                    lo, hi = max(s, edges[i]), min(e, edges[i + 1])
-                    if hi > lo:
-                        busy[i] += hi - lo
+            if not len(b):
+                continue
+            iv = np.frombuffer(b, dtype=float).reshape(-1, 2)  # sorted, disjoint per engine
+            starts, lengths = iv[:, 0], iv[:, 1] - iv[:, 0]
+            before = np.concatenate(([0.0], np.cumsum(lengths)))  # busy time of the first k intervals
+            k = np.searchsorted(starts, edges, side="right")  # intervals started by each edge
+            last = np.maximum(k - 1, 0)
+            partial = np.where(k > 0, np.clip(edges - starts[last], 0.0, lengths[last]), 0.0)
+            busy_at += before[last] * (k > 0) + partial
+        busy = np.diff(busy_at)
         return edges[:-1], busy / (bin_s * self.num_engines)
 
     def summary(self) -> dict:
