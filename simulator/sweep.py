@@ -35,8 +35,9 @@ def _point(args):
 class Progress:
     """A one-line text progress bar on stderr."""
 
-    def __init__(self, total: int, label: str, stream=sys.stderr):
-        self.total, self.label, self.stream, self.done, self.t0 = total, label, stream, 0, time.perf_counter()
+    def __init__(self, total: int, label: str, stream=None):
+        self.total, self.label, self.done, self.t0 = total, label, 0, time.perf_counter()
+        self.stream = stream if stream is not None else sys.stderr
 
     def step(self, note: str = "") -> None:
         self.done += 1

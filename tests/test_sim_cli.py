@@ -67,3 +67,18 @@ def test_missing_and_malformed_trace(cfg, tmp_path, capsys):
 def test_sweep_needs_valid_rates(cfg, capsys):
     code, err = _err(["simulate", str(cfg), "--sweep", "--rates", "1,0"], capsys)
     assert code == 2 and "rates must be > 0" in err
+
+
+def test_sweep_writes_curves(cfg, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    argv = ["simulate", str(cfg), "--sweep", "--rates", "5,20", "--systems", "paraflex,sarathi", "--jobs", "1", "-o", str(out)]
+    assert main(argv) == 0
+    for f in ("sweep.csv", "sweep.json", "config.json", "latency_vs_throughput.png", "per_model.png"):
+        assert (out / f).is_file(), f
+    rows = (out / "sweep.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + 4
+    data = json.loads((out / "sweep.json").read_text())["results"]
+    by = {(r["system"], r["rate"]): r for r in data}
+    # the same requests at a given rate for every system; different draws across rates
+    assert by[("paraflex", 5.0)]["requests"] == by[("sarathi", 5.0)]["requests"]
+    assert by[("paraflex", 5.0)]["seed"] != by[("paraflex", 20.0)]["seed"]
