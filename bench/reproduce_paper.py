@@ -29,6 +29,7 @@ def main() -> int:
     ap.add_argument("--rates", default="2,4,8,16")
     ap.add_argument("--num-requests", type=int, default=300)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--ablations", action="store_true", help="also run §8.5's paraflex ablations (Fig. 17/18)")
     ap.add_argument("--p99-bound", type=float, default=60.0)
     ap.add_argument("--common-rate", type=float, help="rate for the latency comparison (default: the second swept rate)")
     ap.add_argument("--jobs", type=int, default=2)
@@ -39,6 +40,8 @@ def main() -> int:
     config.workload = dataclasses.replace(config.workload, duration_s=None, num_requests=args.num_requests)
     rates = [float(x) for x in args.rates.split(",")]
     systems = [s.strip() for s in args.systems.split(",")]
+    if args.ablations:
+        systems += ["paraflex+no-sharding", "paraflex+random-placement", "paraflex+prefill-first"]
     print(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, python {platform.python_version()}")
     print(f"config {args.config}: {config.cluster.num_engines} engines x TP{config.cluster.tp} {config.cluster.device}, "
           f"workload {config.workload.arrival} cv={config.workload.cv} zipf={config.workload.zipf_alpha}, "
@@ -52,12 +55,12 @@ def main() -> int:
         peak[s] = max((by[(s, r)]["throughput_rps"] for r in ok), default=0.0)
     base = "paraflex" if "paraflex" in systems else systems[0]
     print(f"\npeak throughput = highest achieved req/s among rates with P99 E2E <= {args.p99_bound:g} s; latency at {common:g} req/s")
-    print(f"{'system':<10} {'peak req/s':>10} {'x paraflex':>10} {'median s':>9} {'x pf':>6} {'P99 s':>8} {'x pf':>6} {'SLO att':>8} {'GPU act':>8}")
+    print(f"{'system':<26} {'peak req/s':>10} {'x paraflex':>10} {'median s':>9} {'x pf':>6} {'P99 s':>8} {'x pf':>6} {'SLO att':>8} {'GPU act':>8}")
     b = by[(base, common)]
     for s in systems:
         r = by[(s, common)]
         ratio = lambda a, c: (a / c) if c else float("nan")
-        print(f"{s:<10} {peak[s]:>10.2f} {ratio(peak[s], peak[base]):>10.2f} {r['e2e_median_s']:>9.3f} "
+        print(f"{s:<26} {peak[s]:>10.2f} {ratio(peak[s], peak[base]):>10.2f} {r['e2e_median_s']:>9.3f} "
               f"{ratio(r['e2e_median_s'], b['e2e_median_s']):>6.2f} {r['e2e_p99_s']:>8.2f} {ratio(r['e2e_p99_s'], b['e2e_p99_s']):>6.2f} "
               f"{r['slo_attainment']:>8.3f} {100 * r['active_gpu_share_mean']:>7.1f}%")
     print(f"\nresults: {args.out}/ (sweep.csv, sweep.json, latency_vs_throughput.png, per_model.png)")

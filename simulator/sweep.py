@@ -1,6 +1,8 @@
 """Rates x systems: many simulations across processes, then Fig. 8/9-style plots.
 
-`run_sweep(config, systems, rates, base_settings, out_dir, jobs)` plans each system once,
+`run_sweep(config, systems, rates, base_settings, out_dir, jobs)` plans each system once (a
+system may carry §8.5 ablations: `paraflex+no-sharding`, `paraflex+random-placement`,
+`paraflex+prefill-first`),
 simulates every (system, rate) point in a process pool (each point's seed is the base seed +
 the rate's index, so every system sees the same requests at a given rate, and different rates
 see different draws, as §8.1 varies seeds across rates), prints a progress bar on stderr,
@@ -18,6 +20,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+from paraflex.errors import UserError
 from paraflex.simulator.output import pyplot, write_json
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.systems import build_system
@@ -27,9 +30,25 @@ COLUMNS = ("system", "rate", "seed", "finished", "throughput_rps", "throughput_t
            "active_gpu_share_mean", "decode_batch_size_mean", "swap_outs", "wall_s")
 
 
+ABLATIONS = {"no-sharding": "no_sharding", "random-placement": "random_placement", "prefill-first": "prefill_first"}
+
+
+def parse_system(spec: str, base: SimSettings) -> SimSettings:
+    """`name[+ablation...]`, e.g. `paraflex+prefill-first`: a system with §8.5 ablations."""
+    name, *flags = spec.split("+")
+    changes = {"system": name}
+    for f in flags:
+        if f not in ABLATIONS:
+            raise UserError(f"system {spec!r}: unknown ablation {f!r}; choose from {', '.join(ABLATIONS)}")
+        changes[ABLATIONS[f]] = True
+    return dataclasses.replace(base, **changes)
+
+
 def _point(args):
-    config, layout, settings = args
-    return simulate(config, settings, layout=layout).summary
+    config, layout, settings, label = args
+    summary = simulate(config, settings, layout=layout).summary
+    summary["system"] = label
+    return summary
 
 
 class Progress:
@@ -54,12 +73,13 @@ class Progress:
 
 def run_sweep(config, systems: list[str], rates: list[float], base: SimSettings, out_dir: str | None,
               jobs: int = 1, quiet: bool = False) -> list[dict]:
-    layouts = {s: build_system(config, dataclasses.replace(base, system=s)) for s in systems}
+    specs = {s: parse_system(s, base) for s in systems}
+    layouts = {s: build_system(config, specs[s]) for s in systems}
     tasks = []
     for system in systems:
         for i, rate in enumerate(rates):
-            st = dataclasses.replace(base, system=system, rate=rate, seed=base.seed + i)
-            tasks.append((config, layouts[system], st))
+            st = dataclasses.replace(specs[system], rate=rate, seed=base.seed + i)
+            tasks.append((config, layouts[system], st, system))
     progress = None if quiet else Progress(len(tasks), "simulate sweep")
     results: list[dict] = []
     if jobs > 1:

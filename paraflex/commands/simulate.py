@@ -27,7 +27,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, help="random seed of the workload and random placement (default: workload.seed)")
     p.add_argument("--sweep", action="store_true", help="run --rates x --systems and plot latency versus throughput")
     p.add_argument("--rates", help="comma-separated rates for --sweep, e.g. 1,2,4,8")
-    p.add_argument("--systems", help="comma-separated systems for --sweep (default: all five)")
+    p.add_argument("--systems", help="comma-separated systems for --sweep (default: all five); "
+                   "add ablations with +, e.g. paraflex+prefill-first,paraflex+no-sharding")
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="worker processes for --sweep")
     w = p.add_argument_group("workload overrides")
     w.add_argument("--trace", help="replay this arrived_at,num_prefill_tokens,num_decode_tokens CSV")
@@ -108,7 +109,7 @@ def run(args) -> int:
         rates = _floats(args.rates, "--rates")
         systems = [s.strip() for s in args.systems.split(",")] if args.systems else list(SYSTEMS_ORDER)
         for s in systems:
-            SYSTEMS.get(s, "--systems")
+            SYSTEMS.get(s.split("+")[0], "--systems")
         out = args.output or os.path.join("sim-results", "sweep")
         results = run_sweep(config, systems, rates, base, out, jobs=max(1, args.jobs))
         print(f"{'system':<10} {'rate':>6} {'tput req/s':>10} {'E2E med s':>10} {'E2E P99 s':>10} {'SLO att.':>8}")
