@@ -22,6 +22,8 @@ from paraflex.simulator.sim_engine import SimEngine, StageInfo
 
 
 class Cluster:
+    """Every simulated engine of one layout, the dispatcher, and the event handlers."""
+
     def __init__(self, config, layout, settings, loop, metrics, cost=None):
         """`cost` replaces the cluster's CostModel (tests use fixed stage times)."""
         self.loop = loop
