@@ -5,7 +5,8 @@ under --p99-bound seconds, default 60 s: beyond it queues grow without bound in 
 Fig. 8 too) and the median / P99 E2E latency at a common rate, each with its ratio against
 paraflex; writes the sweep (CSV, JSON, Fig. 8/9-style PNGs) under --out.
 
-    python bench/reproduce_paper.py [--rates 2,4,8,16] [--num-requests 300] [--jobs 2]
+    python bench/reproduce_paper.py [--rates 2,4,8,16] [--num-requests 300 | --duration 30]
+        [--trace ../shared/data/traces/splitwise_conv.csv] [--ablations] [--jobs 2]
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "paper-base.yaml"))
     ap.add_argument("--rates", default="2,4,8,16")
-    ap.add_argument("--num-requests", type=int, default=300)
+    ap.add_argument("--num-requests", type=int, default=300, help="expected requests per point (arrival window = N / rate)")
+    ap.add_argument("--duration", type=float, help="arrival window in seconds instead (longer windows measure capacity, not drain)")
+    ap.add_argument("--trace", help="replay this trace per model (the paper's method), e.g. ../shared/data/traces/splitwise_conv.csv")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--ablations", action="store_true", help="also run §8.5's paraflex ablations (Fig. 17/18)")
     ap.add_argument("--p99-bound", type=float, default=60.0)
@@ -37,7 +40,12 @@ def main() -> int:
     ap.add_argument("--out", default="bench-results/reproduce_paper")
     args = ap.parse_args()
     config = load_config(args.config)
-    config.workload = dataclasses.replace(config.workload, duration_s=None, num_requests=args.num_requests)
+    if args.duration:
+        config.workload = dataclasses.replace(config.workload, duration_s=args.duration, num_requests=None)
+    else:
+        config.workload = dataclasses.replace(config.workload, duration_s=None, num_requests=args.num_requests)
+    if args.trace:
+        config.workload = dataclasses.replace(config.workload, arrival="trace", trace=os.path.abspath(args.trace))
     rates = [float(x) for x in args.rates.split(",")]
     systems = [s.strip() for s in args.systems.split(",")]
     if args.ablations:
@@ -45,7 +53,8 @@ def main() -> int:
     print(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, python {platform.python_version()}")
     print(f"config {args.config}: {config.cluster.num_engines} engines x TP{config.cluster.tp} {config.cluster.device}, "
           f"workload {config.workload.arrival} cv={config.workload.cv} zipf={config.workload.zipf_alpha}, "
-          f"{args.num_requests} requests per point, rates {rates}")
+          f"trace={config.workload.trace}, window " + (f"{args.duration:g} s" if args.duration else f"{args.num_requests} requests")
+          + f" per point, rates {rates}")
     results = run_sweep(config, systems, rates, SimSettings(seed=args.seed), args.out, jobs=args.jobs)
     by = {(r["system"], r["rate"]): r for r in results}
     common = args.common_rate or rates[min(1, len(rates) - 1)]
