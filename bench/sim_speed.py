@@ -31,15 +31,17 @@ class SortingEventLoop(EventLoop):
 
     def run(self, sim, until: float = float("inf")) -> None:
         q = self._heap
+        cluster = sim.cluster
         while q:
             q.sort(key=lambda e: e[:3])
-            time_, _, _, event = q.pop(0)
-            if time_ > until:
-                q.insert(0, (time_, _, _, event))
+            if q[0][0] > until:
                 return
+            time_, _, _, event = q.pop(0)
             self.now = time_
             self.processed += 1
             event.handle(sim)
+            if cluster.woken:
+                cluster.settle(time_, bool(q) and min(e[0] for e in q) <= time_)
 
 
 def _config(path: str, engines: int, n: int, rate_per_engine: float):
