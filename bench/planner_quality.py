@@ -5,7 +5,8 @@ Usage: python bench/planner_quality.py [--instances 40] [--seed 0]
 For each random instance (2-5 models, 4-8 engines, random depths, widths, rates, kappa, ring)
 it runs the heuristic, then solves the same replica counts exactly (`milp.solve_placement`)
 and prints Phi*(heuristic) / Phi*(optimum); also the heuristic without the polish step, and
-whether the heuristic failed where the MILP found a feasible plan (it must never do so).
+whether the heuristic failed where the MILP found a feasible plan (it must never do so), and
+how often it stopped replicating (kappa) where an exact placement of the next step exists.
 The MILP is the peer measured in the same run. Prints absolute Phi* values and the machine.
 """
 
@@ -21,6 +22,7 @@ import time
 from paraflex.planner import milp
 from paraflex.planner.placement_optimizer import optimize
 from paraflex.planner.problem import ModelSpec, NoFeasiblePlan, Problem, UniformLayers
+from paraflex.planner.replication import choose_next
 
 
 def instance(seed: int) -> Problem:
@@ -46,7 +48,7 @@ def main() -> int:
     print(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, Python {platform.python_version()}")
     print(f"{'inst':>4} {'eng':>3} {'mod':>3} {'ring':>4} {'replicas':>18} {'heur':>8} {'no-pol':>8} {'opt':>8} "
           f"{'ratio':>6} {'raw':>6} {'t_heur':>7} {'t_milp':>7}")
-    ratios, raw_ratios, wrong_failures, infeasible = [], [], 0, 0
+    ratios, raw_ratios, wrong_failures, infeasible, early_stops = [], [], 0, 0, 0
     t_heur_total = t_milp_total = 0.0
     for k in range(args.instances):
         p = instance(args.seed + k)
@@ -67,6 +69,11 @@ def main() -> int:
         reps = [len(r) for r in h.replicas]
         engines, opt, proven = milp.solve_placement(p, reps)
         t2 = time.perf_counter()
+        nxt = choose_next(p.num_engines, p.stage_counts, reps, p.ratios)
+        if nxt >= 0:  # the heuristic stopped on kappa: could an exact placement take one more step?
+            bigger = list(reps)
+            bigger[nxt] += 1
+            early_stops += milp.solve_placement(p, bigger) is not None
         t_heur_total += t1 - t0
         t_milp_total += t2 - t1
         ratio, raw_ratio = h.objective_bytes / opt, raw.objective_bytes / opt if [len(r) for r in raw.replicas] == reps else float("nan")
@@ -80,6 +87,7 @@ def main() -> int:
     print()
     print(f"instances: {args.instances}; feasible: {len(ratios)}; infeasible for both: {infeasible}; "
           f"heuristic failed where a plan exists: {wrong_failures}")
+    print(f"heuristic stopped on kappa where an exact placement of Alg. 1's next step exists: {early_stops}")
     print(f"mean Phi*(heuristic)/Phi*(optimum): {sum(ratios) / len(ratios):.4f} (min {min(ratios):.3f}; target >= 0.95)")
     if raw_ratios:
         print(f"without the polish step (same replica counts, {len(raw_ratios)} instances): "

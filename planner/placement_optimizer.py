@@ -4,7 +4,7 @@ Input: a `Problem` (stage cuts, stage weights, ratios, engines, memory, kappa, r
 Output: a `Solution` (each replica's engines) that `assemble.to_placement` writes out.
 
 Loop (Alg. 2): start with one replica per model; place every replica, models in descending
-stage count (config order among equals), each replica at the start engine that maximises Phi*
+stage count (heavier first among equals, then config order), each replica at the start engine that maximises Phi*
 of the partial placement (DRF, `drf`), ties -> lowest first engine; then ask Alg. 1 for the
 next model to replicate and repeat. Stop when Alg. 1 returns -1, or when some replica cannot be
 placed with Phi* >= kappa; then the last feasible plan is returned.
@@ -22,6 +22,15 @@ Readings of the pseudo-code's gaps (docs/plan.md):
 * Each iteration re-places every replica from scratch, as the paper does; since the order is
   fixed and ties are deterministic, the state before the replicated model is reused instead of
   recomputed (same result, less work).
+
+Additions beyond the pseudo-code (measured by bench/planner_quality.py, docs/plan.md):
+* fail fast when the weights plus kappa on every stage exceed the cluster's memory;
+* a replica that fits nowhere triggers one round of local search on the partial plan
+  (`_Placer.polish`); if the iteration still fails, the model that did not fit is moved to
+  the front of the order (kept for later iterations) and the iteration retried, at most 8
+  times per run, then once more with the repair on, before the last feasible plan is
+  returned; retries skip the repair except at the first step, to bound the cost;
+* the final plan is polished by the same local search, which never lowers Phi*.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from paraflex.planner.replication import choose_next
 
 _TIE = 1e-9
 _MAX_PAIRS = 256  # pair moves tried per polish round (bounds the polish on dense engines)
-_MAX_PROMOTIONS = 8  # first-step retries, each with one model that did not fit moved to the front
+_MAX_PROMOTIONS = 8  # retries per run, each with the model that did not fit moved to the front
 Progress = Callable[[int, int, float], None]  # (iteration, replicas placed, Phi* bytes)
 
 
@@ -118,7 +127,8 @@ class _Placer:
         cap[win] -= sign * weights
         cnt[win] += sign
 
-    def _taken(self, starts: list[int], num_stages: int) -> np.ndarray:
+    def taken(self, starts: list[int], num_stages: int) -> np.ndarray:
+        """Engines already holding one of these replicas of a model (constraint 4)."""
         taken = np.zeros(self.n, dtype=bool)
         for p in starts:
             taken[self.windows(num_stages)[p]] = True
@@ -131,7 +141,7 @@ class _Placer:
             for j, start in enumerate(starts):
                 current = np.sort(_levels(cap, cnt))
                 self._shift(cap, cnt, weights[i], start, -1)
-                phi = self.scores(cap, cnt, self._taken(starts[:j] + starts[j + 1:], len(weights[i])), weights[i])
+                phi = self.scores(cap, cnt, self.taken(starts[:j] + starts[j + 1:], len(weights[i])), weights[i])
                 best_p, best_levels = start, current
                 for p in np.flatnonzero(phi >= current[0] - _TIE * max(1.0, abs(current[0]))):
                     if p == start:
@@ -166,7 +176,7 @@ class _Placer:
                     i, j = r
                     others = [p for jj, p in enumerate(placed[i]) if (i, jj) not in (a, b)]
                     others += [new[q] for q in new if q[0] == i]
-                    start, _ = self.best_start(cap, cnt, self._taken(others, len(weights[i])), weights[i])
+                    start, _ = self.best_start(cap, cnt, self.taken(others, len(weights[i])), weights[i])
                     if start < 0:
                         break
                     new[r] = start
@@ -209,7 +219,10 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
     # descending stage count (paper); among equals heavier first (first-fit-decreasing), then config order
     order = sorted(range(len(models)), key=lambda i: (-stages[i], -models[i].weight_bytes, i))
     position = {i: q for q, i in enumerate(order)}
-    promoted = 0  # first-step retries with a model that did not fit moved to the front
+    promoted = 0  # retries so far with a model that did not fit moved to the front
+    repair_mode = False  # reordering is spent: retries also get the local-search repair
+    retrying = False  # this iteration failed before; its retries skip the repair (costly on big
+    # clusters) except at the first step, where failing means no plan at all, and in repair_mode
     weights = [np.asarray(m.stage_weights, dtype=float) for m in models]
     placer = _Placer(problem)
     n = problem.num_engines
@@ -234,13 +247,13 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                 i = order[q]
                 placed[i] = []
                 for j in range(replicas[i]):
-                    start, best = placer.best_start(cap, cnt, _taken(placer, placed[i], len(weights[i])), weights[i])
-                    if (start < 0 or best < floor) and not repaired:
-                        # repair (once per iteration): local search on what is placed so far, then retry
+                    start, best = placer.best_start(cap, cnt, placer.taken(placed[i], len(weights[i])), weights[i])
+                    if (start < 0 or best < floor) and not repaired and (repair_mode or not retrying or last is None):
+                        # repair: local search on what is placed so far, then try this replica again
                         keys = list(placed)
                         placer.polish(cap, cnt, [placed[k] for k in keys], [weights[k] for k in keys])
                         repaired = True
-                        start, best = placer.best_start(cap, cnt, _taken(placer, placed[i], len(weights[i])), weights[i])
+                        start, best = placer.best_start(cap, cnt, placer.taken(placed[i], len(weights[i])), weights[i])
                     if start < 0 or best < floor:
                         raise _Failed(models[i].name, j, best, i)
                     win = placer.windows(len(weights[i]))[start]
@@ -249,23 +262,28 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                     placed[i].append(start)
                 snapshots.append((cap.copy(), cnt.copy(), list(placed[i])))
         except _Failed as fail:
-            if last is None:
-                if order[0] == fail.index or promoted >= min(len(models), _MAX_PROMOTIONS):
-                    raise NoFeasiblePlan(_explain(problem, fail)) from None
-                # first step failed: place the model that did not fit first, then retry
+            if order[0] != fail.index and promoted < min(len(models), _MAX_PROMOTIONS):
+                # place the model that did not fit first, then retry this step
                 order.remove(fail.index)
                 order.insert(0, fail.index)
                 position = {i: q for q, i in enumerate(order)}
                 promoted += 1
-                snapshots.clear()
-                resume = 0
-                iteration -= 1
-                continue
-            reason = (
-                f"replica {fail.replica + 1} of {fail.model} would leave a stage below kappa "
-                f"({_gb(max(fail.best, 0.0))} < {_gb(problem.kappa_bytes)}) or overflow memory"
-            )
-            return _finish(problem, placer, weights, last, reason, polish)
+            elif not repair_mode:
+                repair_mode = True  # reordering is spent: retry with the local-search repair
+            else:
+                if last is None:
+                    raise NoFeasiblePlan(_explain(problem, fail)) from None
+                reason = (
+                    f"replica {fail.replica + 1} of {fail.model} would leave a stage below kappa "
+                    f"({_gb(max(fail.best, 0.0))} < {_gb(problem.kappa_bytes)}) or overflow memory"
+                )
+                return _finish(problem, placer, weights, last, reason, polish)
+            snapshots.clear()
+            resume = 0
+            iteration -= 1
+            retrying = True
+            continue
+        retrying = False
         if repaired:  # earlier snapshots no longer describe this iteration's state
             snapshots.clear()
         last = (cap, cnt, [placed[i] for i in range(len(models))], iteration)
@@ -290,14 +308,6 @@ def _check_capacity(problem: Problem) -> None:
             f"kappa x {sum(problem.stage_counts)} stages = {_gb(kv)} of KV, more than the cluster's {_gb(total)}; "
             "lower planner.kappa_gb, add engines or memory, or raise planner.target_stage_time"
         )
-
-
-def _taken(placer: _Placer, starts: list[int], num_stages: int) -> np.ndarray:
-    """Engines already holding a replica of the model (constraint 4)."""
-    taken = np.zeros(placer.n, dtype=bool)
-    for p in starts:
-        taken[placer.windows(num_stages)[p]] = True
-    return taken
 
 
 def _finish(problem: Problem, placer: _Placer, weights, last, reason: str, polish: bool) -> Solution:

@@ -2,10 +2,11 @@
 
 import random
 
+import numpy as np
 import pytest
 
 from paraflex.planner import milp
-from paraflex.planner.placement_optimizer import optimize
+from paraflex.planner.placement_optimizer import _Placer, optimize
 from paraflex.planner.problem import ModelSpec, NoFeasiblePlan, Problem, UniformLayers
 
 
@@ -18,17 +19,38 @@ def _fragmenting_problem():
     return Problem((_model("big", 8, 4, 1.0), _model("a", 4, 2, 2.5), _model("b", 4, 2, 2.2)), 8, 200, kappa_bytes=20)
 
 
-def test_optimum_by_pigeonhole_and_greedy_below_it():
+def test_optimum_by_pigeonhole():
     problem = _fragmenting_problem()
     # 2x4 + 3x2 + 3x2 = 20 stages on 8 engines: some engine holds 3; the best such engine holds
     # a 20-byte middle stage of big and two 25-byte stages: (200 - 70) / 3
     engines, phi, proven = milp.solve_placement(problem, [2, 3, 3])
     assert proven
     assert phi == pytest.approx(130 / 3)
-    raw = optimize(problem, polish=False)
-    assert [len(r) for r in raw.replicas] == [2, 3, 3]
-    assert raw.objective_bytes == pytest.approx(125 / 3)  # greedy fragments: one engine ends 25+25+25
-    assert optimize(problem).objective_bytes == pytest.approx(phi)  # the polish recovers the optimum
+
+
+def test_greedy_step_fragments_where_the_optimum_does_not():
+    # Alg. 2's plain greedy for (2, 3, 3): a's replicas take the roomiest engine pairs and leave
+    # one engine with three 25-byte stages, (200 - 75) / 3 below the optimum (200 - 70) / 3
+    problem = _fragmenting_problem()
+    placer = _Placer(problem)
+    cap, cnt = np.full(8, 200.0), np.zeros(8, dtype=np.int64)
+    for model, count in zip(problem.models, [2, 3, 3]):
+        weights = np.asarray(model.stage_weights, dtype=float)
+        starts = []
+        for _ in range(count):
+            start, _ = placer.best_start(cap, cnt, placer.taken(starts, model.num_stages), weights)
+            cap[placer.windows(model.num_stages)[start]] -= weights
+            cnt[placer.windows(model.num_stages)[start]] += 1
+            starts.append(start)
+    assert (cap / cnt).min() == pytest.approx(125 / 3)
+
+
+def test_heuristic_follows_the_exact_schedule_on_the_fragmenting_example():
+    # with its retries the heuristic replicates as far as the exact schedule and matches it
+    problem = _fragmenting_problem()
+    exact, heuristic = milp.solve(problem), optimize(problem)
+    assert [len(r) for r in heuristic.replicas] == [len(r) for r in exact.replicas] == [2, 4, 4]
+    assert heuristic.objective_bytes == pytest.approx(exact.objective_bytes)
 
 
 def test_infeasible_replica_counts_return_none():

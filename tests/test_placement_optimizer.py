@@ -119,7 +119,7 @@ def problems(draw, max_engines=12, max_models=5):
     return Problem(tuple(models), n, memory, kappa_bytes=draw(st.integers(0, 30)), ring=draw(st.booleans()))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_every_plan_satisfies_the_constraints(problem):
     try:
