@@ -364,6 +364,7 @@ class EngineScheduler:
         self._starvation_auto = 64
         self._swapped: set[StageRequest] = set()  # requests whose KV is in the host pool
         self._gone: OrderedDict[str, str] = OrderedDict()  # finished/aborted ids -> final state
+        self._chunk_keys: dict[str, tuple] = {}  # later stages: req_id -> key of the batch with its latest chunk
         self._seq = 0
         self._batch_seq = 0
         self.decisions = 0
@@ -445,6 +446,7 @@ class EngineScheduler:
         self._seq += 1
         pb = PendingBatch(msg, self._seq)
         row = 0
+        floor = None  # key of the latest batch holding an earlier chunk of one of our prompts
         for e in msg.prefills:
             if e.req_id in self._gone:
                 row += e.num_tokens
@@ -456,6 +458,10 @@ class EngineScheduler:
                 req.transition(WAITING_PREFILL)
             elif req.state not in (WAITING_PREFILL, RUNNING):  # RUNNING: its previous chunk runs now
                 raise ProtocolError(f"prefill chunk for {e.req_id!r} at {st.model}/{st.stage} in state {req.state}")
+            if req.pending_chunks or req.state == RUNNING:  # an earlier chunk waits or runs here
+                prev = self._chunk_keys.get(e.req_id)
+                if prev is not None and (floor is None or prev > floor):
+                    floor = prev
             req.pending_chunks += 1
             pb.prefills.append((req, e))
             pb.rows.append((row, row + e.num_tokens))
@@ -476,6 +482,12 @@ class EngineScheduler:
         if not len(pb):
             return
         pb.key = (min(r.arrival for r in pb.members()), pb.seq)
+        # A later chunk must never sort ahead of the batch with the chunk before it (its head
+        # would wait for that chunk, which waits behind it: a stall under chunked prefill).
+        if floor is not None and floor[0] > pb.key[0]:
+            pb.key = (floor[0], pb.seq)
+        for req, _ in pb.prefills:
+            self._chunk_keys[req.req_id] = pb.key
         pb.queue = self._pending_queue(st, pb)
         pb.queue.push(pb, self.decisions)
 
@@ -685,6 +697,7 @@ class EngineScheduler:
         req.alloc = None
         self._swapped.discard(req)
         del self._reqs[req.req_id]
+        self._chunk_keys.pop(req.req_id, None)
         self._remember(req.req_id, final)
 
     def _drop_from_pending(self, st: ResidentStage, req: StageRequest) -> None:

@@ -1,0 +1,152 @@
+"""`paraflex simulate CONFIG`: the cluster simulator from the command line.
+
+One run: `--system NAME --rate R` -> results directory (requests.csv, summary.json,
+config.json, placement.json, PNGs; paraflex.simulator.output). `--sweep` runs a list of rates
+(`--rates`) for a list of systems (`--systems`) across processes and draws Fig. 8/9-style
+curves (paraflex.simulator.sweep). Workload knobs override the config's `workload:` section.
+Bad input (unknown system, rate <= 0, missing trace, malformed trace rows) is a one-line
+error with exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from paraflex.errors import UserError
+
+NAME = "simulate"
+HELP = "simulate serving a config on a cluster (cost model, no GPU): latency, throughput, SLOs"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("config", help="cluster + models (+ workload) YAML/JSON config")
+    p.add_argument("--system", default="paraflex", help="paraflex | ray-serve | sarathi | alpaserve | vllm-tp (default paraflex)")
+    p.add_argument("--rate", type=float, help="total request rate over all models, req/s (default: workload.rate)")
+    p.add_argument("-o", "--output", help="results directory (default sim-results/<system>-r<rate> or sim-results/sweep)")
+    p.add_argument("--seed", type=int, help="random seed of the workload and random placement (default: workload.seed)")
+    p.add_argument("--sweep", action="store_true", help="run --rates x --systems and plot latency versus throughput")
+    p.add_argument("--rates", help="comma-separated rates for --sweep, e.g. 1,2,4,8")
+    p.add_argument("--systems", help="comma-separated systems for --sweep (default: all five); "
+                   "add ablations with +, e.g. paraflex+prefill-first,paraflex+no-sharding")
+    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="worker processes for --sweep")
+    w = p.add_argument_group("workload overrides")
+    w.add_argument("--trace", help="replay this arrived_at,num_prefill_tokens,num_decode_tokens CSV")
+    w.add_argument("--arrival", choices=("poisson", "lognormal", "trace"))
+    w.add_argument("--cv", type=float, help="log-normal inter-arrival coefficient of variation")
+    w.add_argument("--zipf-alpha", type=float, help="Zipf popularity exponent over the listed models")
+    w.add_argument("--num-requests", type=int, help="expected number of requests (sets the arrival window)")
+    w.add_argument("--duration", type=float, help="arrival window in seconds (instead of --num-requests)")
+    w.add_argument("--prompt-scale", type=float, help="multiply prompt lengths (§8.3)")
+    w.add_argument("--output-scale", type=float, help="multiply output lengths (§8.3)")
+    a = p.add_argument_group("ablations (§8.5) and knobs")
+    a.add_argument("--no-sharding", action="store_true", help="paraflex with one shared sharding plan on every engine")
+    a.add_argument("--random-placement", action="store_true", help="paraflex sharding/replication, stages placed at random")
+    a.add_argument("--prefill-first", action="store_true", help="prefill-first scheduling instead of the system's policy")
+    a.add_argument("--host-link-gbps", type=float, default=256.0, help="host<->GPU bandwidth per GPU for KV swaps")
+    a.add_argument("--check-invariants", action="store_true", help="check KV accounting after every stage (slow)")
+
+
+def _workload(args, config):
+    from paraflex.config import WorkloadConfig
+    from paraflex.simulator.workload.trace import load_trace
+
+    w = config.workload or WorkloadConfig()
+    changes = {}
+    if args.trace is not None:
+        if not os.path.isfile(args.trace):
+            raise UserError(f"--trace {args.trace}: file not found; pass an arrived_at,num_prefill_tokens,num_decode_tokens CSV")
+        changes["trace"] = os.path.abspath(args.trace)
+        changes["arrival"] = "trace"
+    for flag, field in (("arrival", "arrival"), ("cv", "cv"), ("zipf_alpha", "zipf_alpha"), ("num_requests", "num_requests"),
+                        ("duration", "duration_s"), ("prompt_scale", "prompt_scale"), ("output_scale", "output_scale")):
+        v = getattr(args, flag)
+        if v is not None:
+            if flag != "zipf_alpha" and not v > 0:
+                raise UserError(f"--{flag.replace('_', '-')} must be > 0, got {v:g}")
+            changes[field] = v
+    if "num_requests" in changes:
+        changes["duration_s"] = None  # the flag sets the window; the config's duration yields
+    elif "duration_s" in changes:
+        changes["num_requests"] = None
+    w = dataclasses.replace(w, **changes)
+    if w.arrival == "trace" and not w.trace:
+        raise UserError("--arrival trace needs a trace: pass --trace FILE or set workload.trace")
+    if w.trace:
+        load_trace(w.trace)  # validate rows now: one clear error before any planning
+    return w
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected comma-separated numbers, e.g. 1,2,4") from None
+    if not vals:
+        raise UserError(f"{flag}: give at least one value")
+    bad = [v for v in vals if not v > 0]
+    if bad:
+        raise UserError(f"{flag}: rates must be > 0 requests/s, got {bad[0]:g}")
+    return vals
+
+
+def run(args) -> int:
+    from paraflex.config import load_config
+    from paraflex.simulator.runner import SimSettings
+    from paraflex.simulator.systems import SYSTEMS
+
+    config = load_config(args.config)
+    config.workload = _workload(args, config)
+    seed = args.seed if args.seed is not None else config.workload.seed
+    base = SimSettings(system=args.system, rate=1.0, seed=seed, no_sharding=args.no_sharding,
+                       random_placement=args.random_placement, prefill_first=args.prefill_first,
+                       host_link_gbps=args.host_link_gbps, check_invariants=args.check_invariants)
+    if args.sweep:
+        from paraflex.simulator.sweep import run_sweep
+
+        if not args.rates:
+            raise UserError("--sweep needs --rates, e.g. --rates 1,2,4,8")
+        rates = _floats(args.rates, "--rates")
+        systems = [s.strip() for s in args.systems.split(",")] if args.systems else list(SYSTEMS_ORDER)
+        for s in systems:
+            SYSTEMS.get(s.split("+")[0], "--systems")
+        out = args.output or os.path.join("sim-results", "sweep")
+        results = run_sweep(config, systems, rates, base, out, jobs=max(1, args.jobs))
+        print(f"{'system':<10} {'rate':>6} {'tput req/s':>10} {'E2E med s':>10} {'E2E P99 s':>10} {'SLO att.':>8}")
+        for r in results:
+            print(f"{r['system']:<10} {r['rate']:>6g} {r['throughput_rps']:>10.3f} {r['e2e_median_s']:>10.3f} "
+                  f"{r['e2e_p99_s']:>10.3f} {r['slo_attainment']:>8.3f}")
+        print(f"results: {out}/ (sweep.csv, sweep.json, latency_vs_throughput.png, per_model.png)")
+        return 0
+    rate = args.rate if args.rate is not None else config.workload.rate
+    if rate is None:
+        raise UserError("give --rate R (total requests/s) or set workload.rate in the config")
+    SYSTEMS.get(args.system, "--system")
+    return _run_one(config, dataclasses.replace(base, rate=rate), args.output)
+
+
+SYSTEMS_ORDER = ("paraflex", "ray-serve", "sarathi", "alpaserve", "vllm-tp")
+
+
+def _run_one(config, settings, output) -> int:
+    from paraflex.simulator.output import write_run
+    from paraflex.simulator.runner import simulate
+
+    settings.validate()
+    result = simulate(config, settings)
+    out = output or os.path.join("sim-results", f"{settings.system}-r{settings.rate:g}")
+    write_run(out, result)
+    s = result.summary
+    print(f"{s['system']}: {s['finished']}/{s['requests']} requests, {s['engines']} engines x {result.layout.gpus_per_engine} GPUs, "
+          f"simulated {s['simulated_s']:.1f} s in {s['wall_s']:.1f} s wall ({s['events']} events)")
+    print(f"  throughput {s['throughput_rps']:.3f} req/s, {s['throughput_tok_s']:.1f} tok/s; goodput {s['goodput_rps']:.3f} req/s; "
+          f"SLO attainment {s['slo_attainment']:.3f}")
+    print(f"  E2E median {s['e2e_median_s']:.3f} s, P99 {s['e2e_p99_s']:.3f} s; TTFT median {s['ttft_median_s']:.3f} s, "
+          f"P99 {s['ttft_p99_s']:.3f} s; TBT median {1000 * (s['tbt_median_s'] or 0):.1f} ms, P99 {1000 * (s['tbt_p99_s'] or 0):.1f} ms")
+    print(f"  active GPUs {100 * s['active_gpu_share_mean']:.1f}% mean; decode batch {s['decode_batch_size_mean']:.1f} mean; "
+          f"swaps out/in {s['swap_outs']}/{s['swap_ins']}")
+    for m, pm in s["per_model"].items():
+        if pm["finished"]:
+            print(f"  {m:<28} {pm['finished']:>6} req  E2E median {pm['e2e_median_s']:.3f} s  P99 {pm['e2e_p99_s']:.3f} s")
+    print(f"results: {out}/ (requests.csv, summary.json, config.json, placement.json, *.png)")
+    return 0

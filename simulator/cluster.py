@@ -1,0 +1,156 @@
+"""The simulated cluster: engines wired by the placement, a gateway dispatcher, and the
+handlers the events call.
+
+Built by runner.py from a `SystemLayout` (systems.py). Request flow, as in the real system
+(paper §3, §5, §6): the gateway sends a request to the replica with the fewest outstanding
+requests (the engine core's dispatcher); the first-stage engine's scheduler forms batches;
+each finished stage forwards its batch message to the next stage's engine after the hop time
+(hidden + residual bytes over the interconnect, overlapping compute); the last stage emits one
+token per request, sends the tokens back to the first stage (metadata only: interconnect
+latency) and frees finished requests' KV on every stage. Engines decide what to run with the
+engine core's scheduler; this module only moves messages and adds time.
+"""
+
+from __future__ import annotations
+
+from paraflex.costmodel import CostModel
+from paraflex.engine.block_pool import BlockPool
+from paraflex.engine.dispatcher import Dispatcher
+from paraflex.engine.scheduler import EngineScheduler
+from paraflex.simulator.events import BatchArrivalEvent, EngineWakeupEvent, StageEndEvent, TokenArrivalEvent
+from paraflex.simulator.sim_engine import SimEngine, StageInfo
+
+
+class Cluster:
+    """Every simulated engine of one layout, the dispatcher, and the event handlers."""
+
+    def __init__(self, config, layout, settings, loop, metrics, cost=None):
+        """`cost` replaces the cluster's CostModel (tests use fixed stage times)."""
+        self.loop = loop
+        self.metrics = metrics
+        self.check = settings.check_invariants
+        placement = layout.placement
+        cl, sc = config.cluster, config.scheduler
+        self.interconnect = cl.interconnect()
+        archs = {m.name: m.arch for m in config.models}
+        if cost is None:
+            cost = CostModel(cl.device, tp=layout.gpus_per_engine, profile_dir=cl.profile_dir)
+        tp = layout.gpus_per_engine
+        swap_Bps = settings.host_link_gbps * 1e9 / 8  # per GPU: each GPU swaps its own shard
+        host_bytes = cl.host_memory_bytes
+        token_budget = layout.prefill_token_budget or sc.prefill_token_budget
+        budget = {"prefill_token_budget": token_budget} if token_budget else {}  # None: the scheduler's default
+        self.engines: list[SimEngine] = []
+        for ep in placement.engines:
+            # One pool per GPU of the TP group, all in lock-step: each GPU holds 1/tp of every
+            # layer's KV heads, so the engine's accounting is one GPU's pool with 1/tp of the
+            # per-token KV bytes (blocks are `block_bytes` on each GPU, as on a real worker).
+            kv_bytes = max(0, layout.memory_bytes - ep.weight_bytes) // tp
+            pool = BlockPool.from_bytes(kv_bytes, sc.block_bytes, host_bytes // tp)
+            scheduler = EngineScheduler(pool, max_batch_size=sc.max_batch_size, policy=layout.policy,
+                                        engine_id=ep.id, **budget)
+            stages: dict[str, StageInfo] = {}
+            for ref in ep.stages:
+                mp = placement.models[ref.model]
+                a, b = mp.stages[ref.stage]
+                route = mp.replicas[ref.replica]
+                last = ref.stage == mp.num_stages - 1
+                arch = archs[ref.model]
+                stages[ref.model] = StageInfo(ref.model, arch, ref.replica, ref.stage, b - a,
+                                              ref.stage == 0, last, -1 if last else route[ref.stage + 1], route[0])
+                scheduler.add_stage(ref.model, ref.stage, b - a, -(-arch.kv_bytes_per_token_per_layer() // tp), mp.num_stages)
+            self.engines.append(SimEngine(ep.id, scheduler, pool, cost, stages, swap_Bps))
+        self.replicas = {name: mp.replicas for name, mp in placement.models.items()}
+        self.dispatcher = Dispatcher({name: len(r) for name, r in self.replicas.items()})
+        self.records: dict[str, object] = {}
+        self.woken: list[SimEngine] = []
+
+    # --- helpers ------------------------------------------------------------------------
+    def _wake(self, eng: SimEngine, t: float) -> None:
+        """Ask `eng` to decide once everything at this instant has been delivered: the loop
+        calls `settle` after each event (see there)."""
+        if not eng.busy and not eng.wake_pending:
+            eng.wake_pending = True
+            self.woken.append(eng)
+
+    def settle(self, t: float, more_now: bool) -> None:
+        """After an event: if more events happen at this instant, the woken engines decide
+        after them (wake-up events, lowest priority); otherwise they decide now, which is
+        the same order without the events."""
+        woken, self.woken = self.woken, []
+        if more_now:
+            for eng in woken:
+                self.loop.schedule(EngineWakeupEvent(t, eng))
+        else:
+            for eng in woken:
+                self.wakeup(eng, t)
+
+    # --- event handlers -------------------------------------------------------------------
+    def admit(self, req, t: float) -> None:
+        rec = self.metrics.add_request(req.id, req.model, req.arrival, req.prompt_len, req.output_len)
+        rid = str(req.id)
+        self.records[rid] = rec
+        replica = self.dispatcher.pick(req.model)
+        rec.replica = replica
+        eng = self.engines[self.replicas[req.model][replica][0]]
+        eng.scheduler.add_request(rid, req.model, req.prompt_len, req.output_len, t)
+        self._wake(eng, t)
+
+    def wakeup(self, eng: SimEngine, t: float) -> None:
+        eng.wake_pending = False
+        if eng.busy:
+            return
+        sb = eng.scheduler.schedule(t)
+        if sb is None:
+            return
+        swapped = len(sb.swap_out) + len(sb.swap_in)
+        if swapped:
+            self.metrics.swap(len(sb.swap_out) * eng.block_bytes, len(sb.swap_in) * eng.block_bytes)
+        run, decodes, tokens = eng.batch_time(eng.stages[sb.model], sb)
+        eng.busy = True
+        self.loop.schedule(StageEndEvent(t + eng.swap_time(swapped) + run, eng, sb, t, decodes, tokens))
+
+    def stage_done(self, eng: SimEngine, sb, start: float, t: float, decodes: int, tokens: int) -> None:
+        eng.busy = False
+        self.metrics.batch(eng.id, start, t, decodes == 0, len(sb.requests), tokens)
+        done = eng.scheduler.complete(sb)
+        info = eng.stages[sb.model]
+        if not info.last:
+            nbytes = CostModel.hidden_bytes(info.arch, tokens)
+            self.metrics.hop(nbytes)
+            self.loop.schedule(BatchArrivalEvent(t + self.interconnect.transfer_time(nbytes),
+                                                 self.engines[info.next_engine], sb.message))
+        else:
+            self._emit_tokens(eng, info, done, t)
+        if self.check:
+            eng.scheduler.check()
+        self._wake(eng, t)
+
+    def _emit_tokens(self, eng: SimEngine, info: StageInfo, done, t: float) -> None:
+        """Last stage: record the tokens, free finished requests on the middle stages (the
+        last stage freed them in complete(), the first stage frees them when the token
+        message arrives) and send the tokens to the first stage."""
+        records, metrics = self.records, self.metrics
+        for entry in done.token_message.entries:
+            metrics.token(records[entry.req_id], t)
+        if done.finished:
+            route = self.replicas[info.model][info.replica]
+            for rid in done.finished:
+                metrics.finish(records.pop(rid), t)
+                self.dispatcher.done(info.model, info.replica)
+            for eid in route[1:-1]:
+                e = self.engines[eid]
+                for rid in done.finished:
+                    e.scheduler.free(rid)
+                self._wake(e, t)
+        first = self.engines[info.first_engine]
+        delay = 0.0 if first is eng else self.interconnect.latency_s
+        self.loop.schedule(TokenArrivalEvent(t + delay, first, done.token_message))
+
+    def deliver_batch(self, eng: SimEngine, message, t: float) -> None:
+        eng.scheduler.receive_batch(message)
+        self._wake(eng, t)
+
+    def deliver_tokens(self, eng: SimEngine, tokens, t: float) -> None:
+        eng.scheduler.receive_tokens(tokens)
+        self._wake(eng, t)

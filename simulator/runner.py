@@ -1,0 +1,132 @@
+"""Run one simulation: config + settings -> workload -> cluster -> event loop -> results.
+
+The single entry point behind `paraflex simulate`, the sweep workers and the benches:
+`simulate(config, settings)` builds the system's layout (systems.py), generates the requests
+(workload/), wires the cluster (cluster.py), replays every arrival through the event loop
+until the last request finishes, and returns a `SimResult` (metrics, summary, the resolved
+settings to save next to the results).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import asdict, dataclass, field
+
+from paraflex.config import WorkloadConfig
+from paraflex.errors import ParaflexError, UserError
+from paraflex.simulator.cluster import Cluster
+from paraflex.simulator.event_loop import EventLoop
+from paraflex.simulator.events import RequestArrivalEvent
+from paraflex.simulator.metrics import MetricsStore, ModelSLO
+from paraflex.simulator.systems import SystemLayout, build_system
+from paraflex.simulator.workload import SimRequest, WorkloadModel, generate
+
+# Aegaeon's production SLOs (§7.1 there), used for models whose config sets none.
+DEFAULT_TTFT_MS, DEFAULT_TBT_MS = 10_000.0, 100.0
+
+
+@dataclass
+class SimSettings:
+    """What `paraflex simulate` adds to the config. `rate` is the total request rate (req/s)
+    over all models; `host_link_gbps` the host<->GPU bandwidth of one GPU for KV swaps (PCIe
+    4.0 x16 ~ 256 Gbit/s; an engine of tp GPUs swaps over tp links in parallel)."""
+
+    system: str = "paraflex"
+    rate: float = 1.0
+    seed: int = 0
+    no_sharding: bool = False
+    random_placement: bool = False
+    prefill_first: bool = False
+    host_link_gbps: float = 256.0
+    check_invariants: bool = False
+
+    def validate(self) -> "SimSettings":
+        if not self.rate > 0:
+            raise UserError(f"--rate must be > 0 requests/s, got {self.rate:g}")
+        if not self.host_link_gbps > 0:
+            raise UserError(f"--host-link-gbps must be > 0, got {self.host_link_gbps:g}")
+        return self
+
+
+@dataclass
+class SimResult:
+    system: str
+    layout: SystemLayout
+    metrics: MetricsStore
+    summary: dict
+    settings: dict = field(default_factory=dict)
+    engines: list = field(default_factory=list, repr=False)  # the SimEngines, for inspection
+
+    @property
+    def placement(self):
+        return self.layout.placement
+
+
+def workload_of(config) -> WorkloadConfig:
+    return config.workload if config.workload is not None else WorkloadConfig()
+
+
+def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, cost=None,
+             requests: list[SimRequest] | None = None, loop: EventLoop | None = None) -> SimResult:
+    """Simulate `config` served by `settings.system`. `layout` skips re-planning (sweeps),
+    `cost` replaces the cost model, `requests` the generated workload (tests) and `loop` the
+    event loop (bench/sim_speed.py's naive peer)."""
+    settings.validate()
+    wall0 = time.perf_counter()
+    if layout is None:
+        layout = build_system(config, settings)
+    workload = workload_of(config)
+    shares = workload.model_shares(config.models)
+    models = [WorkloadModel(m.name, m.arch.max_context, s) for m, s in zip(config.models, shares)]
+    if requests is None:
+        requests, info = generate(models, workload, settings.rate, settings.seed)
+    else:
+        info = {"requests": len(requests), "given": True}
+    slos = {m.name: ModelSLO((m.slo_ttft_ms or DEFAULT_TTFT_MS) / 1000, (m.slo_tbt_ms or DEFAULT_TBT_MS) / 1000)
+            for m in config.models}
+    metrics = MetricsStore(slos, layout.placement.num_engines, layout.gpus_per_engine)
+    loop = loop if loop is not None else EventLoop()
+    cluster = Cluster(config, layout, settings, loop, metrics, cost)
+    sim = _Sim(loop, cluster)
+    served = set(layout.placement.models)
+    for req in requests:
+        if req.model not in served:
+            raise UserError(f"model {req.model!r} has requests but no stages in the {layout.name} placement")
+        loop.schedule(RequestArrivalEvent(req.arrival, req))
+    # The KV pools hold millions of block ids: freeze them out of the cyclic GC, and pause it
+    # during the run (the loop creates no reference cycles), or collections dominate run time.
+    setup = time.perf_counter() - wall0
+    gc.collect()
+    gc.freeze()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        loop.run(sim)
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.unfreeze()
+    unfinished = [r.id for r in metrics.requests.values() if r.finish < 0]
+    if unfinished:
+        raise ParaflexError(f"simulation ended with {len(unfinished)} unfinished requests (first: {unfinished[0]}); "
+                            "the engines stalled: a scheduler bug or KV too small for one request")
+    wall = time.perf_counter() - wall0
+    summary = metrics.summary()
+    summary.update({
+        "system": layout.name, "rate": settings.rate, "seed": settings.seed, "workload": info,
+        "simulated_s": loop.now, "events": loop.processed, "wall_s": wall, "setup_wall_s": setup,
+        "sim_requests_per_wall_s": len(requests) / wall if wall > 0 else None,
+    })
+    resolved = {"config": config.to_dict(), "simulation": asdict(settings), "layout": layout.describe()}
+    return SimResult(layout.name, layout, metrics, summary, resolved, cluster.engines)
+
+
+class _Sim:
+    """What event handlers see: the loop and the cluster."""
+
+    __slots__ = ("loop", "cluster")
+
+    def __init__(self, loop: EventLoop, cluster: Cluster):
+        self.loop = loop
+        self.cluster = cluster

@@ -1,0 +1,81 @@
+"""Turn the workload section, the served models and a total rate into time-ordered requests.
+
+Per-model rates = total rate x the model's share (WorkloadConfig.model_shares: Zipf in listed
+order, or the configured relative rates) -> per-model arrivals (arrivals.py), each model with
+its own generator spawned from the run seed (adding a model never changes another's draws)
+-> token counts (lengths.py: the trace's when a trace is given, else the §2.1 built-in),
+scaled (§8.3) and clipped to the model's context. The result feeds the simulator's arrival
+events; `info` (counts, rates, clipped requests) goes to the summary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from paraflex.errors import UserError
+from paraflex.simulator.workload.arrivals import ARRIVAL_PROCESSES
+from paraflex.simulator.workload.lengths import LENGTH_SOURCES, clip_to_context, scale
+from paraflex.simulator.workload.trace import load_trace
+
+DEFAULT_NUM_REQUESTS = 2000
+
+
+@dataclass(frozen=True)
+class WorkloadModel:
+    """What the workload needs to know about a served model."""
+
+    name: str
+    max_context: int
+    share: float  # fraction of the total rate
+
+
+@dataclass(slots=True)
+class SimRequest:
+    id: int
+    model: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+
+
+def horizon_s(workload, total_rate: float) -> float:
+    """Arrival window: `duration_s` when set, else `num_requests` (default 2000) / rate."""
+    if getattr(workload, "duration_s", None):
+        return float(workload.duration_s)
+    return (getattr(workload, "num_requests", None) or DEFAULT_NUM_REQUESTS) / total_rate
+
+
+def generate(models: list[WorkloadModel], workload, total_rate: float, seed: int):
+    """Return (requests sorted by arrival with ids 0..n-1, info dict).
+
+    `workload` has the fields of paraflex.config.WorkloadConfig (arrival, cv, trace,
+    duration_s, num_requests, prompt_scale, output_scale)."""
+    if not total_rate > 0:
+        raise UserError(f"rate must be > 0 requests/s, got {total_rate}")
+    trace = load_trace(workload.trace) if workload.trace else None
+    if workload.arrival == "trace" and trace is None:
+        raise UserError("workload.arrival is trace but no trace CSV is given; set workload.trace or pass --trace")
+    horizon = horizon_s(workload, total_rate)
+    arrive = ARRIVAL_PROCESSES.get(workload.arrival, "workload.arrival")
+    lengths = LENGTH_SOURCES.get("trace" if trace is not None else "builtin")
+    rows: list[tuple[float, int, int, int]] = []
+    per_model: dict[str, dict] = {}
+    for i, m in enumerate(models):
+        rate = total_rate * m.share
+        rng = np.random.default_rng(np.random.SeedSequence(entropy=seed, spawn_key=(i,)))
+        if rate <= 0:
+            per_model[m.name] = {"rate": 0.0, "requests": 0, "clipped": 0}
+            continue
+        times, trace_rows = arrive(rng, rate, horizon, cv=workload.cv, trace=trace)
+        prompt, output = lengths(rng, len(times), trace_rows, trace)
+        prompt = scale(prompt, workload.prompt_scale)
+        output = scale(output, workload.output_scale)
+        prompt, output, clipped = clip_to_context(prompt, output, m.max_context)
+        per_model[m.name] = {"rate": rate, "requests": int(len(times)), "clipped": clipped}
+        rows.extend(zip(times.tolist(), [i] * len(times), prompt.tolist(), output.tolist()))
+    rows.sort(key=lambda r: (r[0], r[1]))
+    requests = [SimRequest(k, models[i].name, t, p, o) for k, (t, i, p, o) in enumerate(rows)]
+    info = {"horizon_s": horizon, "total_rate": total_rate, "requests": len(requests), "models": per_model}
+    return requests, info

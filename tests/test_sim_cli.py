@@ -1,0 +1,84 @@
+"""`paraflex simulate` end to end on a tiny CPU config, and its one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paraflex.cli import main
+
+CONFIG = """
+cluster: {num_engines: 2, device: cpu, memory_gb: 1, host_memory_gb: 0.01}
+models:
+  - {name: a, arch: tiny-2l}
+  - {name: b, arch: tiny-4l}
+scheduler: {max_batch_size: 8, block_bytes: 4096}
+workload: {arrival: poisson, num_requests: 30, seed: 0}
+"""
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(CONFIG)
+    return p
+
+
+def test_one_run_writes_results(cfg, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["simulate", str(cfg), "--system", "paraflex", "--rate", "20", "-o", str(out)]) == 0
+    for f in ("requests.csv", "summary.json", "config.json", "placement.json", "active_gpus.png", "batch_sizes.png"):
+        assert (out / f).is_file(), f
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["finished"] == summary["requests"] > 0
+    rows = (out / "requests.csv").read_text().strip().splitlines()
+    assert len(rows) == summary["requests"] + 1
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["simulation"]["rate"] == 20 and saved["config"]["cluster"]["num_engines"] == 2
+    assert "throughput" in capsys.readouterr().out
+
+
+def _err(argv, capsys):
+    code = main(argv)
+    return code, capsys.readouterr().err.strip()
+
+
+def test_unknown_system(cfg, capsys):
+    code, err = _err(["simulate", str(cfg), "--system", "nope", "--rate", "1"], capsys)
+    assert code == 2 and "unknown system 'nope'" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("rate", ["0", "-3"])
+def test_bad_rate(cfg, capsys, rate):
+    code, err = _err(["simulate", str(cfg), f"--rate={rate}"], capsys)
+    assert code == 2 and "rate must be > 0" in err
+
+
+def test_missing_and_malformed_trace(cfg, tmp_path, capsys):
+    code, err = _err(["simulate", str(cfg), "--rate", "1", "--trace", str(tmp_path / "no.csv")], capsys)
+    assert code == 2 and "not found" in err
+    bad = tmp_path / "bad.csv"
+    bad.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0,5,5\n1,x,5\n")
+    code, err = _err(["simulate", str(cfg), "--rate", "1", "--trace", str(bad)], capsys)
+    assert code == 2 and "bad.csv:3: malformed row" in err
+
+
+def test_sweep_needs_valid_rates(cfg, capsys):
+    code, err = _err(["simulate", str(cfg), "--sweep", "--rates", "1,0"], capsys)
+    assert code == 2 and "rates must be > 0" in err
+
+
+def test_sweep_writes_curves(cfg, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    argv = ["simulate", str(cfg), "--sweep", "--rates", "5,20", "--systems", "paraflex,sarathi", "--jobs", "1", "-o", str(out)]
+    assert main(argv) == 0
+    for f in ("sweep.csv", "sweep.json", "config.json", "latency_vs_throughput.png", "per_model.png"):
+        assert (out / f).is_file(), f
+    rows = (out / "sweep.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + 4
+    data = json.loads((out / "sweep.json").read_text())["results"]
+    by = {(r["system"], r["rate"]): r for r in data}
+    # the same requests at a given rate for every system; different draws across rates
+    assert by[("paraflex", 5.0)]["requests"] == by[("sarathi", 5.0)]["requests"]
+    assert by[("paraflex", 5.0)]["seed"] != by[("paraflex", 20.0)]["seed"]
