@@ -49,6 +49,8 @@ WIRE_VERSION = 1
 # NCCL ignores tags and matches in order, which per-model FIFO posting preserves).
 MAX_TENSORS = 16
 TAG_SPACE = 2**30
+# CPU receives up to this size complete on the phase-1 call itself (see RayTransport.deliver).
+INLINE_RECV_BYTES = 256 * 1024
 ALIGN = 64  # byte offset of each tensor inside the packed buffer (any dtype views cleanly)
 
 _DTYPES = {
@@ -309,12 +311,16 @@ class _ModelLane:
             job = self.recv_q.get()
             if job is None:
                 return
-            try:
-                if job.specs:
-                    job.env.tensors = self._recv_tensors(job)
-                self.owner._arrived(self, job)
-            except BaseException as exc:  # noqa: BLE001 - reported, the lane keeps serving
-                self.owner._dropped(self, job, exc)
+            self.complete(job)
+
+    def complete(self, job: _Incoming) -> None:
+        """Wait for a job's tensors and park it in the arrival buffer (or report the failure)."""
+        try:
+            if job.specs:
+                job.env.tensors = self._recv_tensors(job)
+            self.owner._arrived(self, job)
+        except BaseException as exc:  # noqa: BLE001 - reported, the lane keeps serving
+            self.owner._dropped(self, job, exc)
 
     def _recv_tensors(self, job: _Incoming) -> dict[str, torch.Tensor]:
         if self.streams is None:
@@ -346,8 +352,10 @@ class RayTransport(Transport):
     """
 
     def __init__(self, engine_id: int, device: str | torch.device = "cpu",
-                 on_error: ErrorCallback | None = None, timeout_s: float = 30.0) -> None:
+                 on_error: ErrorCallback | None = None, timeout_s: float = 30.0,
+                 inline_recv_bytes: int = INLINE_RECV_BYTES) -> None:
         self.engine_id = engine_id
+        self.inline_recv_bytes = inline_recv_bytes
         self.device = torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.on_error = on_error
@@ -444,6 +452,13 @@ class RayTransport(Transport):
                 self._ready[arrival_key(env, seq)] = env
                 self._cv.notify_all()
                 return
+            # A small CPU transfer with nothing of its model in flight completes right here:
+            # the sender posted its send before the phase-1 call, so the data is already on its
+            # way and the wait is one short transfer; this saves the wake-up of the receive
+            # thread on the hop's critical path. Larger ones (prefill) go to the receive
+            # thread so that other models' phase-1 calls are not held up behind them.
+            inline = (specs and lane.streams is None and lane.recv_pending == 0
+                      and packed_layout(specs)[1] <= self.inline_recv_bytes)
             lane.recv_pending += 1
         job = _Incoming(env, specs, seq, replica)
         if specs and lane.streams is None:
@@ -451,7 +466,10 @@ class RayTransport(Transport):
                 lane.post_cpu_receive(job)
             except BaseException as exc:  # noqa: BLE001 - surfaces on the lane, in order
                 job.error = exc
-        lane.recv_q.put(job)
+        if inline:
+            lane.complete(job)
+        else:
+            lane.recv_q.put(job)
 
     # -- internals used by the lanes ---------------------------------------------------------
     def _lane(self, model: str) -> _ModelLane:

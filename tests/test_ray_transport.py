@@ -162,8 +162,11 @@ def _check(env: Envelope) -> None:
     assert torch.equal(env.tensors["residual"], -expect.to(torch.bfloat16))
 
 
-def test_tensors_and_metadata_pair_up_in_process(pair):
+@pytest.mark.parametrize("inline_bytes", [0, 64, 1 << 20], ids=["thread", "mixed", "inline"])
+def test_tensors_and_metadata_pair_up_in_process(pair, inline_bytes):
+    """Every receive path: on the receive thread, on the phase-1 call, and both mixed."""
     ts, _ = pair
+    ts[1].inline_recv_bytes = inline_bytes
     sent = [_batch("a" if i % 3 else "b", i, rows=1 + i % 4) for i in range(24)]
     for env in sent:
         ts[0].send(env)
@@ -190,6 +193,9 @@ def test_later_batch_of_another_model_is_not_held_behind_a_stalled_one(pair):
 
 def test_metadata_only_message_never_overtakes_same_model_batch(pair):
     ts, _ = pair
+    # Phase 1 arrives here before the tensors are even posted, which a real sender never does
+    # (it posts first); so the receive must not complete inline on the phase-1 call.
+    ts[1].inline_recv_bytes = 0
     batch = _batch("a", 5, rows=2)
     # Phase 1 of the batch arrives; its tensors have not been sent yet.
     ts[1].deliver(encode_phase1(batch, 0, 0))
