@@ -45,13 +45,10 @@ import torch.distributed as dist
 from paraflex.engine.transport import Envelope, Transport
 
 WIRE_VERSION = 1
-# gloo/NCCL tags: a transfer's one buffer is tagged with its per-model seq (gloo matches on it;
-# NCCL ignores tags and matches in order, which per-model FIFO posting preserves).
+# gloo/NCCL tags: each tensor of a transfer gets seq * MAX_TENSORS + index (gloo matches on it;
+# NCCL ignores tags and matches in order, which the per-model FIFO threads preserve).
 MAX_TENSORS = 16
 TAG_SPACE = 2**30
-# CPU receives up to this size complete on the phase-1 call itself (see RayTransport.deliver).
-INLINE_RECV_BYTES = 256 * 1024
-ALIGN = 64  # byte offset of each tensor inside the packed buffer (any dtype views cleanly)
 
 _DTYPES = {
     str(dt): dt
@@ -133,45 +130,6 @@ def arrival_key(env: Envelope, seq: int) -> tuple:
     return (env.model, env.kind, env.src, seq)
 
 
-# ----------------------------------------------------------------------------- phase 2 wire
-
-def packed_layout(specs: list) -> tuple[list[int], int]:
-    """Byte offsets of each tensor in the one buffer phase 2 carries, and its total size.
-
-    Both ends compute it from the phase-1 descriptors, so the buffer itself has no header."""
-    offsets, total = [], 0
-    for _, dtype, shape in specs:
-        offsets.append(total)
-        n = _DTYPES[dtype].itemsize
-        for d in shape:
-            n *= d
-        total += -(-n // ALIGN) * ALIGN
-    return offsets, total
-
-
-def pack_tensors(tensors: list[torch.Tensor], specs: list) -> torch.Tensor:
-    """All tensors of an envelope copied into one byte buffer (one gloo/NCCL op per hop)."""
-    offsets, total = packed_layout(specs)
-    buf = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
-    for off, t in zip(offsets, tensors):
-        raw = t.reshape(-1).view(torch.uint8)
-        buf[off:off + raw.numel()].copy_(raw)
-    return buf
-
-
-def unpack_tensors(buf: torch.Tensor, specs: list) -> dict[str, torch.Tensor]:
-    """Views (no copy) of the tensors inside a received `pack_tensors` buffer."""
-    offsets, _ = packed_layout(specs)
-    out = {}
-    for off, (name, dtype, shape) in zip(offsets, specs):
-        dt = _DTYPES[dtype]
-        n = dt.itemsize
-        for d in shape:
-            n *= d
-        out[name] = buf[off:off + n].view(dt).view(shape)
-    return out
-
-
 # ----------------------------------------------------------------------------- groups
 
 class _Group:
@@ -191,23 +149,23 @@ class _Group:
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
-    def send(self, buf: torch.Tensor, dst: int, seq: int):
-        return self.pg.send([buf], self.rank_of[dst], seq % TAG_SPACE)
+    def send(self, tensors: list[torch.Tensor], dst: int, seq: int) -> list:
+        base = (seq % (TAG_SPACE // MAX_TENSORS)) * MAX_TENSORS
+        return [self.pg.send([t], self.rank_of[dst], base + i) for i, t in enumerate(tensors)]
 
-    def recv(self, buf: torch.Tensor, src: int, seq: int):
-        return self.pg.recv([buf], self.rank_of[src], seq % TAG_SPACE)
+    def recv(self, tensors: list[torch.Tensor], src: int, seq: int) -> list:
+        base = (seq % (TAG_SPACE // MAX_TENSORS)) * MAX_TENSORS
+        return [self.pg.recv([t], self.rank_of[src], base + i) for i, t in enumerate(tensors)]
 
 
 # ----------------------------------------------------------------------------- per-model lanes
 
 @dataclass
 class _Outgoing:
-    """A posted phase-2 send, for the lane's send thread to see through."""
-    model: str
-    dst: int
-    work: Any
-    buf: torch.Tensor  # kept alive until the send completed
-    done_event: Any = None  # torch.cuda.Event after the send on the send stream (GPU)
+    env: Envelope
+    seq: int
+    replica: int | None
+    ready_event: Any = None  # torch.cuda.Event on the producer's stream (GPU)
 
 
 @dataclass
@@ -216,8 +174,8 @@ class _Incoming:
     specs: list | None
     seq: int
     replica: int | None
-    buf: torch.Tensor | None = None  # CPU: the receive buffer and its posted gloo work
-    work: Any = None
+    bufs: list | None = None  # CPU: receive buffers and their posted gloo works
+    works: list | None = None
     error: BaseException | None = None  # CPU: posting the receives failed
 
 
@@ -230,8 +188,7 @@ class _ModelLane:
         self.send_q: queue.SimpleQueue = queue.SimpleQueue()
         self.recv_q: queue.SimpleQueue = queue.SimpleQueue()
         self.recv_pending = 0  # guarded by owner._lock
-        self.next_seq = 0  # guarded by post_lock: seq order = posting order (NCCL matches in order)
-        self.post_lock = threading.Lock()
+        self.next_seq = 0
         self.streams = None
         if owner.device.type == "cuda":
             self.streams = (torch.cuda.Stream(owner.device), torch.cuda.Stream(owner.device))
@@ -249,93 +206,79 @@ class _ModelLane:
             t.join(timeout)
 
     # -- send side ---------------------------------------------------------------------------
-    def post(self, env: Envelope, replica: int | None) -> None:
-        """Post one envelope from the caller's thread: pack the tensors into one buffer, post
-        its send, then submit the phase-1 call; the send thread only waits for completion.
-
-        Posting here instead of on the send thread saves a thread hand-off on every hop's
-        critical path; none of it waits on the network. The sends go out before the phase-1
-        call is submitted, so the receiver finds them in flight when it posts its receive."""
-        owner = self.owner
-        specs = [[name, str(t.dtype), list(t.shape)] for name, t in env.tensors.items()] \
-            if env.tensors else None
-        with self.post_lock:
-            seq = self.next_seq
-            self.next_seq += 1
-            payload = encode_phase1(env, seq, replica)
-            if not specs:
-                owner._phase1(env.dst, payload)
-                return
-            group = owner._group_for(env.model, env.src, env.dst, replica)
-            tensors = list(env.tensors.values())
-            if self.streams is None:
-                buf = pack_tensors(tensors, specs)
-                work = group.send(buf, env.dst, seq)
-                owner._phase1(env.dst, payload)
-                self.send_q.put(_Outgoing(env.model, env.dst, work, buf))
-                return
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(owner.device))
-            send_stream = self.streams[0]
-            with torch.cuda.stream(send_stream):
-                send_stream.wait_event(ready)
-                buf = pack_tensors(tensors, specs)
-                work = group.send(buf, env.dst, seq)
-                done = torch.cuda.Event()
-                done.record(send_stream)
-            owner._phase1(env.dst, payload)
-            self.send_q.put(_Outgoing(env.model, env.dst, work, buf, done))
-
     def _send_loop(self) -> None:
         while True:
             job = self.send_q.get()
             if job is None:
                 return
             try:
-                job.work.wait()
-                if job.done_event is not None:
-                    job.done_event.synchronize()  # keep `buf` alive until NCCL has read it
+                self._send_one(job)
             except BaseException as exc:  # noqa: BLE001 - reported, the lane keeps serving
-                self.owner._report(self.model, job.dst, exc)
+                self.owner._report(self.model, job.env.dst, exc)
+
+    def _send_one(self, job: _Outgoing) -> None:
+        # The tensor sends are posted before the phase-1 call is submitted (submission costs
+        # about a millisecond in Ray), so the receiver finds them in flight when it posts the
+        # matching receives on the phase-1 arrival.
+        env, owner = job.env, self.owner
+        payload = encode_phase1(env, job.seq, job.replica)
+        if not env.tensors:
+            owner._phase1(env.dst, payload)
+            return
+        group = owner._group_for(env.model, env.src, env.dst, job.replica)
+        tensors = list(env.tensors.values())
+        if self.streams is None:
+            works = group.send(tensors, env.dst, job.seq)
+            owner._phase1(env.dst, payload)
+            for work in works:
+                work.wait()
+            return
+        send_stream = self.streams[0]
+        with torch.cuda.stream(send_stream):
+            send_stream.wait_event(job.ready_event)
+            works = group.send(tensors, env.dst, job.seq)
+            owner._phase1(env.dst, payload)
+            for work in works:
+                work.wait()
+        send_stream.synchronize()  # keep `tensors` alive until NCCL has read them
 
     # -- receive side ------------------------------------------------------------------------
-    def post_cpu_receive(self, job: "_Incoming") -> None:
-        """Post the gloo receive at once (on the phase-1 call); the lane thread waits."""
+    def post_cpu_receives(self, job: "_Incoming") -> None:
+        """Post the gloo receives at once (on the phase-1 call); the lane thread waits."""
         owner = self.owner
         group = owner._group_for(job.env.model, job.env.src, job.env.dst, job.replica)
-        job.buf = torch.empty(packed_layout(job.specs)[1], dtype=torch.uint8)
-        job.work = group.recv(job.buf, job.env.src, job.seq)
+        job.bufs = [torch.empty(s[2], dtype=_DTYPES[s[1]]) for s in job.specs]
+        job.works = group.recv(job.bufs, job.env.src, job.seq)
 
     def _recv_loop(self) -> None:
         while True:
             job = self.recv_q.get()
             if job is None:
                 return
-            self.complete(job)
-
-    def complete(self, job: _Incoming) -> None:
-        """Wait for a job's tensors and park it in the arrival buffer (or report the failure)."""
-        try:
-            if job.specs:
-                job.env.tensors = self._recv_tensors(job)
-            self.owner._arrived(self, job)
-        except BaseException as exc:  # noqa: BLE001 - reported, the lane keeps serving
-            self.owner._dropped(self, job, exc)
+            try:
+                if job.specs:
+                    job.env.tensors = self._recv_tensors(job)
+                self.owner._arrived(self, job)
+            except BaseException as exc:  # noqa: BLE001 - reported, the lane keeps serving
+                self.owner._dropped(self, job, exc)
 
     def _recv_tensors(self, job: _Incoming) -> dict[str, torch.Tensor]:
+        names = [s[0] for s in job.specs]
         if self.streams is None:
             if job.error is not None:
                 raise job.error
-            job.work.wait()
-            return unpack_tensors(job.buf, job.specs)
+            for work in job.works:
+                work.wait()
+            return dict(zip(names, job.bufs))
         owner = self.owner
         group = owner._group_for(job.env.model, job.env.src, job.env.dst, job.replica)
         recv_stream = self.streams[1]
         with torch.cuda.stream(recv_stream):
-            buf = torch.empty(packed_layout(job.specs)[1], dtype=torch.uint8, device=owner.device)
-            group.recv(buf, job.env.src, job.seq).wait()
+            bufs = [torch.empty(s[2], dtype=_DTYPES[s[1]], device=owner.device) for s in job.specs]
+            for work in group.recv(bufs, job.env.src, job.seq):
+                work.wait()
         recv_stream.synchronize()  # "fully arrived": the consumer may use them on any stream
-        return unpack_tensors(buf, job.specs)
+        return dict(zip(names, bufs))
 
 
 # ----------------------------------------------------------------------------- the transport
@@ -352,10 +295,8 @@ class RayTransport(Transport):
     """
 
     def __init__(self, engine_id: int, device: str | torch.device = "cpu",
-                 on_error: ErrorCallback | None = None, timeout_s: float = 30.0,
-                 inline_recv_bytes: int = INLINE_RECV_BYTES) -> None:
+                 on_error: ErrorCallback | None = None, timeout_s: float = 30.0) -> None:
         self.engine_id = engine_id
-        self.inline_recv_bytes = inline_recv_bytes
         self.device = torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.on_error = on_error
@@ -405,9 +346,16 @@ class RayTransport(Transport):
             return
         replica = self._replica_of(env)
         if env.tensors:
-            self._group_for(env.model, env.src, env.dst, replica)  # fail fast, before posting
-        self._peer(env.dst)
-        self._lane(env.model).post(env, replica)
+            self._group_for(env.model, env.src, env.dst, replica)  # fail fast, before phase 1
+        lane = self._lane(env.model)
+        with self._lock:
+            seq = lane.next_seq
+            lane.next_seq += 1
+        ready_event = None
+        if env.tensors and lane.streams is not None:
+            ready_event = torch.cuda.Event()
+            ready_event.record(torch.cuda.current_stream(self.device))
+        lane.send_q.put(_Outgoing(env, seq, replica, ready_event))
 
     def recv_ready(self) -> list[Envelope]:
         with self._lock:
@@ -452,24 +400,14 @@ class RayTransport(Transport):
                 self._ready[arrival_key(env, seq)] = env
                 self._cv.notify_all()
                 return
-            # A small CPU transfer with nothing of its model in flight completes right here:
-            # the sender posted its send before the phase-1 call, so the data is already on its
-            # way and the wait is one short transfer; this saves the wake-up of the receive
-            # thread on the hop's critical path. Larger ones (prefill) go to the receive
-            # thread so that other models' phase-1 calls are not held up behind them.
-            inline = (specs and lane.streams is None and lane.recv_pending == 0
-                      and packed_layout(specs)[1] <= self.inline_recv_bytes)
             lane.recv_pending += 1
         job = _Incoming(env, specs, seq, replica)
         if specs and lane.streams is None:
             try:
-                lane.post_cpu_receive(job)
+                lane.post_cpu_receives(job)
             except BaseException as exc:  # noqa: BLE001 - surfaces on the lane, in order
                 job.error = exc
-        if inline:
-            lane.complete(job)
-        else:
-            lane.recv_q.put(job)
+        lane.recv_q.put(job)
 
     # -- internals used by the lanes ---------------------------------------------------------
     def _lane(self, model: str) -> _ModelLane:
@@ -496,17 +434,14 @@ class RayTransport(Transport):
                 "connect() must be given the GroupSpec of every replica this engine hosts")
         return group
 
-    def _peer(self, dst: int) -> Any:
+    def _phase1(self, dst: int, payload: bytes) -> None:
         peer = self._peers.get(dst)
         if peer is None:
             raise RuntimeError(f"engine {self.engine_id} has no handle for engine {dst}; "
                                "pass every engine to connect(peers=...)")
-        return peer
-
-    def _phase1(self, dst: int, payload: bytes) -> None:
         # Fire and forget: a dead peer is detected by the controller's health monitor
         # (paraflex.serving), which fails that replica's requests.
-        self._peer(dst).deliver.remote(payload)
+        peer.deliver.remote(payload)
 
     def _arrived(self, lane: _ModelLane, job: _Incoming) -> None:
         with self._cv:
