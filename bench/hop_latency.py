@@ -4,8 +4,8 @@ Where it sits: benchmarks the hop between engine actors (paraflex.engine.transpo
 path every batch takes from one pipeline stage to the next. Two actors ping-pong envelopes;
 one hop = half a round trip. The floor is measured between the same two actors in the same
 run: a bare Ray actor call carrying the same phase-1 bytes, plus a bare gloo send/recv of the
-same tensor bytes as one buffer (each also half a round trip). The ratio hop / floor is printed per case;
-the target is <= 1.5x.
+same tensor bytes as one buffer, the fewest gloo operations that move them (each also half a
+round trip). The ratio hop / floor is printed per case; the target is <= 1.5x.
 
     python bench/hop_latency.py [--iters 200] [--cases decode1,decode32,prefill512] [--csv out.csv]
 """
