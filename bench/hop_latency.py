@@ -4,8 +4,8 @@ Where it sits: benchmarks the hop between engine actors (paraflex.engine.transpo
 path every batch takes from one pipeline stage to the next. Two actors ping-pong envelopes;
 one hop = half a round trip. The floor is measured between the same two actors in the same
 run: a bare Ray actor call carrying the same phase-1 bytes, plus a bare gloo send/recv of the
-same tensor bytes (each also half a round trip). The ratio hop / floor is printed per case;
-the target is <= 1.5x.
+same tensor bytes as one buffer, the fewest gloo operations that move them (each also half a
+round trip). The ratio hop / floor is printed per case; the target is <= 1.5x.
 
     python bench/hop_latency.py [--iters 200] [--cases decode1,decode32,prefill512] [--csv out.csv]
 """
@@ -128,26 +128,23 @@ class HopActor:
             times.append((time.perf_counter() - t0) / 2)
         self.result = times
 
+    # -- bare gloo: hidden + residual bytes as ONE send/recv (the fewest ops that move them) --
     def _run_gloo(self, iters, rows, hidden) -> None:
         times = []
-        out = [torch.randn(max(rows, 1), hidden) for _ in range(2)]
-        back = [torch.empty_like(t) for t in out]
+        out = torch.randn(2 * max(rows, 1), hidden)
+        back = torch.empty_like(out)
         for i in range(iters):
             t0 = time.perf_counter()
-            for w in [self.group.send([t], 1, 2 * i + k) for k, t in enumerate(out)]:
-                w.wait()
-            for w in [self.group.recv([t], 1, 2 * i + k) for k, t in enumerate(back)]:
-                w.wait()
+            self.group.send([out], 1, i).wait()
+            self.group.recv([back], 1, i).wait()
             times.append((time.perf_counter() - t0) / 2)
         self.result = times
 
     def _gloo_echo(self, iters, rows, hidden) -> None:
-        bufs = [torch.empty(max(rows, 1), hidden) for _ in range(2)]
+        buf = torch.empty(2 * max(rows, 1), hidden)
         for i in range(iters):
-            for w in [self.group.recv([t], 0, 2 * i + k) for k, t in enumerate(bufs)]:
-                w.wait()
-            for w in [self.group.send([t], 0, 2 * i + k) for k, t in enumerate(bufs)]:
-                w.wait()
+            self.group.recv([buf], 0, i).wait()
+            self.group.send([buf], 0, i).wait()
         self.result = []
 
     def close(self) -> None:
