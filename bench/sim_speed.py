@@ -7,8 +7,8 @@ count, so load per engine stays the same; 4 GPUs cannot hold the base case's fou
 and 2N requests, and prints requests per wall-second (whole run, and the event loop alone,
 without building the engines) and the wall-time growth from N to 2N (2.0x = linear cost).
 The peer, measured in the same run on the first case: the
-same simulation driven by a naive event loop that keeps a plain list and sorts it before every
-pop (the textbook O(n log n)-per-event loop a heap replaces).
+same simulation driven by a naive event loop that keeps a plain list (wake-ups included) and
+sorts it before every pop (the textbook O(n log n)-per-event loop a heap replaces).
 
     python bench/sim_speed.py [--requests 100] [--engines 1,2,8]
 """
@@ -29,7 +29,10 @@ from paraflex.simulator.systems import build_system
 
 
 class SortingEventLoop(EventLoop):
-    """Peer: the same interface, a list sorted before every pop."""
+    """Peer: the same interface, every event (wake-ups too) in a list sorted before every pop."""
+
+    def schedule_last(self, event) -> None:
+        self.schedule(event)
 
     def run(self, sim, until: float = float("inf")) -> None:
         q = self._heap
