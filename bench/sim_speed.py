@@ -1,14 +1,16 @@
 """Simulator speed: simulated requests per wall-clock second for the §8.2 base case.
 
 Runs the paper-base config (ParaFlex placement, full-batch-first; engines of 8 GPUs) with the
-cluster scaled to 2, 4 and 8 engines (16, 32, 64 GPUs; the total rate scales with the engine
-count, so load per engine stays the same) at N and 2N requests, and prints requests per
-wall-second (whole run, and the event loop alone, without building the KV pools) and the
-wall-time growth from N to 2N (2.0x = linear cost). The peer, measured in the same run on the 4-engine case: the
-same simulation driven by a naive event loop that keeps a plain list and sorts it before every
-pop (the textbook O(n log n)-per-event loop a heap replaces).
+cluster scaled to 1, 2 and 8 engines (8, 16, 64 GPUs; the total rate scales with the engine
+count, so load per engine stays the same; 4 GPUs cannot hold the base case's four models,
+285 GB of weights against 4 x 80 GB x 90%, so the smallest case is one 8-GPU engine) at N
+and 2N requests, and prints requests per wall-second (whole run, and the event loop alone,
+without building the engines) and the wall-time growth from N to 2N (2.0x = linear cost).
+The peer, measured in the same run on the first case: the
+same simulation driven by a naive event loop that keeps a plain list (wake-ups included) and
+sorts it before every pop (the textbook O(n log n)-per-event loop a heap replaces).
 
-    python bench/sim_speed.py [--requests 100] [--engines 4,16,64]
+    python bench/sim_speed.py [--requests 100] [--engines 1,2,8]
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from paraflex.simulator.systems import build_system
 
 
 class SortingEventLoop(EventLoop):
-    """Peer: the same interface, a list sorted before every pop."""
+    """Peer: the same interface, every event (wake-ups too) in a list sorted before every pop."""
+
+    def schedule_last(self, event) -> None:
+        self.schedule(event)
 
     def run(self, sim, until: float = float("inf")) -> None:
         q = self._heap
@@ -62,7 +67,7 @@ def _time(cfg, rate, layout, loop=None):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "paper-base.yaml"))
-    ap.add_argument("--engines", default="2,4,8")
+    ap.add_argument("--engines", default="1,2,8")
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--rate-per-engine", type=float, default=0.5)
     args = ap.parse_args()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from paraflex.engine.free_list import FreeList
 from paraflex.errors import ConfigError, ParaflexError
 
 
@@ -97,9 +98,9 @@ class BlockPool:
         self.capacity = num_blocks
         self.host_capacity = host_num_blocks
         self.block_bytes = block_bytes
-        # free lists are stacks; low ids on top so allocation order is deterministic
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._host_free: list[int] = list(range(host_num_blocks - 1, -1, -1))
+        # free lists are stacks, filled lazily; low ids first so allocation order is deterministic
+        self._free = FreeList(num_blocks)
+        self._host_free = FreeList(host_num_blocks)
         self._allocs: dict[Hashable, Allocation] = {}
         self._used_by: dict[Hashable, int] = {}
         self._host_used_by: dict[Hashable, int] = {}
@@ -171,8 +172,7 @@ class BlockPool:
         if total > len(free):
             raise PoolExhausted(f"need {total} KV blocks for {alloc.owner!r}, {len(free)} free")
         for layer in alloc.table:
-            for _ in range(per_layer):
-                layer.append(free.pop())
+            layer.extend(free.take(per_layer))
         alloc.blocks_per_layer += per_layer
         self._used_by[alloc.group] = self._used_by.get(alloc.group, 0) + total
         return total
@@ -188,7 +188,7 @@ class BlockPool:
         else:
             free, used = self._free, self._used_by
         for layer in alloc.table:
-            free.extend(reversed(layer))
+            free.give(reversed(layer))
             layer.clear()
         alloc.blocks_per_layer = 0
         used[alloc.group] -= n
@@ -224,14 +224,13 @@ class BlockPool:
         return plan
 
     @staticmethod
-    def _move(alloc: Allocation, dst_free: list[int], src_free: list[int]) -> list[tuple[int, int]]:
+    def _move(alloc: Allocation, dst_free: FreeList, src_free: FreeList) -> list[tuple[int, int]]:
         plan = []
         for layer in alloc.table:
-            for i, src in enumerate(layer):
-                dst = dst_free.pop()
-                plan.append((src, dst))
-                layer[i] = dst
-                src_free.append(src)
+            dst = dst_free.take(len(layer))
+            plan.extend(zip(layer, dst))
+            src_free.give(layer)
+            layer[:] = dst
         return plan
 
     # --- invariants --------------------------------------------------------------------
@@ -254,10 +253,11 @@ class BlockPool:
                         raise ParaflexError(f"block {b} owned twice: {seen[b]!r} and {owner!r}")
                     seen[b] = owner
             tally[alloc.group] = tally.get(alloc.group, 0) + alloc.num_blocks
-        for free, seen, cap, name in (
+        for free_list, seen, cap, name in (
             (self._free, dev_owner, self.capacity, "device"),
             (self._host_free, host_owner, self.host_capacity, "host"),
         ):
+            free = free_list.ids()
             if len(set(free)) != len(free):
                 raise ParaflexError(f"{name} free list holds a block twice")
             both = set(free) & seen.keys()

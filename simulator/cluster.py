@@ -80,7 +80,7 @@ class Cluster:
         woken, self.woken = self.woken, []
         if more_now:
             for eng in woken:
-                self.loop.schedule(EngineWakeupEvent(t, eng))
+                self.loop.schedule_last(EngineWakeupEvent(t, eng))
         else:
             for eng in woken:
                 self.wakeup(eng, t)

@@ -94,8 +94,8 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
         if req.model not in served:
             raise UserError(f"model {req.model!r} has requests but no stages in the {layout.name} placement")
         loop.schedule(RequestArrivalEvent(req.arrival, req))
-    # The KV pools hold millions of block ids: freeze them out of the cyclic GC, and pause it
-    # during the run (the loop creates no reference cycles), or collections dominate run time.
+    # Freeze the set-up objects out of the cyclic GC and pause it during the run (the loop
+    # creates no reference cycles): collections over the block tables would cost run time.
     setup = time.perf_counter() - wall0
     gc.collect()
     gc.freeze()
