@@ -54,7 +54,7 @@ def tokens_per_block(block_bytes: int, kv_bytes_per_token_per_layer: int, model:
 class Allocation:
     """The blocks of one request at one stage (owner), per layer."""
 
-    __slots__ = ("owner", "group", "num_layers", "tokens_per_block", "table", "on_host")
+    __slots__ = ("owner", "group", "num_layers", "tokens_per_block", "table", "on_host", "blocks_per_layer")
 
     def __init__(self, owner: Hashable, group: Hashable, num_layers: int, tokens_per_block: int):
         self.owner = owner
@@ -63,10 +63,7 @@ class Allocation:
         self.tokens_per_block = tokens_per_block
         self.table: list[list[int]] = [[] for _ in range(num_layers)]
         self.on_host = False
-
-    @property
-    def blocks_per_layer(self) -> int:
-        return len(self.table[0]) if self.num_layers else 0
+        self.blocks_per_layer = 0
 
     @property
     def num_blocks(self) -> int:
@@ -176,6 +173,7 @@ class BlockPool:
         for layer in alloc.table:
             for _ in range(per_layer):
                 layer.append(free.pop())
+        alloc.blocks_per_layer += per_layer
         self._used_by[alloc.group] = self._used_by.get(alloc.group, 0) + total
         return total
 
@@ -192,6 +190,7 @@ class BlockPool:
         for layer in alloc.table:
             free.extend(reversed(layer))
             layer.clear()
+        alloc.blocks_per_layer = 0
         used[alloc.group] -= n
         return n
 
@@ -244,8 +243,8 @@ class BlockPool:
         host_used: dict[Hashable, int] = {}
         for owner, alloc in self._allocs.items():
             sizes = {len(layer) for layer in alloc.table}
-            if len(sizes) > 1:
-                raise ParaflexError(f"KV owner {owner!r}: layers hold different block counts {sorted(sizes)}")
+            if sizes != {alloc.blocks_per_layer}:
+                raise ParaflexError(f"KV owner {owner!r}: layers hold {sorted(sizes)} blocks, expected {alloc.blocks_per_layer} each")
             seen, cap, tally = (host_owner, self.host_capacity, host_used) if alloc.on_host else (dev_owner, self.capacity, used)
             for layer in alloc.table:
                 for b in layer:

@@ -7,8 +7,8 @@ shared KV pool, registers the stages with the engine-core scheduler (with the KV
 token of the dtype actually used) and wires the routes of each model's replica.
 
 Device and dtype: `device="auto"` picks CUDA when available, else CPU; `dtype="auto"` is
-bfloat16 on GPU and float32 on CPU (bfloat16 and float16 can be asked for explicitly; float16
-only on GPU).
+float32 for a model whose config says 4-byte weights (`dtype: float32`), otherwise bfloat16 on
+GPU and float32 on CPU (bfloat16 and float16 can be asked for explicitly; float16 only on GPU).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from paraflex.errors import UserError
 
 log = logging.getLogger(__name__)
 
-CPU_KV_CAP_BYTES = 256 * 2**20  # default ceiling of a CPU engine's KV pool (the planner budgets GPU-sized pools)
+CPU_KV_CAP_BYTES = 128 * 2**20  # default ceiling of a CPU engine's KV pool (the planner budgets GPU-sized pools)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -71,12 +71,12 @@ def engine_routes(placement, engine_id: int) -> dict[str, tuple[int, int, list[i
 
 def build_engine(config, placement, engine_id: int, transport, sink, *, device="auto", dtype="auto",
                  kv_bytes: int | None = None, host_kv_bytes: int | None = None, seed: int = 0,
-                 tokenizers: dict | None = None, progress=None) -> EngineLoop:
+                 tokenizers: dict | None = None, models=None, progress=None) -> EngineLoop:
     """The `EngineLoop` of engine `engine_id`. `kv_bytes` overrides the placement's KV budget
     for this engine (default: the planned bytes, capped at CPU_KV_CAP_BYTES on CPU);
-    `host_kv_bytes` overrides cluster.host_memory_gb (swap space)."""
+    `host_kv_bytes` overrides cluster.host_memory_gb (swap space); `models` limits the
+    resident stages to those models (default: all the placement puts here)."""
     dev = choose_device(device)
-    dt = choose_dtype(dev, dtype)
     eng = placement.engine(engine_id)
     block_bytes = config.scheduler.block_bytes
     if kv_bytes is None:
@@ -95,10 +95,16 @@ def build_engine(config, placement, engine_id: int, transport, sink, *, device="
         )
     kv = KVCache(num_blocks, block_bytes, host_blocks, dev)
     worker = Worker(kv)
-    sched = EngineScheduler.from_config(BlockPool(num_blocks, block_bytes, host_blocks), config.scheduler, engine_id)
+    sc = config.scheduler
+    budget = {} if sc.prefill_token_budget is None else {"prefill_token_budget": sc.prefill_token_budget}
+    sched = EngineScheduler(BlockPool(num_blocks, block_bytes, host_blocks), max_batch_size=sc.max_batch_size,
+                            policy=sc.policy, engine_id=engine_id, **budget)
     routes, last_tokenizers = {}, {}
     for model, (replica, stage, route) in engine_routes(placement, engine_id).items():
+        if models is not None and model not in models:
+            continue
         mc = config.model(model)
+        dt = torch.float32 if dtype in (None, "auto") and mc.arch.dtype_bytes == 4 else choose_dtype(dev, dtype)
         a, b = placement.models[model].stages[stage]
         if progress:
             progress(f"engine {engine_id}: loading {model} stage {stage} (layers {a}-{b - 1}) on {dev} as {dt}")

@@ -22,7 +22,10 @@ class KVCache:
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
         self.blocks = torch.zeros(num_blocks, block_bytes, dtype=torch.uint8, device=self.device)
         pin = self.device.type == "cuda"
-        self.host_blocks = torch.zeros(host_num_blocks, block_bytes, dtype=torch.uint8, pin_memory=pin)
+        # Host blocks are only read after a swap-out wrote them, so they start uninitialised:
+        # untouched pages cost no memory. Device blocks start zeroed: attention reads (and
+        # masks) slots past a request's context, which must hold finite numbers.
+        self.host_blocks = torch.empty(host_num_blocks, block_bytes, dtype=torch.uint8, pin_memory=pin)
         self._views: dict[tuple, torch.Tensor] = {}
 
     @property

@@ -2,7 +2,8 @@
 
 Data flow: an engine loop (inside an engine actor, paraflex.engine.ray_engine) calls
 `BatchingSink.on_output(...)` for each sampled token; the sink coalesces whatever accumulates
-while a push is on the wire and ships it as one msgpack payload to the `OutputRouter` actor.
+while a push is on the wire and ships it as one msgpack payload to the `OutputRouter` actor,
+one push at a time so that records stay in order.
 The gateway's `RayBackend` (paraflex.serving) long-polls `OutputRouter.take`, which returns as
 soon as anything is queued, and fans the records out to the per-request streams. Records are
 `[request_id, token_ids, finish_reason, error]`; user data is msgpack, never pickled.
@@ -15,6 +16,8 @@ import threading
 
 import msgpack
 import ray
+
+PUSH_TIMEOUT_S = 30.0
 
 
 @ray.remote(num_cpus=0)
@@ -81,7 +84,14 @@ class BatchingSink:
                 if self._stop and not self._records:
                     return
                 records, self._records = self._records, []
-            self.router.push.remote(pack_records(records))
+            # Wait for each push: Ray does not keep the call order of an async actor, and a
+            # request's final record must never overtake its earlier tokens. Records that pile
+            # up meanwhile go out together in the next push.
+            try:
+                ray.get(self.router.push.remote(pack_records(records)), timeout=PUSH_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - router gone: the backend fails the streams itself
+                if self._stop:
+                    return
 
     def close(self) -> None:
         with self._cv:

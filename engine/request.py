@@ -106,6 +106,7 @@ class StageRequest:
         "abort_pending",
         "key",
         "history",
+        "alloc",
     )
 
     def __init__(
@@ -140,6 +141,7 @@ class StageRequest:
         # ascending arrival order; `seq` (the order this engine first saw it) breaks ties
         self.key = (arrival, seq)
         self.history: list[str] | None = [WAITING_PREFILL] if track_history else None
+        self.alloc = None  # its BlockPool Allocation at this engine, once it has KV
 
     def transition(self, new: str) -> None:
         """Move to `new`, or raise `IllegalTransition` naming both states."""

@@ -37,6 +37,12 @@ The engine loop (one batch in flight per engine)::
     # last stage:     send done.token_message to the model's first stage (metadata only) and
     #                 FreeMessage(model, done.finished) to every other stage of the model
 
+Events may arrive between `schedule` and `complete` (the simulator delivers them at their own
+times; the torch loop between batches); only `free` of a running request is a protocol error,
+an `abort` of one waits for `complete` (`Completion.aborted`). `add_request` refuses (UserError)
+a request whose prompt + max_tokens can never fit this engine's pool; a received batch larger
+than the whole pool raises ProtocolError at `schedule` instead of waiting for ever.
+
 `tokens`/`stopped` matter on the last stage only (the simulator passes neither: a request
 then finishes by length). The first stage forms decode batches continuously: a request
 re-enters waiting-decode when its token arrives. Later stages run each batch exactly as the
@@ -78,11 +84,13 @@ No model starves (guarantee)
 ----------------------------
 Every queue (a first stage's prefill queue and decode queue; a later stage's full-decode,
 under-sized-decode and prefill batch queues) records the decision at which it last was served
-or became non-empty. A non-empty queue not served for more than `starvation_limit` decisions
-(default 64) jumps ahead of the policy's class order; starving queues go oldest head first. So
-a queue whose head can get KV is served within `starvation_limit` + (number of queues on the
-engine) decisions, whatever other models do; within a queue, the oldest request/batch goes first,
-and a first-stage decode batch takes up to `max_batch_size` of them. A chatty small model beside
+or became non-empty. A non-empty queue not served for more than L decisions jumps ahead of the
+policy's class order; starving queues go oldest head first. L is `starvation_limit`, by default
+max(64, 4 x the number of queues on the engine) so that the policy's order rules in normal
+operation; 0 disables the promotion. A served queue cannot starve again for L decisions, so
+with L >= Q (the number of queues on the engine; the default ensures it) a queue whose head can
+get KV is served within L + Q decisions, whatever other models do. Within a queue the oldest
+request/batch goes first, and a first-stage decode batch takes up to `max_batch_size` of them. A chatty small model beside
 a large one therefore cannot hold back the large model's under-sized decode batches for ever
 (tests/test_scheduler_starvation.py).
 """
@@ -91,10 +99,12 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import OrderedDict
+from heapq import heapify, heappop, heappush
+from itertools import count
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from paraflex.errors import ConfigError, ParaflexError
+from paraflex.errors import ConfigError, ParaflexError, UserError
 from paraflex.engine.block_pool import BlockPool, tokens_per_block
 from paraflex.engine.messages import (
     DECODE,
@@ -119,6 +129,7 @@ from paraflex.engine.request import (
     StageRequest,
 )
 
+_TICK = count()  # unique tie-break for the ages heap
 _GONE_MEMORY = 100_000  # ids of finished/aborted requests remembered to drop late messages
 
 
@@ -141,41 +152,55 @@ class ResidentStage:
     decode_q: "Queue" = field(default=None, repr=False)  # first stage: ready decodes; later: under-sized batches
     full_q: "Queue" = field(default=None, repr=False)  # later stages: full decode batches
     inflight: dict[str, int] = field(default_factory=dict, repr=False)  # first stage: batch_id -> requests awaiting a token
+    key: tuple[str, int] = field(init=False, repr=False)
+    is_first: bool = field(init=False, repr=False)
+    is_last: bool = field(init=False, repr=False)
 
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.model, self.stage)
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+    def __post_init__(self):
+        self.key = (self.model, self.stage)
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == self.num_stages - 1
 
     def queues(self) -> tuple["Queue", ...]:
         return (self.prefill_q, self.decode_q) if self.is_first else (self.full_q, self.decode_q, self.prefill_q)
 
 
 class Queue:
-    """Items sorted by arrival key, plus the decision index it last was served/became non-empty."""
+    """Items sorted by arrival key, plus the decision index it last was served/became non-empty.
 
-    __slots__ = ("items", "since", "stage", "name")
+    Every change of `since` also goes on the engine's `ages` heap, so that finding starving
+    queues costs O(1) per decision while none starves.
+    """
 
-    def __init__(self, stage: ResidentStage, name: str):
+    __slots__ = ("items", "since", "stage", "name", "owner", "reg")
+
+    def __init__(self, stage: ResidentStage, name: str, owner: "EngineScheduler"):
         self.items: list = []
         self.since = 0
         self.stage = stage
         self.name = name
+        self.owner = owner
+        self.reg: tuple | None = None  # (class, head key, tick) of its live entry in a class heap
+
+    def touch(self, decision: int) -> None:
+        """Mark the queue served (or newly non-empty) at `decision`."""
+        self.since = decision
+        heappush(self.owner._ages, (decision, next(_TICK), self))
 
     def push(self, item, decision: int) -> None:
         if not self.items:
-            self.since = decision
+            self.touch(decision)
         insort(self.items, item, key=_key)
+        if self.items[0] is item or self.owner._classify_on_len:
+            self.owner._requeue(self)
+
+    def pop_front(self, n: int) -> None:
+        del self.items[:n]
+        self.owner._requeue(self)
 
     def remove(self, item) -> None:
         self.items.remove(item)
+        self.owner._requeue(self)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -301,7 +326,7 @@ class EngineScheduler:
         policy: str = "full-batch-first",
         prefill_token_budget: int = 4096,
         prefill_max_requests: int | None = None,
-        starvation_limit: int | None = 64,
+        starvation_limit: int | None = None,
         watermark: float = 0.01,
         engine_id: int = 0,
         track_history: bool = False,
@@ -314,8 +339,8 @@ class EngineScheduler:
             raise ConfigError("scheduler.prefill_token_budget", f"must be >= 1 (got {prefill_token_budget})")
         if prefill_max_requests is not None and prefill_max_requests < 1:
             raise ConfigError("scheduler.prefill_max_requests", f"must be >= 1 (got {prefill_max_requests})")
-        if starvation_limit is not None and starvation_limit < 1:
-            raise ConfigError("scheduler.starvation_limit", f"must be >= 1 or None (got {starvation_limit})")
+        if starvation_limit is not None and starvation_limit < 0:
+            raise ConfigError("scheduler.starvation_limit", f"must be >= 0 (0 disables, None = automatic; got {starvation_limit})")
         if not 0 <= watermark < 1:
             raise ConfigError("scheduler.watermark", f"must be in [0, 1) (got {watermark})")
         self.pool = pool
@@ -333,6 +358,10 @@ class EngineScheduler:
         self._by_key: dict[tuple[str, int], ResidentStage] = {}
         self._first: dict[str, ResidentStage] = {}
         self._reqs: dict[str, StageRequest] = {}
+        self._ages: list = []  # heap of (since, tick, queue): see Queue
+        self._heaps: list[list] = [[] for _ in range(self.policy.num_classes)]  # per class: (head key, tick, queue)
+        self._classify_on_len = self.policy.classify_on_len
+        self._starvation_auto = 64
         self._swapped: set[StageRequest] = set()  # requests whose KV is in the host pool
         self._gone: OrderedDict[str, str] = OrderedDict()  # finished/aborted ids -> final state
         self._seq = 0
@@ -365,9 +394,10 @@ class EngineScheduler:
         st = ResidentStage(model, stage, num_layers, kv_bytes_per_token_per_layer, num_stages,
                            tokens_per_block(self.pool.block_bytes, kv_bytes_per_token_per_layer, model))
         if st.is_first:
-            st.prefill_q, st.decode_q = Queue(st, "prefill"), Queue(st, "decode")
+            st.prefill_q, st.decode_q = Queue(st, "prefill", self), Queue(st, "decode", self)
         else:
-            st.full_q, st.decode_q, st.prefill_q = Queue(st, "full"), Queue(st, "decode"), Queue(st, "prefill")
+            st.full_q, st.decode_q, st.prefill_q = Queue(st, "full", self), Queue(st, "decode", self), Queue(st, "prefill", self)
+        self._starvation_auto = max(64, 4 * sum(len(x.queues()) for x in self.stages + [st]))
         self.stages.append(st)
         self._by_key[st.key] = st
         if st.is_first:
@@ -395,6 +425,13 @@ class EngineScheduler:
             raise ConfigError("max_tokens", f"request {req_id!r} asks for {max_new_tokens} new tokens; ask for at least one")
         if prompt_token_ids is not None and len(prompt_token_ids) != prompt_len:
             raise ProtocolError(f"request {req_id!r}: prompt_len {prompt_len} != len(prompt_token_ids) {len(prompt_token_ids)}")
+        longest = prompt_len + max_new_tokens - 1  # the last token is never fed back
+        blocks = -(-longest // st.tokens_per_block) * st.num_layers
+        if blocks > self.pool.capacity:
+            raise UserError(
+                f"request {req_id!r}: {prompt_len} prompt tokens + max_tokens {max_new_tokens} need {blocks} KV blocks "
+                f"at {model} stage 0, but engine {self.engine_id} holds {self.pool.capacity}; shorten the prompt or lower max_tokens"
+            )
         req = self._new_request(req_id, st, arrival_time, prompt_len, max_new_tokens, sampling,
                                 list(prompt_token_ids) if prompt_token_ids is not None else None)
         st.prefill_q.push(req, self.decisions)
@@ -459,7 +496,7 @@ class EngineScheduler:
                 self._finish(req, FINISHED)
                 continue
             self._leave_inflight(st, req)
-            if not st.is_last:  # a one-stage model counted it in complete()
+            if not st.is_last:  # a one-stage model counted the token in complete() already
                 req.generated += 1
             if req.token_ids is not None and e.token_id is not None:
                 req.token_ids.append(e.token_id)
@@ -507,7 +544,7 @@ class EngineScheduler:
     def schedule(self, now: float = 0.0) -> ScheduledBatch | None:
         """The next batch to run on this engine, or None if nothing can run now."""
         batch = None
-        if self.starvation_limit is not None:
+        if self.starvation_limit != 0:
             batch = self._serve_starving(now)
         if batch is None:
             batch = self.policy.pick(self, now)
@@ -589,6 +626,8 @@ class EngineScheduler:
         self.pool.check()
         for rid, req in self._reqs.items():
             alloc = self.pool.get(rid)
+            if alloc is not req.alloc:
+                raise ParaflexError(f"{rid!r}: the request's allocation is not the pool's")
             if req.swapped != (alloc is not None and alloc.on_host):
                 raise ParaflexError(f"{rid!r} in state {req.state} but its KV is {'on host' if alloc and alloc.on_host else 'not on host'}")
             if alloc is not None and alloc.token_capacity < req.context_len:
@@ -643,6 +682,7 @@ class EngineScheduler:
                 self._drop_from_pending(st, req)
         req.transition(final)
         self.pool.release(req.req_id)
+        req.alloc = None
         self._swapped.discard(req)
         del self._reqs[req.req_id]
         self._remember(req.req_id, final)
@@ -665,11 +705,16 @@ class EngineScheduler:
         return f"{st.model}/e{self.engine_id}/{self._batch_seq}"
 
     # --- KV: fit a set of (request, target context) pairs, evicting if allowed ---------------
-    def _blocks_needed(self, st: ResidentStage, req: StageRequest, target: int) -> int:
-        alloc = self.pool.get(req.req_id)
+    @staticmethod
+    def _blocks_needed(st: ResidentStage, req: StageRequest, target: int) -> int:
+        """Device blocks `req` needs to cover `target` tokens (all of them if swapped out)."""
+        alloc = req.alloc
         if alloc is None:
             return -(-target // st.tokens_per_block) * st.num_layers
-        return self.pool.extra_blocks(alloc, target)
+        per_layer = -(-target // alloc.tokens_per_block)
+        if not alloc.on_host:
+            per_layer -= alloc.blocks_per_layer
+        return per_layer * alloc.num_layers if per_layer > 0 else 0
 
     def _make_room(self, need: int, exclude: set[str], swap_out: list) -> bool:
         """Evict until `need` device blocks are free; all-or-nothing. Appends to swap_out."""
@@ -683,7 +728,7 @@ class EngineScheduler:
         for req in self._reqs.values():
             if req.state not in (BLOCKED, WAITING_DECODE) or req.req_id in exclude or req.prefilled < req.prompt_len:
                 continue  # running, prefilling (a chunked prompt between chunks too) or in this batch
-            alloc = pool.get(req.req_id)
+            alloc = req.alloc
             if alloc is None or alloc.on_host or not alloc.num_blocks:
                 continue
             cands.setdefault((req.model, req.stage), []).append((req, alloc.num_blocks))
@@ -721,8 +766,10 @@ class EngineScheduler:
         the first request that does not fit, so younger ones never overtake older ones.
         """
         pool = self.pool
+        if pool.num_free <= self.headroom_blocks:
+            return
         for req in sorted(self._swapped, key=_key):
-            n = pool.get(req.req_id).num_blocks
+            n = req.alloc.num_blocks
             if pool.num_free - n < self.headroom_blocks:
                 break
             plan = pool.swap_in(req.req_id)
@@ -737,17 +784,18 @@ class EngineScheduler:
         """Give every (request, target context) KV; swap in swapped members. False: nothing changed."""
         pool = self.pool
         need = 0
+        blocks_needed = self._blocks_needed
         for req, target in members:
-            need += self._blocks_needed(st, req, target)
+            need += blocks_needed(st, req, target)
         if need > pool.num_free:
             if not allow_evict or need > pool.capacity:
                 return False
             if not self._make_room(need, {r.req_id for r, _ in members}, swap_out):
                 return False
         for req, target in members:
-            alloc = pool.get(req.req_id)
+            alloc = req.alloc
             if alloc is None:
-                alloc = pool.open(req.req_id, st.key, st.num_layers, st.tokens_per_block)
+                alloc = req.alloc = pool.open(req.req_id, st.key, st.num_layers, st.tokens_per_block)
             elif alloc.on_host:
                 plan = pool.swap_in(req.req_id)
                 swap_in.extend(plan)
@@ -777,8 +825,8 @@ class EngineScheduler:
         if not take and not chunks:
             return None
         if take:
-            del q.items[: len(take)]
-            q.since = self.decisions
+            q.pop_front(len(take))
+            q.touch(self.decisions)
         return self._form_first(st, chunks, take, now, swap_out, swap_in)
 
     def try_first_prefill(self, st: ResidentStage, now: float, budget: int, max_requests: int) -> ScheduledBatch | None:
@@ -804,8 +852,8 @@ class EngineScheduler:
         swap_in: list = []
         ok = self._fit(st, [(r, r.prompt_len) for r in chosen], False, swap_out, swap_in)
         assert ok, "prefill admission checked free blocks"
-        del q.items[: len(chosen)]
-        q.since = self.decisions
+        q.pop_front(len(chosen))
+        q.touch(self.decisions)
         return self._form_first(st, [(r, r.prefilled, r.prompt_len - r.prefilled) for r in chosen], [], now, swap_out, swap_in)
 
     def _take_chunks(self, st: ResidentStage, budget: int, swap_out: list, swap_in: list) -> list:
@@ -826,7 +874,7 @@ class EngineScheduler:
             chunks.append((req, req.prefilled, n))
             budget -= n
         if chunks:
-            q.since = self.decisions
+            q.touch(self.decisions)
         return chunks
 
     def _form_first(self, st: ResidentStage, chunks: list, decodes: list[StageRequest], now: float,
@@ -841,7 +889,7 @@ class EngineScheduler:
             req.transition(RUNNING)
             end = start + n
             toks = req.token_ids[start:end] if req.token_ids is not None else None
-            reqs.append(ScheduledRequest(req.req_id, PREFILL, start, n, end, pool.get(req.req_id).table, toks,
+            reqs.append(ScheduledRequest(req.req_id, PREFILL, start, n, end, req.alloc.table, toks,
                                          st.is_last and end == req.prompt_len, req.sampling))
             pentries.append(PrefillEntry(req.req_id, start, n, req.prompt_len, req.max_new_tokens, req.arrival,
                                          req.token_ids[: req.prompt_len] if start == 0 and req.token_ids is not None else None,
@@ -850,7 +898,7 @@ class EngineScheduler:
             req.transition(RUNNING)
             pos = req.context_len
             tok = req.token_ids[-1] if req.token_ids is not None else None
-            reqs.append(ScheduledRequest(req.req_id, DECODE, pos, 1, pos + 1, pool.get(req.req_id).table,
+            reqs.append(ScheduledRequest(req.req_id, DECODE, pos, 1, pos + 1, req.alloc.table,
                                          [tok] if tok is not None else None, st.is_last, req.sampling))
             dentries.append(DecodeEntry(req.req_id, tok, pos))
         msg = None if st.is_last else BatchMessage(st.model, st.stage + 1, batch_id, kind, pentries, dentries, now)
@@ -866,22 +914,28 @@ class EngineScheduler:
             if req.state != WAITING_PREFILL or req.prefilled != e.start:
                 return None  # an earlier chunk of this request has not run here yet
         members = [(r, e.start + e.num_tokens) for r, e in pb.prefills] + [(r, e.position + 1) for r, e in pb.decodes]
+        whole = sum(-(-t // st.tokens_per_block) for _, t in members) * st.num_layers
+        if whole > self.pool.capacity:
+            raise ProtocolError(
+                f"engine {self.engine_id}: batch {pb.msg.batch_id} of {st.model} stage {st.stage} needs {whole} KV blocks, "
+                f"the pool holds {self.pool.capacity}; give this engine KV for max_batch_size requests of full context"
+            )
         swap_out: list = []
         swap_in: list = []
         if not self._fit(st, members, True, swap_out, swap_in):
             return None
-        q.items.pop(0)
-        q.since = self.decisions
+        q.pop_front(1)
+        q.touch(self.decisions)
         reqs = []
         pool = self.pool
         for req, e in pb.prefills:
             req.transition(RUNNING)
             end = e.start + e.num_tokens
-            reqs.append(ScheduledRequest(req.req_id, PREFILL, e.start, e.num_tokens, end, pool.get(req.req_id).table,
+            reqs.append(ScheduledRequest(req.req_id, PREFILL, e.start, e.num_tokens, end, req.alloc.table,
                                          None, st.is_last and end == req.prompt_len, req.sampling))
         for req, e in pb.decodes:
             req.transition(RUNNING)
-            reqs.append(ScheduledRequest(req.req_id, DECODE, e.position, 1, e.position + 1, pool.get(req.req_id).table,
+            reqs.append(ScheduledRequest(req.req_id, DECODE, e.position, 1, e.position + 1, req.alloc.table,
                                          None, st.is_last, req.sampling))
         msg = None
         src = pb.msg
@@ -891,25 +945,76 @@ class EngineScheduler:
         return ScheduledBatch(src.batch_id, st.model, st.stage, src.kind, reqs, st.num_layers, False, st.is_last,
                               pool.block_bytes, swap_out, swap_in, msg, list(pb.rows) if pb.dropped else None, now)
 
-    def serve_queue(self, q: Queue, now: float) -> ScheduledBatch | None:
-        """Form a batch from one queue regardless of class (starvation promotion)."""
-        st = q.stage
-        if not st.is_first:
-            return self.try_pending(st, q, now)
-        if q is st.decode_q:
-            return self.policy.first_decode(self, st, now)
-        return self.policy.first_prefill(self, st, now)
+    # --- class heaps: each policy class keeps its non-empty queues ordered by head key -------
+    def _requeue(self, q: Queue) -> None:
+        """Re-register `q` in its policy class heap after its head or size changed."""
+        if not q.items:
+            q.reg = None
+            return
+        cls = self.policy.classify(self, q)
+        key = q.items[0].key
+        reg = q.reg
+        if reg is not None and reg[0] == cls and reg[1] == key:
+            return
+        tick = next(_TICK)
+        q.reg = (cls, key, tick)
+        heap = self._heaps[cls]
+        heappush(heap, (key, tick, q))
+        if len(heap) > 4 * (len(self.stages) + 16):
+            heap[:] = [e for e in heap if e[2].reg is not None and e[2].reg[2] == e[1]]
+            heapify(heap)
+
+    def pick_from_class(self, cls: int, now: float) -> ScheduledBatch | None:
+        """Try the queues of one policy class, oldest head first; the first batch formed wins."""
+        heap = self._heaps[cls]
+        attempt = self.policy.attempt
+        skipped = []
+        batch = None
+        while heap:
+            entry = heap[0]
+            reg = entry[2].reg
+            if reg is None or reg[2] != entry[1]:
+                heappop(heap)  # stale: the queue changed since
+                continue
+            batch = attempt(self, entry[2], now)
+            if batch is not None:
+                break
+            skipped.append(heappop(heap))
+        for entry in skipped:
+            heappush(heap, entry)
+        return batch
+
+    @property
+    def effective_starvation_limit(self) -> int:
+        """`starvation_limit`, or when it is None: max(64, 4 x the number of queues)."""
+        if self.starvation_limit is not None:
+            return self.starvation_limit
+        return self._starvation_auto
 
     def _serve_starving(self, now: float) -> ScheduledBatch | None:
-        limit = self.starvation_limit
+        ages = self._ages
+        # drop stale heap entries (the queue was touched again, or emptied) from the top
+        while ages and (ages[0][2].since != ages[0][0] or not ages[0][2].items):
+            heappop(ages)
+        if len(ages) > 8 * (len(self.stages) + 8):
+            ages[:] = [a for a in ages if a[2].since == a[0] and a[2].items]
+            heapify(ages)
+        limit = self.effective_starvation_limit
         d = self.decisions
-        starving = [q for st in self.stages for q in st.queues() if q.items and d - q.since > limit]
-        if not starving:
+        if not ages or d - ages[0][0] <= limit:
             return None
-        starving.sort(key=lambda q: q.items[0].key)
-        for q in starving:
-            batch = self.serve_queue(q, now)
+        popped = {}  # id(queue) -> its live entry (a queue touched twice in one decision: keep one)
+        while ages and d - ages[0][0] > limit:
+            entry = heappop(ages)
+            if entry[2].since == entry[0] and entry[2].items:
+                popped[id(entry[2])] = entry
+        batch = None
+        for q in sorted((e[2] for e in popped.values()), key=lambda q: q.items[0].key):
+            batch = self.policy.attempt(self, q, now)
             if batch is not None:
                 self.stats["starvation_promotions"] += 1
-                return batch
-        return None
+                break
+        for entry in popped.values():  # still starving (the served queue got a fresh entry)
+            if entry[2].since == entry[0] and entry[2].items:
+                heappush(ages, entry)
+        return batch

@@ -7,7 +7,7 @@ that a request is finished or aborted ("free"). Each engine loop polls `recv_rea
 envelopes addressed to it whose tensors have fully arrived.
 
 `Transport` is the interface; `LocalTransport` implements it in one process (tests,
-`paraflex generate`). The Ray transport (paraflex.engine.ray_transport) implements the same
+`paraflex generate`). The Ray transport (paraflex.engine.transport_ray) implements the same
 ABC with a two-phase protocol (msgpack metadata over an actor call, then tensors over
 torch.distributed). Engine loops use nothing beyond this interface.
 """

@@ -82,9 +82,6 @@ class GroupSpec:
     def store_prefix(self) -> str:
         return f"paraflex/pg/{self.model}/{self.replica}/gen{self.generation}"
 
-    def hop_pairs(self) -> list[tuple[int, int]]:
-        return list(zip(self.engines, self.engines[1:]))
-
     def to_wire(self) -> list:
         return [self.model, self.replica, list(self.engines), self.generation]
 
@@ -411,10 +408,6 @@ class RayTransport(Transport):
             except BaseException as exc:  # noqa: BLE001 - surfaces on the lane, in order
                 job.error = exc
         lane.recv_q.put(job)
-
-    def pending_receives(self) -> int:
-        with self._lock:
-            return sum(lane.recv_pending for lane in self._lanes.values())
 
     # -- internals used by the lanes ---------------------------------------------------------
     def _lane(self, model: str) -> _ModelLane:

@@ -15,7 +15,8 @@ JSON layout (version 1; docs/plan.md has the full reference)::
                   "weight_bytes": 123, "kv_bytes": {"m": 456}}, ...]}
 
 `stages` are half-open layer ranges [a, b); `replicas[j][k]` is the engine id of stage k of
-replica j. `objective` is the planner's Phi*: the smallest per-stage KV allocation of any model,
+replica j. `kv_bytes` is the planner's DRF share per resident model, a planning figure:
+an engine's KV pool at run time may use all of `engine_memory_bytes - weight_bytes`. `objective` is the planner's Phi*: the smallest per-stage KV allocation of any model,
 as a fraction of one engine's memory (`params["engine_memory_bytes"]`).
 
 `Placement.load` checks the structure (every layer of every replica placed exactly once, engine

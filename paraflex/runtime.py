@@ -48,8 +48,6 @@ class _Live:
     model: str
     replica: int
     sink: object
-    prompt_len: int
-    max_tokens: int
 
 
 class _Collector:
@@ -70,9 +68,11 @@ class _Collector:
 
 class LLMCluster:
     def __init__(self, config, placement=None, *, device="auto", dtype="auto", kv_bytes=None,
-                 host_kv_bytes=None, seed: int = 0, progress=None, solver: str = "paraflex") -> None:
+                 host_kv_bytes=None, seed: int = 0, progress=None, solver: str = "paraflex",
+                 models: list[str] | None = None) -> None:
         """kv_bytes / host_kv_bytes: per-engine KV pool and swap space (override the plan);
-        progress: a callable taking one line of text, told about planning and loading."""
+        progress: a callable taking one line of text, told about planning and loading;
+        models: serve only these models of the placement (load nothing of the others)."""
         self.config = config
         if placement is None:
             from paraflex.planner import plan
@@ -80,12 +80,19 @@ class LLMCluster:
             if progress:
                 progress(f"planning {len(config.models)} model(s) on {config.cluster.num_engines} engine(s)")
             placement = plan(config, solver=solver)
+        if models is not None:
+            unknown = [m for m in models if m not in placement.models]
+            if unknown:
+                raise UserError(f"model: {unknown[0]!r} is not in the placement; models: {', '.join(placement.models)}")
+            placement = _restrict(placement, models)
         self.placement = placement
         self.device = choose_device(device)
         self.hub = LocalTransport()
         self._tokenizers: dict[str, Tokenizer] = {}
-        self.engines = []
+        self.engines = []  # the EngineLoops of the engines holding at least one stage
         for eid in range(placement.num_engines):
+            if not placement.engine(eid).stages:
+                continue  # nothing resident (e.g. only other models' stages, filtered out)
             last_models = [m for m, (_, s, r) in engine_routes(placement, eid).items() if s == len(r) - 1]
             toks = {m: self.tokenizer(m) for m in last_models}
             self.engines.append(build_engine(
@@ -93,6 +100,7 @@ class LLMCluster:
                 kv_bytes=kv_bytes, host_kv_bytes=host_kv_bytes, seed=seed, tokenizers=toks,
                 progress=progress,
             ))
+        self._by_id = {e.engine_id: e for e in self.engines}
         self._live: dict[str, _Live] = {}
         self.dispatcher = Dispatcher.from_placement(placement)
         self._inbox: list[tuple] = []
@@ -174,10 +182,7 @@ class LLMCluster:
             else:
                 idle += 1
                 if idle > 3:
-                    raise ParaflexError(
-                        f"pipeline stalled with {len(self._live)} request(s) left: no engine can run "
-                        "anything (KV pool too small for a request and no host swap space?)"
-                    )
+                    raise ParaflexError(self._stall_report())
             if deadline is not None and time.monotonic() > deadline:
                 raise ParaflexError(f"generation did not finish within {timeout_s} s")
 
@@ -241,9 +246,9 @@ class LLMCluster:
     def _check_fits(self, model: str, tokens: int) -> None:
         """A request whose whole context cannot fit in a stage's KV pool would never run."""
         for engine in self.engines:
-            sched = engine.scheduler
             if model not in engine.routes:
                 continue
+            sched = engine.scheduler
             st = sched.stage_of(model)
             need = -(-tokens // st.tokens_per_block) * st.num_layers
             if need > sched.pool.capacity:
@@ -253,14 +258,26 @@ class LLMCluster:
                     "the engine more KV memory"
                 )
 
+    def _stall_report(self) -> str:
+        stuck = [
+            f"engine {e.engine_id} ({e.scheduler.pool.num_free} of {e.scheduler.pool.capacity} KV blocks "
+            f"free, {e.scheduler.pool.host_num_free} host blocks free)"
+            for e in self.engines if e.has_work()
+        ]
+        return (
+            f"pipeline stalled with {len(self._live)} request(s) left: queued work that does not fit "
+            f"in KV on {', '.join(stuck) or 'no engine'}; give later stages KV in proportion to "
+            "their layers, add host swap space, or lower scheduler.max_batch_size"
+        )
+
     def _apply(self, item) -> None:
         if item[0] == "add":
             _, rid, model, prompt, params, sink = item
             replica = self.dispatcher.pick(model)
             first = self.placement.models[model].replicas[replica][0]
             with self._lock:
-                self._live[rid] = _Live(model, replica, sink, len(prompt), params.max_tokens)
-            self.engines[first].add_request(model, rid, prompt, params)
+                self._live[rid] = _Live(model, replica, sink)
+            self._by_id[first].add_request(model, rid, prompt, params)
             return
         rid = item[1]
         live = self._live.get(rid)
@@ -284,3 +301,16 @@ class LLMCluster:
             self.dispatcher.done(live.model, live.replica)
         if live.sink is not None:
             live.sink.on_output(rid, token_ids, finish_reason, error, **extra)
+
+
+def _restrict(placement, models):
+    """The placement with only `models` (engines keep their ids; others become empty)."""
+    from paraflex.placement import EnginePlacement, Placement
+
+    engines = [
+        EnginePlacement(e.id, [s for s in e.stages if s.model in models], e.weight_bytes,
+                        {m: b for m, b in e.kv_bytes.items() if m in models})
+        for e in placement.engines
+    ]
+    return Placement(placement.version, placement.planner, placement.params, placement.objective,
+                     {m: p for m, p in placement.models.items() if m in models}, engines)

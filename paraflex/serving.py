@@ -9,7 +9,7 @@ start-up progress, then builds one torch.distributed process group per model rep
 replica, the request goes to its first-stage actor as msgpack, and tokens come back from the
 last stage through the router, which a poller thread drains into the per-request streams.
 
-Faults: a monitor thread polls every actor's `status()`. An actor that dies (or whose loop
+Faults: a monitor thread checks every actor in Ray's GCS and through its `status()`. An actor that dies (or whose loop
 failed) ends every request on its replicas with an error at once (within about a second; the
 issue asks for 10 s), frees those requests on the surviving engines of the replica, and the
 replica leaves dispatch; `health()` reports it and other models keep serving. With
@@ -81,6 +81,7 @@ class RayBackend:
         self.engine_state = {e: ALIVE for e in actors}
         self.engine_error: dict[int, str] = {}
         self._incarnation: dict[int, str] = {}
+        self._restarts: dict[int, int] = {}  # Ray's restart count when last seen alive
         self._status: dict[int, dict] = {}
         self._closed = threading.Event()
         self._threads = [threading.Thread(target=self._monitor, name="pf-monitor", daemon=True),
@@ -256,6 +257,11 @@ class RayBackend:
         pending: dict[int, object] = {}
         while not self._closed.wait(MONITOR_EVERY_S):
             for e, actor in self.actors.items():
+                info = _actor_info(actor)
+                if info is not None and (info[0] != "ALIVE" or info[1] > self._restarts.get(e, 0)):
+                    # The GCS knows at once; a status call to a restarting actor would only
+                    # return once the new incarnation is up.
+                    self._engine_down(e, f"engine {e} died ({info[0].lower()})")
                 if e not in pending:
                     pending[e] = actor.status.remote()
             ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=MONITOR_EVERY_S)
@@ -316,8 +322,11 @@ class RayBackend:
         except Exception as exc:  # noqa: BLE001 - stays down; the next status poll retries
             self.progress(f"paraflex: engine {e} restarted but could not rejoin: {exc}")
             return
+        info = _actor_info(self.actors[e])
         with self._lock:
             self._incarnation[e] = st["incarnation"]
+            if info is not None:
+                self._restarts[e] = info[1]
             self.engine_state[e] = ALIVE
             self.engine_error.pop(e, None)
         self.progress(f"paraflex: engine {e} rejoined (pid {st['pid']})")
@@ -342,6 +351,20 @@ class RayBackend:
             if self._ray_dir is not None:
                 ray.shutdown()
                 shutil.rmtree(self._ray_dir, ignore_errors=True)
+
+
+def _actor_info(actor) -> tuple[str, int] | None:
+    """(state, restart count) of an actor from Ray's GCS, or None if Ray cannot say.
+
+    Uses `ray._private.state`: the public `ray.util.state` needs the dashboard, which the
+    embedded Ray instance does not start."""
+    try:
+        from ray._private import state
+
+        info = state.actors(actor_id=actor._actor_id.hex())
+        return str(info["State"]), int(info.get("NumRestarts", 0))
+    except Exception:  # noqa: BLE001 - an older/newer Ray: fall back on status() calls
+        return None
 
 
 # ------------------------------------------------------------------ start-up

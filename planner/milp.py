@@ -25,6 +25,7 @@ the heuristic (or pass a time limit and accept an unproven incumbent, reported a
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Callable
 
 import pulp
@@ -45,6 +46,12 @@ def solve_placement(problem: Problem, replicas: list[int], time_limit: float | N
     Returns None when no placement is feasible, or when the time limit passed with no
     feasible placement found.
     """
+    with warnings.catch_warnings():  # PuLP 3.x announces its 4.0 API; the 2.7+ API used here works
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _solve_placement(problem, replicas, time_limit)
+
+
+def _solve_placement(problem: Problem, replicas: list[int], time_limit: float | None):
     n = problem.num_engines
     mem = float(problem.memory_bytes)
     lp = pulp.LpProblem("paraflex_placement", pulp.LpMaximize)

@@ -4,7 +4,7 @@ Input: a `Problem` (stage cuts, stage weights, ratios, engines, memory, kappa, r
 Output: a `Solution` (each replica's engines) that `assemble.to_placement` writes out.
 
 Loop (Alg. 2): start with one replica per model; place every replica, models in descending
-stage count (config order among equals), each replica at the start engine that maximises Phi*
+stage count (heavier first among equals, then config order), each replica at the start engine that maximises Phi*
 of the partial placement (DRF, `drf`), ties -> lowest first engine; then ask Alg. 1 for the
 next model to replicate and repeat. Stop when Alg. 1 returns -1, or when some replica cannot be
 placed with Phi* >= kappa; then the last feasible plan is returned.
@@ -22,6 +22,15 @@ Readings of the pseudo-code's gaps (docs/plan.md):
 * Each iteration re-places every replica from scratch, as the paper does; since the order is
   fixed and ties are deterministic, the state before the replicated model is reused instead of
   recomputed (same result, less work).
+
+Additions beyond the pseudo-code (measured by bench/planner_quality.py, docs/plan.md):
+* fail fast when the weights plus kappa on every stage exceed the cluster's memory;
+* a replica that fits nowhere triggers one round of local search on the partial plan
+  (`_Placer.polish`); if the iteration still fails, the model that did not fit is moved to
+  the front of the order (kept for later iterations) and the iteration retried, at most 8
+  times per run, then once more with the repair on, before the last feasible plan is
+  returned; retries skip the repair except at the first step, to bound the cost;
+* the final plan is polished by the same local search, which never lowers Phi*.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ from paraflex.planner.problem import NoFeasiblePlan, Problem, Solution, replica_
 from paraflex.planner.replication import choose_next
 
 _TIE = 1e-9
+_MAX_PAIRS = 256  # pair moves tried per polish round (bounds the polish on dense engines)
+_MAX_PROMOTIONS = 8  # retries per run, each with the model that did not fit moved to the front
 Progress = Callable[[int, int, float], None]  # (iteration, replicas placed, Phi* bytes)
 
 
@@ -94,44 +105,95 @@ class _Placer:
         tied = np.flatnonzero(phi >= best - _TIE * max(1.0, abs(best)))
         return int(self.windows(len(weights))[tied[0], 0]), float(best)
 
-    def polish(self, cap: np.ndarray, cnt: np.ndarray, placed: list[list[int]], weights: list[np.ndarray], sweeps: int = 4) -> None:
-        """Local search after the greedy: move single replicas while the engines' levels improve.
+    def polish(self, cap: np.ndarray, cnt: np.ndarray, placed: list[list[int]], weights: list[np.ndarray], sweeps: int = 6) -> None:
+        """Local search after the greedy, kept only while the engines' levels improve.
 
-        A move takes one replica out and puts it at the start whose resulting sorted vector of
-        engine levels (C_e / n_e) is lexicographically largest (DRF's max-min, then the next
-        bottleneck, ...); it is kept only if that beats the current vector. Phi* never drops.
-        `placed[i]` (start engines of model i's replicas), `cap` and `cnt` are updated in place.
+        Moves: (a) take one replica out and put it back at its best start; (b) take out two
+        overlapping replicas, one of them on the (first) bottleneck engine, and put both back greedily
+        (either order). A move is kept only if the sorted vector of engine levels C_e / n_e
+        gets lexicographically larger (DRF's max-min, then the next bottleneck, ...), so Phi*
+        never drops and kappa stays met. `placed[i]` (start engines of model i's replicas),
+        `cap` and `cnt` are updated in place.
         """
         for _ in range(sweeps):
-            moved = False
-            for i, starts in enumerate(placed):
-                idx = self.windows(len(weights[i]))
-                for j, start in enumerate(starts):
-                    current = np.sort(_levels(cap, cnt))
-                    cap[idx[start]] += weights[i]
-                    cnt[idx[start]] -= 1
-                    taken = np.zeros(self.n, dtype=bool)
-                    for other in starts[:j] + starts[j + 1:]:
-                        taken[idx[other]] = True
-                    phi = self.scores(cap, cnt, taken, weights[i])
-                    best_p, best_levels = start, current
-                    for p in np.flatnonzero(phi >= current[0] - _TIE * max(1.0, abs(current[0]))):
-                        if p == start:
-                            continue
-                        cap[idx[p]] -= weights[i]
-                        cnt[idx[p]] += 1
-                        trial = np.sort(_levels(cap, cnt))
-                        cap[idx[p]] += weights[i]
-                        cnt[idx[p]] -= 1
-                        if _lex_greater(trial, best_levels):
-                            best_p, best_levels = int(p), trial
-                    cap[idx[best_p]] -= weights[i]
-                    cnt[idx[best_p]] += 1
-                    if best_p != start:
-                        starts[j] = best_p
-                        moved = True
+            moved = self._single_moves(cap, cnt, placed, weights)
+            moved = self._pair_move(cap, cnt, placed, weights) or moved
             if not moved:
                 return
+
+    def _shift(self, cap: np.ndarray, cnt: np.ndarray, weights: np.ndarray, start: int, sign: int) -> None:
+        """Add (sign=+1) or remove (sign=-1) one replica starting at `start`."""
+        win = self.windows(len(weights))[start]
+        cap[win] -= sign * weights
+        cnt[win] += sign
+
+    def taken(self, starts: list[int], num_stages: int) -> np.ndarray:
+        """Engines already holding one of these replicas of a model (constraint 4)."""
+        taken = np.zeros(self.n, dtype=bool)
+        for p in starts:
+            taken[self.windows(num_stages)[p]] = True
+        return taken
+
+    def _single_moves(self, cap, cnt, placed, weights) -> bool:
+        moved = False
+        for i, starts in enumerate(placed):
+            idx = self.windows(len(weights[i]))
+            for j, start in enumerate(starts):
+                current = np.sort(_levels(cap, cnt))
+                self._shift(cap, cnt, weights[i], start, -1)
+                phi = self.scores(cap, cnt, self.taken(starts[:j] + starts[j + 1:], len(weights[i])), weights[i])
+                best_p, best_levels = start, current
+                for p in np.flatnonzero(phi >= current[0] - _TIE * max(1.0, abs(current[0]))):
+                    if p == start:
+                        continue
+                    self._shift(cap, cnt, weights[i], p, +1)
+                    trial = np.sort(_levels(cap, cnt))
+                    self._shift(cap, cnt, weights[i], p, -1)
+                    if _lex_greater(trial, best_levels):
+                        best_p, best_levels = int(idx[p, 0]), trial
+                self._shift(cap, cnt, weights[i], best_p, +1)
+                if best_p != start:
+                    starts[j] = best_p
+                    moved = True
+        return moved
+
+    def _pair_move(self, cap, cnt, placed, weights) -> bool:
+        levels = _levels(cap, cnt)
+        floor = levels.min()
+        bottleneck = {int(np.flatnonzero(levels <= floor + _TIE * max(1.0, abs(floor)))[0])}
+        reps = [(i, j) for i, starts in enumerate(placed) for j in range(len(starts))]
+        span = {(i, j): set(self.windows(len(weights[i]))[placed[i][j]].tolist()) for i, j in reps}
+        pairs = [(a, b) for a in reps if span[a] & bottleneck for b in reps if b != a and span[a] & span[b]]
+        for a, b in pairs[:_MAX_PAIRS]:
+            current = np.sort(_levels(cap, cnt))
+            old = {a: placed[a[0]][a[1]], b: placed[b[0]][b[1]]}
+            for r in (a, b):
+                self._shift(cap, cnt, weights[r[0]], old[r], -1)
+            best = None
+            for first, second in ((a, b), (b, a)):
+                new = {}
+                for r in (first, second):
+                    i, j = r
+                    others = [p for jj, p in enumerate(placed[i]) if (i, jj) not in (a, b)]
+                    others += [new[q] for q in new if q[0] == i]
+                    start, _ = self.best_start(cap, cnt, self.taken(others, len(weights[i])), weights[i])
+                    if start < 0:
+                        break
+                    new[r] = start
+                    self._shift(cap, cnt, weights[i], start, +1)
+                if len(new) == 2:
+                    trial = np.sort(_levels(cap, cnt))
+                    if _lex_greater(trial, current if best is None else best[1]):
+                        best = (dict(new), trial)
+                for r, start in new.items():
+                    self._shift(cap, cnt, weights[r[0]], start, -1)
+            chosen = best[0] if best is not None else old
+            for r in (a, b):
+                self._shift(cap, cnt, weights[r[0]], chosen[r], +1)
+                placed[r[0]][r[1]] = chosen[r]
+            if best is not None:
+                return True
+        return False
 
 
 def _levels(cap: np.ndarray, cnt: np.ndarray) -> np.ndarray:
@@ -150,13 +212,17 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
 
     With `polish` the final plan goes through `_Placer.polish` (documented addition).
     """
+    _check_capacity(problem)
     models = problem.models
     stages = problem.stage_counts
     ratios = problem.ratios
     # descending stage count (paper); among equals heavier first (first-fit-decreasing), then config order
     order = sorted(range(len(models)), key=lambda i: (-stages[i], -models[i].weight_bytes, i))
     position = {i: q for q, i in enumerate(order)}
-    promoted = 0  # first-step retries with a model that did not fit moved to the front
+    promoted = 0  # retries so far with a model that did not fit moved to the front
+    repair_mode = False  # reordering is spent: retries also get the local-search repair
+    retrying = False  # this iteration failed before; its retries skip the repair (costly on big
+    # clusters) except at the first step, where failing means no plan at all, and in repair_mode
     weights = [np.asarray(m.stage_weights, dtype=float) for m in models]
     placer = _Placer(problem)
     n = problem.num_engines
@@ -181,13 +247,13 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                 i = order[q]
                 placed[i] = []
                 for j in range(replicas[i]):
-                    start, best = placer.best_start(cap, cnt, _taken(placer, placed[i], len(weights[i])), weights[i])
-                    if start < 0 or best < floor:
-                        # repair: local search on what is placed so far, then one more try
+                    start, best = placer.best_start(cap, cnt, placer.taken(placed[i], len(weights[i])), weights[i])
+                    if (start < 0 or best < floor) and not repaired and (repair_mode or not retrying or last is None):
+                        # repair: local search on what is placed so far, then try this replica again
                         keys = list(placed)
                         placer.polish(cap, cnt, [placed[k] for k in keys], [weights[k] for k in keys])
                         repaired = True
-                        start, best = placer.best_start(cap, cnt, _taken(placer, placed[i], len(weights[i])), weights[i])
+                        start, best = placer.best_start(cap, cnt, placer.taken(placed[i], len(weights[i])), weights[i])
                     if start < 0 or best < floor:
                         raise _Failed(models[i].name, j, best, i)
                     win = placer.windows(len(weights[i]))[start]
@@ -196,23 +262,28 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                     placed[i].append(start)
                 snapshots.append((cap.copy(), cnt.copy(), list(placed[i])))
         except _Failed as fail:
-            if last is None:
-                if order[0] == fail.index or promoted >= len(models):
-                    raise NoFeasiblePlan(_explain(problem, fail)) from None
-                # first step failed: place the model that did not fit first, then retry
+            if order[0] != fail.index and promoted < min(len(models), _MAX_PROMOTIONS):
+                # place the model that did not fit first, then retry this step
                 order.remove(fail.index)
                 order.insert(0, fail.index)
                 position = {i: q for q, i in enumerate(order)}
                 promoted += 1
-                snapshots.clear()
-                resume = 0
-                iteration -= 1
-                continue
-            reason = (
-                f"replica {fail.replica + 1} of {fail.model} would leave a stage below kappa "
-                f"({_gb(max(fail.best, 0.0))} < {_gb(problem.kappa_bytes)}) or overflow memory"
-            )
-            return _finish(problem, placer, weights, last, reason, polish)
+            elif not repair_mode:
+                repair_mode = True  # reordering is spent: retry with the local-search repair
+            else:
+                if last is None:
+                    raise NoFeasiblePlan(_explain(problem, fail)) from None
+                reason = (
+                    f"replica {fail.replica + 1} of {fail.model} would leave a stage below kappa "
+                    f"({_gb(max(fail.best, 0.0))} < {_gb(problem.kappa_bytes)}) or overflow memory"
+                )
+                return _finish(problem, placer, weights, last, reason, polish)
+            snapshots.clear()
+            resume = 0
+            iteration -= 1
+            retrying = True
+            continue
+        retrying = False
         if repaired:  # earlier snapshots no longer describe this iteration's state
             snapshots.clear()
         last = (cap, cnt, [placed[i] for i in range(len(models))], iteration)
@@ -226,12 +297,17 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
         resume = min(position[chosen], len(snapshots))
 
 
-def _taken(placer: _Placer, starts: list[int], num_stages: int) -> np.ndarray:
-    """Engines already holding a replica of the model (constraint 4)."""
-    taken = np.zeros(placer.n, dtype=bool)
-    for p in starts:
-        taken[placer.windows(num_stages)[p]] = True
-    return taken
+def _check_capacity(problem: Problem) -> None:
+    """Fail fast when one replica of every model cannot fit whatever the placement."""
+    weights = sum(m.weight_bytes for m in problem.models)
+    kv = problem.kappa_bytes * sum(problem.stage_counts)
+    total = problem.memory_bytes * problem.num_engines
+    if weights + kv > total:
+        raise NoFeasiblePlan(
+            f"no feasible placement: one replica of every model needs {_gb(weights)} of weights plus "
+            f"kappa x {sum(problem.stage_counts)} stages = {_gb(kv)} of KV, more than the cluster's {_gb(total)}; "
+            "lower planner.kappa_gb, add engines or memory, or raise planner.target_stage_time"
+        )
 
 
 def _finish(problem: Problem, placer: _Placer, weights, last, reason: str, polish: bool) -> Solution:

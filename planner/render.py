@@ -20,7 +20,9 @@ def table(placement: Placement) -> str:
     p = placement.params
     mem = p.get("engine_memory_bytes", 0)
     lines = [
-        f"planner {placement.planner}: {placement.num_engines} engines x {_gib(mem)} GiB, "
+        f"planner {placement.planner}: {placement.num_engines} engines x {_gib(mem)} GiB"
+        + (f" (each {p['devices_per_engine']} devices, TP {p.get('tp')})" if p.get("devices_per_engine", 1) > 1 else "")
+        + ", "
         f"kappa {_gib(p.get('kappa_bytes', 0))} GiB, ring {'on' if p.get('ring') else 'off'}"
         + (f", T_s {p['target_stage_time_ms']:.3g} ms" if "target_stage_time_ms" in p else ""),
         "",

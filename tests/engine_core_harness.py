@@ -1,8 +1,10 @@
-"""A tiny multi-engine driver for the engine-core tests: message passing without tensors.
+"""Test helpers for the engine core: a tiny multi-engine driver, and single-engine shortcuts.
 
-It follows the driving protocol of engine/scheduler.py exactly (like the simulator and the
-torch engine loop do), with messages going through msgpack, an optional random delivery order
-and random aborts, and it records every event so tests can assert on what happened.
+`Cluster` follows the driving protocol of engine/scheduler.py exactly (like the simulator and
+the torch engine loop do), with messages going through msgpack, an optional random engine
+order, batches that may span a step (messages arriving while they run) and aborts; it records
+every batch so tests can assert on what happened. `engine`/`run`/`deliver` drive one engine by
+hand for the hand-checked scenarios.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 
 from paraflex.engine.block_pool import BlockPool
-from paraflex.engine.messages import FreeMessage, pack, unpack
+from paraflex.engine.messages import FreeMessage, TokenMessage, pack, unpack
 from paraflex.engine.scheduler import EngineScheduler
 
 
@@ -33,6 +35,7 @@ class Cluster:
     max_batch_size: int = 4
     policy: str = "full-batch-first"
     seed: int | None = None  # None: engines step in id order; else in a random order each step
+    overlap: bool = False  # True: a batch runs across a step, so messages arrive while it runs
     sched_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -53,6 +56,7 @@ class Cluster:
         self.finished: set[str] = set()
         self.aborted: set[str] = set()
         self.batches: list = []  # (engine id, ScheduledBatch) in execution order
+        self.running: dict[int, object] = {}  # overlap mode: engine id -> its batch in flight
 
     def add(self, req_id: str, model: str, prompt_len: int, max_new: int) -> None:
         m = self.spec[model]
@@ -83,11 +87,25 @@ class Cluster:
 
     def step_engine(self, e: int) -> bool:
         sched = self.engines[e]
+        if self.overlap:
+            progressed = False
+            if e in self.running:
+                self._finish_batch(e, self.running.pop(e))
+                progressed = True
+            batch = sched.schedule(self.now)
+            if batch is not None:
+                self.batches.append((e, batch))
+                self.running[e] = batch
+            return progressed or batch is not None
         batch = sched.schedule(self.now)
         if batch is None:
             return False
         self.batches.append((e, batch))
-        done = sched.complete(batch)
+        self._finish_batch(e, batch)
+        return True
+
+    def _finish_batch(self, e: int, batch) -> None:
+        done = self.engines[e].complete(batch)
         m = self.spec[batch.model]
         if batch.message is not None:
             self._send(m.engines[batch.stage + 1], batch.message)
@@ -99,7 +117,6 @@ class Cluster:
             if fm is not None:
                 for s in range(len(m.engines) - 1):
                     self._send(m.engines[s], fm)
-        return True
 
     def step(self) -> bool:
         """Deliver pending messages, then let every engine (in random or id order) run one batch."""
@@ -122,10 +139,31 @@ class Cluster:
             progressed = self.step()
             if check:
                 self.check()
-            if not progressed and not any(self.inbox):
+            if not progressed and not any(self.inbox) and not self.running:
                 return n
         raise AssertionError(f"cluster still busy after {max_steps} steps: live {[s.num_live for s in self.engines]}")
 
     def check(self) -> None:
         for s in self.engines:
             s.check()
+
+
+# ---- single-engine helpers for hand-checked scenarios
+def engine(blocks=1000, host=1000, batch=2, **kw):
+    """block 1024 bytes, kv 256 bytes/token/layer -> 4 tokens per block."""
+    kw.setdefault("watermark", 0.0)
+    return EngineScheduler(BlockPool(blocks, 1024, host), max_batch_size=batch, **kw)
+
+
+def run(sched, now=0.0, **kw):
+    """One decision + completion; returns (batch, completion)."""
+    b = sched.schedule(now)
+    assert b is not None, "expected a runnable batch"
+    return b, sched.complete(b, **kw)
+
+
+def deliver(sched, done, only=None):
+    """Hand (some of) a single-stage model's tokens back to its first stage."""
+    tm = done.token_message
+    entries = [e for e in tm.entries if only is None or e.req_id in only]
+    sched.receive_tokens(TokenMessage(tm.model, tm.batch_id, entries))

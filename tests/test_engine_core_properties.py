@@ -6,6 +6,9 @@ no request lost (each ends finished or aborted, on every engine), all KV freed, 
 request finishes once arrivals stop (the run must go idle), with exactly max_new_tokens tokens.
 """
 
+import os
+
+import pytest
 from engine_core_harness import Cluster, ModelSpec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,9 +26,9 @@ def clusters(draw, blocks=st.integers(96, 160)):
         layers = draw(st.lists(st.integers(1, 2), min_size=stages, max_size=stages))
         models.append(ModelSpec(f"m{i}", list(engines), layers, draw(st.sampled_from([128, 256, 512]))))
     policy = draw(st.sampled_from(["full-batch-first", "prefill-first", "sarathi"]))
-    kw = {"prefill_token_budget": draw(st.integers(3, 24)), "starvation_limit": draw(st.sampled_from([None, 4, 64]))}
+    kw = {"prefill_token_budget": draw(st.integers(3, 24)), "starvation_limit": draw(st.sampled_from([None, 0, 4, 64]))}
     return Cluster(n, models, blocks=draw(blocks), host_blocks=4000, max_batch_size=draw(st.integers(1, 4)),
-                   policy=policy, seed=draw(st.integers(0, 2**16)), sched_kwargs=kw)
+                   policy=policy, seed=draw(st.integers(0, 2**16)), overlap=draw(st.booleans()), sched_kwargs=kw)
 
 
 events = st.lists(
@@ -38,7 +41,12 @@ events = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# PARAFLEX_PROPERTY_EXAMPLES raises the example count for a longer hunt (default keeps CI fast)
+EXAMPLES = int(os.environ.get("PARAFLEX_PROPERTY_EXAMPLES", "150"))
+
+
+@pytest.mark.slow
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(clusters(), events)
 def test_random_event_sequences_keep_invariants_and_finish(c, evs):
     max_new = {}
@@ -68,7 +76,8 @@ def test_random_event_sequences_keep_invariants_and_finish(c, evs):
     assert c.engines[c.spec[c.models[0].name].engines[0]].state_of("r-never") is None
 
 
-@settings(max_examples=25, deadline=None)
+@pytest.mark.slow
+@settings(max_examples=max(25, EXAMPLES // 6), deadline=None)
 @given(clusters(blocks=st.just(60)))
 def test_swapping_under_pressure_never_loses_a_request(c):
     # 30 requests into 60-block pools (a full batch of the longest requests still fits one

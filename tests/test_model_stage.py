@@ -82,3 +82,22 @@ def test_stage_memory_is_its_layers_share(tmp_path):
     assert parts[0].weight_bytes() == 2 * layer + arch.embedding_bytes()
     assert parts[2].weight_bytes() == arch.stage_weight_bytes(4, 6, first=False, last=True)
     assert 0.25 < middle / whole < 0.4  # a third of the layers, less than a third of the model
+
+
+def test_bfloat16_stages_track_float32(tmp_path):
+    model = build_llama(tmp_path, num_layers=3)
+    arch = arch_from_hf_config(str(tmp_path))
+    ids = torch.tensor([3, 14, 15, 92, 65])
+    outs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        st = Stage(arch, 0, 3, load_stage_weights(str(tmp_path), arch, 0, 3, dtype=dtype, source_kind="hf"))
+        assert st.dtype == dtype
+        kv = torch.zeros(8, 2, 8, arch.num_kv_heads, arch.head_dim, dtype=dtype)
+        meta = AttentionMetadata.build([5], [5], [[[0]], [[1]], [[2]]], 8)
+        outs[dtype] = st.forward(ids, meta, kv)[0]
+    assert outs[torch.bfloat16].dtype == torch.float32  # logits always come back in float32
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0, -1]
+    assert torch.allclose(outs[torch.float32], ref, atol=1e-4)
+    err = (outs[torch.bfloat16] - ref).abs().max() / ref.abs().max()
+    assert err < 0.1

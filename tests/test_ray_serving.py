@@ -75,7 +75,7 @@ def test_greedy_tokens_equal_in_process_runtime(backend, reference):
     for (m, _, _, rid), (tokens, last) in zip(jobs, results):
         i = int(rid.rsplit("-", 1)[1])
         assert last.error is None and last.finish_reason == "length"
-        assert tokens == reference[m][i], (m, i)
+        assert tokens == reference[m][i], (m, i, tokens, reference[m][i])
 
 
 def test_kv_freed_on_every_engine_after_finish(backend):
@@ -118,6 +118,50 @@ def test_bad_requests_are_user_errors(backend):
         asyncio.run(first("tiny-2l", [1], SamplingParams(max_tokens=10**6)))
 
 
+def test_openai_client_through_the_gateway_and_64_concurrent_streams(backend, reference):
+    """The gateway over the Ray backend: the official client gets the runtime's greedy tokens,
+    and 64 concurrent streams over three models all end with tokens or an explicit error."""
+    openai = pytest.importorskip("openai")
+    from paraflex.gateway.app import build_app
+    from paraflex.gateway.server import ServerThread
+
+    server = ServerThread(build_app(backend, max_outstanding=128)).start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        tok = backend.models()[0].tokenizer
+        prompt = tok.decode(PROMPTS[1])
+        plain = client.completions.create(model="tiny-4l", prompt=prompt, max_tokens=6, temperature=0)
+        assert plain.choices[0].text == tok.decode(reference["tiny-4l"][1])
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny-8l", prompt=prompt, max_tokens=6, temperature=0, stream=True) if c.choices)
+        assert streamed == tok.decode(reference["tiny-8l"][1])
+
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+        async def one(i):
+            chunks, finish = 0, None
+            stream = await aclient.completions.create(
+                model=MODELS[i % 3], prompt=prompt, max_tokens=4 + i % 5, temperature=0, stream=True)
+            async for c in stream:
+                if c.choices:
+                    chunks += 1
+                    finish = c.choices[0].finish_reason or finish
+            return chunks, finish
+
+        async def run_all():
+            try:
+                return await asyncio.gather(*[one(i) for i in range(64)], return_exceptions=True)
+            finally:
+                await aclient.close()
+
+        results = asyncio.run(run_all())
+        assert not [r for r in results if isinstance(r, BaseException)]
+        assert all(chunks > 0 and finish == "length" for chunks, finish in results)
+    finally:
+        server.stop()
+    assert [st["kv_usage"] for st in _engines_idle(backend)] == [0.0, 0.0, 0.0]
+
+
 def test_engine_kill_fails_its_replicas_others_serve_then_rejoins(backend, reference):
     long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 
@@ -142,8 +186,9 @@ def test_engine_kill_fails_its_replicas_others_serve_then_rejoins(backend, refer
     assert health["ok"] is False and health["engines"]["1"] == "dead"
     assert health["models"]["tiny-4l"]["live_replicas"] == 0
     assert health["models"]["tiny-2l"]["live_replicas"] == 1
-    assert others[0][0] == reference["tiny-8l"][0] and others[0][1].finish_reason == "length"
-    assert others[1][0] == reference["tiny-2l"][0] and others[1][1].finish_reason == "length"
+    assert others[0][1].finish_reason == "length" and others[1][1].finish_reason == "length"
+    assert others[0][0] == reference["tiny-8l"][0], (others[0][0], reference["tiny-8l"][0])
+    assert others[1][0] == reference["tiny-2l"][0], (others[1][0], reference["tiny-2l"][0])
 
     deadline = time.monotonic() + 90
     while not backend.health()["ok"] and time.monotonic() < deadline:
@@ -164,3 +209,26 @@ def test_engine_gone_for_good_is_an_error_not_a_hang(backend):
     assert tokens == [] and "no live replica" in last.error and "engine 0" in last.error
     (tokens, last), = _run_all(backend, [("tiny-2l", PROMPTS[0], GREEDY, "still-fine")])
     assert last.finish_reason == "length" and len(tokens) == GREEDY.max_tokens
+
+
+def test_output_records_keep_their_order_through_the_router(ray_session):
+    """A request's final record must never overtake its earlier tokens (the gateway drops
+    records of a finished stream)."""
+    from paraflex.engine.ray_output import BatchingSink, OutputRouter, unpack_records
+
+    router = OutputRouter.remote()
+    sink = BatchingSink(router)
+    try:
+        for i in range(3000):
+            sink.on_output(f"r{i % 7}", [i], None, None)
+            if i % 50 == 0:
+                time.sleep(0.001)  # let pushes go out in many small payloads
+        got: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(got) < 3000 and time.monotonic() < deadline:
+            for payload in ray.get(router.take.remote(0.2)):
+                got += [rec[1][0] for rec in unpack_records(payload)]
+        assert got == list(range(3000))
+    finally:
+        sink.close()
+        ray.kill(router)

@@ -284,3 +284,31 @@ def test_round_trip_between_ray_actors(ray_session):
         for p in probes.values():
             ray.kill(p)
         del store
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices (NCCL ranks cannot share one)")
+def test_nccl_streams_pair_up_tensors_and_metadata():
+    """The GPU path of test_tensors_and_metadata_pair_up_in_process: NCCL groups and the
+    per-model CUDA stream pair, two endpoints on two devices in one process."""
+    ts = {0: RayTransport(0, "cuda:0"), 1: RayTransport(1, "cuda:1")}
+    store = _connect_all(ts, [GroupSpec("a", 0, (0, 1)), GroupSpec("b", 0, (0, 1))], {})
+    try:
+        with torch.cuda.device(0):
+            sent = []
+            for i in range(12):
+                env = _batch("a" if i % 3 else "b", i, rows=1 + i % 4)
+                env.tensors = {k: v.to("cuda:0") for k, v in env.tensors.items()}
+                sent.append(env)
+                ts[0].send(env)
+        got = _drain(ts[1], len(sent), timeout=60)
+        assert sorted(e.meta["batch"] for e in got) == list(range(12))
+        for env in got:
+            assert env.tensors["hidden"].device == torch.device("cuda:1")
+            env.tensors = {k: v.cpu() for k, v in env.tensors.items()}
+            _check(env)
+    finally:
+        for t in ts.values():
+            t.close()
+        del store

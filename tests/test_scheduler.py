@@ -1,9 +1,10 @@
 """Hand-checked scenarios for the scheduler rules of paper §5 (full-batch-first) and the protocol."""
 
 import pytest
+from engine_core_harness import deliver, engine, run
 
 from paraflex.engine.block_pool import BlockPool
-from paraflex.engine.messages import BatchMessage, DecodeEntry, PrefillEntry, TokenMessage
+from paraflex.engine.messages import BatchMessage, DecodeEntry, PrefillEntry
 from paraflex.engine.request import (
     ABORTED,
     BLOCKED,
@@ -14,27 +15,7 @@ from paraflex.engine.request import (
     WAITING_DECODE,
 )
 from paraflex.engine.scheduler import EngineScheduler, ProtocolError
-from paraflex.errors import ConfigError
-
-
-def engine(blocks=1000, host=1000, batch=2, **kw):
-    """block 1024 bytes, kv 256 bytes/token/layer -> 4 tokens per block."""
-    kw.setdefault("watermark", 0.0)
-    return EngineScheduler(BlockPool(blocks, 1024, host), max_batch_size=batch, **kw)
-
-
-def run(sched, now=0.0, **kw):
-    """One decision + completion; returns (batch, completion)."""
-    b = sched.schedule(now)
-    assert b is not None, "expected a runnable batch"
-    return b, sched.complete(b, **kw)
-
-
-def deliver(sched, done, only=None):
-    """Hand (some of) a single-stage model's tokens back to its first stage."""
-    tm = done.token_message
-    entries = [e for e in tm.entries if only is None or e.req_id in only]
-    sched.receive_tokens(TokenMessage(tm.model, tm.batch_id, entries))
+from paraflex.errors import ConfigError, UserError
 
 
 # ------------------------------------------------------------------ full-batch-first order
@@ -195,10 +176,10 @@ def four_tokens_per_block(blocks, host=100):
     return s
 
 
-def prefill_all(s, reqs):
+def prefill_all(s, reqs, max_new=10):
     """reqs: (id, model, prompt, arrival); runs their prefills, returns completions by id."""
     for rid, m, p, t in reqs:
-        s.add_request(rid, m, p, 20, t)
+        s.add_request(rid, m, p, max_new, t)
     dones = {}
     for _ in reqs:
         b, d = run(s)
@@ -220,7 +201,7 @@ def test_victims_come_from_the_model_with_most_kv_blocked_first_newest_first():
     # now 1 free block; A's decode [a1, a2] needs 2 more blocks -> evict 1 block's worth
     b, _ = run(s)
     assert b.req_ids == ["a1", "a2"]
-    # A holds 6 blocks (most): its blocked a3 goes (A's only blocked one; 2 blocks)
+    # A holds 6 blocks (B 2, C 1): A's blocked a3 goes, although B's blocked x and b1 are newer
     assert s.state_of("a3") == SWAPPED_BLOCKED
     assert len(b.swap_out) == 2 and b.swap_out_bytes == 2 * 1024
     s.check()
@@ -232,9 +213,10 @@ def test_within_a_model_blocked_before_waiting_decode_newest_first():
     assert s.pool.num_free == 0
     deliver(s, dones["a4"])  # a4 newest, waiting-decode: evicted last
     deliver(s, dones["c1"])
-    # C's decode needs 1 block; victim model A (8 blocks): blocked a1..a3, newest first -> a3
+    # under-sized decodes by arrival: a4 (3) before c1 (4); a4 needs a block, the pool is full:
+    # victim model A (8 blocks vs C's 1), blocked a1..a3 before waiting-decode, newest first -> a3
     b, _ = run(s)
-    assert b.req_ids == ["a4"]  # A's under-sized decode is older than C's... a4 arrived at 3 < c1 at 4
+    assert b.req_ids == ["a4"]
     assert s.state_of("a3") == SWAPPED_BLOCKED and s.state_of("a2") == BLOCKED
     b, _ = run(s)
     assert b.req_ids == ["c1"] and not b.swap_out  # a3's 2 blocks covered both
@@ -322,7 +304,7 @@ def test_admission_keeps_room_for_swapped_requests():
 
 def test_eviction_is_all_or_nothing():
     s = four_tokens_per_block(blocks=4, host=1)
-    dones = prefill_all(s, [("a1", "A", 8, 0), ("b1", "B", 8, 1)])
+    dones = prefill_all(s, [("a1", "A", 8, 0), ("b1", "B", 8, 1)], max_new=4)
     deliver(s, dones["a1"])
     deliver(s, dones["b1"])
     # a1 needs 1 block; only victim b1 (2 blocks, waiting-decode) does not fit the 1-block host
@@ -331,12 +313,16 @@ def test_eviction_is_all_or_nothing():
 
 
 def test_decode_batch_shrinks_to_what_fits():
-    s = four_tokens_per_block(blocks=4, host=0)
-    dones = prefill_all(s, [("a1", "A", 4, 0), ("a2", "A", 4, 1), ("a3", "A", 4, 2), ("a4", "A", 4, 3)])
-    for d in dones.values():
-        deliver(s, d)
-    assert s.pool.num_free == 0
-    assert s.schedule() is None  # no host to swap into: no decode can grow
+    s = four_tokens_per_block(blocks=10, host=0)  # no host pool: nothing can be evicted
+    dones = prefill_all(s, [("a1", "A", 4, 0), ("a2", "A", 4, 1), ("a3", "A", 4, 2), ("a4", "A", 4, 3),
+                            ("b1", "B", 16, 4)], max_new=4)
+    for rid in ("a1", "a2", "a3", "a4"):
+        deliver(s, dones[rid])
+    assert s.pool.num_free == 2  # each decode needs a second block: only 2 of 4 fit
+    b, _ = run(s)
+    assert b.req_ids == ["a1", "a2"] and not b.swap_out
+    assert s.state_of("a3") == WAITING_DECODE and s.state_of("a4") == WAITING_DECODE
+    assert s.schedule() is None
 
 
 # ------------------------------------------------------------------ aborts
@@ -396,8 +382,55 @@ def test_protocol_errors_are_clear():
     assert b is not None
 
 
-def test_batch_needing_more_than_the_pool_never_runs_and_never_swaps():
-    s = engine(blocks=2, host=100)
+def test_request_that_can_never_fit_is_refused_up_front():
+    s = engine(blocks=10, host=100)
+    s.add_stage("A", 0, 2, 256, 1)  # 4 tokens per block, 2 layers: 20 tokens max
+    s.add_request("ok", "A", 12, 9, 0.0)  # 20 tokens of KV at most
+    with pytest.raises(UserError, match="lower max_tokens"):
+        s.add_request("huge", "A", 12, 10, 0.0)
+
+
+def test_later_stage_batch_larger_than_the_pool_fails_loudly():
+    e1 = engine(blocks=4)
+    e1.add_stage("M", 1, 1, 256, 2)
+    e1.receive_batch(BatchMessage("M", 1, "b", "prefill", [PrefillEntry("p", 0, 40, 40, 2, 0.0)]))
+    with pytest.raises(ProtocolError, match="needs 10 KV blocks, the pool holds 4"):
+        e1.schedule()
+
+
+def test_swap_in_ahead_keeps_the_headroom_free():
+    s = engine(blocks=59, host=100, batch=1)
     s.add_stage("A", 0, 1, 256, 1)
-    s.add_request("huge", "A", 100, 2, 0.0)
-    assert s.schedule() is None and s.pool.host_num_used == 0
+    s.add_stage("B", 0, 1, 256, 1)
+    assert s.headroom_blocks == 5  # 10% of the pool
+    dones = prefill_all(s, [("a1", "A", 4 * 20, 0), ("a2", "A", 4 * 20, 1), ("a3", "A", 4 * 19, 2)])
+    deliver(s, dones["a3"])
+    b, _ = run(s)  # the pool is full; a3 grows by a block: evicts a2 (A's newest blocked)
+    assert s.state_of("a2") == SWAPPED_BLOCKED and s.pool.num_free == 19
+    s.add_request("b", "B", 4 * 8, 2, 9.0)  # 8 blocks; 19 free but a2's 20 are reserved
+    assert s.schedule() is None
+    s.free("a1")  # 20 more free: 39
+    b, _ = run(s)  # b admitted (39 - 20 reserved >= 8); 31 left: a2 (20) comes back, 11 >= 5 stay free
+    assert b.req_ids == ["b"] and len(b.swap_in) == 20 and s.state_of("a2") == BLOCKED
+    assert s.pool.num_free == 11
+
+
+def test_from_config_reads_the_scheduler_section():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(max_batch_size=7, block_bytes=1024, policy="prefill-first", prefill_token_budget=99)
+    s = EngineScheduler.from_config(BlockPool(10, 1024), cfg, engine_id=3)
+    assert (s.max_batch_size, s.policy.name, s.prefill_token_budget, s.engine_id) == (7, "prefill-first", 99, 3)
+    assert s.prefill_max_requests == 7  # prefill-first packs prompts by default
+
+
+def test_an_older_blocked_request_goes_before_a_newer_waiting_one():
+    s = engine(blocks=6, host=100, batch=1)
+    s.add_stage("A", 0, 1, 256, 1)
+    dones = prefill_all(s, [("a1", "A", 8, 0), ("a2", "A", 8, 1), ("a3", "A", 8, 2)])
+    deliver(s, dones["a2"])
+    deliver(s, dones["a3"])
+    b, _ = run(s)  # batch of one: a2 needs a third block in a full pool
+    assert b.req_ids == ["a2"]
+    assert s.state_of("a1") == SWAPPED_BLOCKED  # blocked a1 (oldest) rather than waiting a3 (newest)
+    assert s.state_of("a3") == WAITING_DECODE

@@ -1,7 +1,6 @@
 """The baseline policies: prefill-first (vLLM-like) and sarathi (chunked prefill, micro-batch limit)."""
 
-from engine_core_harness import Cluster, ModelSpec
-from test_scheduler import deliver, engine, run
+from engine_core_harness import Cluster, ModelSpec, deliver, engine, run
 
 from paraflex.engine.policies import POLICIES, get_policy
 from paraflex.engine.request import BLOCKED, WAITING_PREFILL
@@ -69,3 +68,23 @@ def test_sarathi_chunks_flow_through_later_stages_in_order():
     assert c.finished == {"r"} and c.tokens["r"] == 4
     later = [b for e, b in c.batches if e == 1 and b.kind != "decode"]
     assert [(b.requests[0].start_pos, b.requests[0].num_tokens) for b in later] == [(0, 5), (5, 5), (10, 5), (15, 2)]
+
+
+def test_abort_removes_a_request_from_every_pending_chunk_batch():
+    c = Cluster(2, [ModelSpec("M", [0, 1], [1, 1])], blocks=500, max_batch_size=4, policy="sarathi",
+                sched_kwargs={"prefill_token_budget": 5})
+    c.add("r", "M", 12, 3)
+    c.add("q", "M", 2, 2)
+    c.deliver()
+    while c.step_engine(0):  # chunks 0-5, 5-10, then 10-12 with all of q reach engine 1 unrun
+        pass
+    c.deliver()
+    later = c.engines[1]
+    assert later.request("r").pending_chunks == 3
+    c.abort("r")
+    c.deliver()
+    b = later.schedule(c.now)
+    assert b.req_ids == ["q"] and b.src_rows == [(2, 4)]  # r's 2 rows of that batch are dropped
+    assert later.schedule(c.now) is None  # r's chunk-only batches are gone
+    later.complete(b)
+    later.check()

@@ -31,7 +31,7 @@ def chatty_engine(starvation_limit):
 
 
 def test_without_promotion_the_large_model_starves():
-    s, large_steps = chatty_engine(None)
+    s, large_steps = chatty_engine(0)
     assert large_steps == [1]  # its prefill ran (oldest), then its under-sized decodes never did
     assert s.state_of("L") == "waiting-decode"
 
@@ -51,3 +51,12 @@ def test_small_model_keeps_flowing_beside_the_large_one():
     s, _ = chatty_engine(64)
     finished_small = sum(1 for i in range(600) if s.state_of(f"s{i}") == "finished")
     assert finished_small > 500
+
+
+def test_default_limit_scales_with_the_queues_on_the_engine():
+    s = EngineScheduler(BlockPool(100, 1024))
+    s.add_stage("a", 0, 1, 256, 1)
+    assert s.effective_starvation_limit == 64
+    for i in range(20):
+        s.add_stage(f"m{i}", 1, 1, 256, 2)  # later stages: 3 queues each
+    assert s.effective_starvation_limit == 4 * (2 + 20 * 3)

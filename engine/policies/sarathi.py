@@ -10,13 +10,15 @@ arrival order. Place in the data flow: chosen by `scheduler.policy: sarathi`; ca
 
 from __future__ import annotations
 
-from functools import partial
-
-from paraflex.engine.policies.base import Policy, head_key, oldest_first
+from paraflex.engine.policies.base import Policy
 
 
 class Sarathi(Policy):
     name = "sarathi"
+    num_classes = 1
+
+    def classify(self, sched, q):
+        return 0
 
     def first_prefill(self, sched, st, now):
         if len(st.inflight) >= st.num_stages:
@@ -24,16 +26,3 @@ class Sarathi(Policy):
         return sched.try_first_decode(st, sched.max_batch_size, now, prefill_budget=sched.prefill_token_budget)
 
     first_decode = first_prefill  # one mixed batch serves both queues
-
-    def pick(self, sched, now):
-        cands = []
-        for i, st in enumerate(sched.stages):
-            if st.is_first:
-                heads = [head_key(q) for q in (st.decode_q, st.prefill_q) if q.items]
-                if heads:
-                    cands.append((min(heads), i, partial(self.first_prefill, sched, st, now)))
-            else:
-                for q in (st.full_q, st.decode_q, st.prefill_q):
-                    if q.items:
-                        cands.append((head_key(q), i, partial(sched.try_pending, st, q, now)))
-        return oldest_first(cands)

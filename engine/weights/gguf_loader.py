@@ -98,5 +98,6 @@ def load_gguf_stage(path, arch, layer_start, layer_end, dtype, device) -> dict[s
             w = unpermute_rotary(w, arch.num_heads)
         elif model_arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_rotary(w, arch.num_kv_heads)
-        out[name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype=dtype, device=device)
+        w = np.array(w, dtype=np.float32, order="C", copy=not w.flags.writeable)
+        out[name] = torch.from_numpy(w).to(dtype=dtype, device=device)
     return out

@@ -17,6 +17,8 @@ from paraflex.planner import SOLVERS, plan
 from paraflex.planner.render import png, table
 from paraflex.planner.validate import violations
 
+_MILP_ENGINES = 12  # measured size limit of the exact solver (docs/plan.md)
+
 NAME = "plan"
 HELP = "Shard, replicate and place the models of a config onto engines; write placement JSON."
 
@@ -43,6 +45,10 @@ def run(args) -> int:
         return _validate(args.validate, config)
     if args.time_limit is not None and args.time_limit <= 0:
         raise UserError("--time-limit must be > 0 seconds")
+    if args.solver == "milp" and config.cluster.num_engines > _MILP_ENGINES:
+        print(f"warning: milp proves optimality up to about {_MILP_ENGINES} engines; this cluster has "
+              f"{config.cluster.num_engines}, so expect the {args.time_limit:g} s time limit "
+              "(the plan is then the best found, params.proven_optimal = false)", file=sys.stderr)
     started = time.monotonic()
     placement = plan(config, solver=args.solver, time_limit=args.time_limit,
                      progress=None if args.quiet else _progress(started))

@@ -1,0 +1,168 @@
+"""The runtime's API around the pipeline: streaming, aborts, stops, seeds, errors, the
+background thread, the demo models, and the `paraflex generate` command."""
+
+import threading
+
+import pytest
+import torch
+from oracle_models import make_placement
+
+from paraflex.cli import main
+from paraflex.config import Config
+from paraflex.engine.sampling import SamplingParams
+from paraflex.errors import UserError
+from paraflex.runtime import LLMCluster
+
+torch.set_num_threads(1)
+
+
+def _demo_config(num_engines=2, block_bytes=4096):
+    return Config.from_dict({
+        "cluster": {"num_engines": num_engines, "device": "cpu", "memory_gb": 1},
+        "models": [{"name": "tiny-4l", "arch": "tiny-4l"}, {"name": "tiny-2l", "arch": "tiny-2l"}],
+        "scheduler": {"block_bytes": block_bytes, "max_batch_size": 4},
+    })
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    pl = make_placement({"tiny-4l": (4, [(0, 1), (1, 4)], [[0, 1]]), "tiny-2l": (2, [(0, 2)], [[1]])}, 2)
+    return LLMCluster(_demo_config(), pl, kv_bytes=1 << 20)
+
+
+class Sink:
+    def __init__(self):
+        self.calls = []
+
+    def on_output(self, rid, token_ids, finish_reason, error, **extra):
+        self.calls.append((list(token_ids), finish_reason, error, extra))
+
+    @property
+    def tokens(self):
+        return [t for c in self.calls for t in c[0]]
+
+
+def test_demo_weights_do_not_depend_on_the_stage_cut(cluster):
+    """Random demo weights are seeded per (model, tensor): one stage or two, same function."""
+    one = LLMCluster(_demo_config(1), make_placement({"tiny-4l": (4, [(0, 4)], [[0]])}, 1), kv_bytes=1 << 20)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = ["hello", "paged attention"]
+    assert [r.token_ids for r in one.generate("tiny-4l", prompts, params)] == \
+        [r.token_ids for r in cluster.generate("tiny-4l", prompts, params)]
+
+
+def test_streaming_one_token_per_call_then_finish(cluster):
+    sink = Sink()
+    cluster.submit("tiny-4l", [256, 104, 105], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), sink=sink)
+    cluster.run_until_idle()
+    assert [len(c[0]) for c in sink.calls] == [1] * 5
+    assert [c[1] for c in sink.calls] == [None] * 4 + ["length"]
+
+
+def test_abort_mid_stream_frees_kv_everywhere(cluster):
+    sink = Sink()
+    rid = cluster.submit("tiny-4l", [256, 1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True), sink=sink)
+    for _ in range(12):
+        cluster.step()
+    assert 0 < len(sink.tokens) < 200
+    cluster.abort(rid)
+    cluster.run_until_idle()
+    assert sink.calls[-1][1] == "abort" and sink.calls[-1][2] is None
+    for _ in range(5):  # let the free messages land
+        cluster.step()
+    for engine in cluster.engines:
+        assert engine.scheduler.pool.num_used == 0
+        assert engine.scheduler.num_live == 0
+
+
+def test_stop_string_and_stop_token_end_the_request(cluster):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    free_run = cluster.generate("tiny-2l", "abc", params)[0]
+    target = free_run.token_ids[4]
+    by_id = cluster.generate("tiny-2l", "abc", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                              stop_token_ids=[target]))[0]
+    first = free_run.token_ids.index(target)
+    assert by_id.finish_reason == "stop" and by_id.token_ids == free_run.token_ids[: first + 1]
+    tok = cluster.tokenizer("tiny-2l")
+    stop = tok.decode(free_run.token_ids)[-3:]  # text the free run ends with
+    cut = next(i for i in range(12) if stop in tok.decode(free_run.token_ids[: i + 1]))
+    by_text = cluster.generate("tiny-2l", "abc", SamplingParams(max_tokens=12, temperature=0,
+                                                                ignore_eos=True, stop=[stop]))[0]
+    assert by_text.token_ids == free_run.token_ids[: cut + 1]
+    assert by_text.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs_flow(cluster):
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True, logprobs=2)
+    a = cluster.generate("tiny-4l", ["x", "yy"], params)
+    b = cluster.generate("tiny-4l", ["yy", "x"], params)
+    assert a[0].token_ids == b[1].token_ids and a[1].token_ids == b[0].token_ids
+    assert len(a[0].logprobs) == 6 and all(lp["logprob"] <= 0 for lp in a[0].logprobs)
+    assert [lp["token"] for lp in a[0].logprobs] == a[0].token_ids
+
+
+def test_bad_requests_are_user_errors(cluster):
+    with pytest.raises(UserError, match="model"):
+        cluster.submit("nope", [1], SamplingParams())
+    with pytest.raises(UserError, match="prompt"):
+        cluster.submit("tiny-2l", [], SamplingParams())
+    with pytest.raises(UserError, match="vocabulary"):
+        cluster.submit("tiny-2l", [999], SamplingParams())
+    with pytest.raises(UserError, match="max_tokens"):
+        cluster.submit("tiny-2l", [1], SamplingParams(max_tokens=10_000))
+    with pytest.raises(UserError, match="top_p"):
+        cluster.submit("tiny-2l", [1], SamplingParams(top_p=0))
+
+
+def test_background_thread_serves_concurrent_clients():
+    pl = make_placement({"tiny-2l": (2, [(0, 1), (1, 2)], [[0, 1]])}, 2)
+    c = LLMCluster(_demo_config(), pl, kv_bytes=1 << 20, models=["tiny-2l"])
+    c.start()
+    try:
+        out = {}
+
+        def client(i):
+            out[i] = c.generate("tiny-2l", f"client {i}", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                                timeout_s=60)[0]
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        c.shutdown()
+    assert all(len(out[i].token_ids) == 6 and out[i].finish_reason == "length" for i in range(4))
+
+
+def test_generate_command_prints_the_completion(tmp_path, capsys):
+    cfg = tmp_path / "demo.yaml"
+    cfg.write_text(
+        "cluster: {num_engines: 2, device: cpu, memory_gb: 0.5}\n"
+        "models:\n  - {name: tiny-2l, arch: tiny-2l}\n  - {name: tiny-8l, arch: tiny-8l}\n"
+        "planner: {kappa_gb: 0.01}\n"
+    )
+    code = main(["generate", str(cfg), "--model", "tiny-8l", "--prompt", "hi", "--max-tokens", "5",
+                 "--ignore-eos", "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 0 and captured.out.endswith("\n") and captured.err == ""
+    assert main(["generate", str(cfg), "--model", "nope", "--prompt", "hi"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_a_failing_batch_fails_its_requests_not_the_engine(monkeypatch):
+    pl = make_placement({"tiny-2l": (2, [(0, 1), (1, 2)], [[0, 1]])}, 2)
+    c = LLMCluster(_demo_config(), pl, kv_bytes=1 << 20, models=["tiny-2l"])
+    worker = c.engines[1].worker
+    real_run = worker.run
+    monkeypatch.setattr(worker, "run", lambda batch, hidden=None: (_ for _ in ()).throw(RuntimeError("boom")))
+    sink = Sink()
+    c.submit("tiny-2l", [256, 1, 2], SamplingParams(max_tokens=4), sink=sink)
+    c.run_until_idle()
+    assert sink.calls == [([], "abort", "RuntimeError: boom", {})]
+    for _ in range(3):
+        c.step()
+    assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
+    monkeypatch.setattr(worker, "run", real_run)  # the engine still serves the next request
+    ok = c.generate("tiny-2l", "hi", SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 3
