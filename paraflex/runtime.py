@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from paraflex.admission import check_request
 from paraflex.engine.dispatcher import Dispatcher
 from paraflex.engine.engine_builder import build_engine, choose_device, engine_routes
 from paraflex.engine.messages import FreeMessage
@@ -126,21 +127,8 @@ class LLMCluster:
     def submit(self, model: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                request_id: str | None = None, sink=None) -> str:
         """Queue a request; its output goes to `sink.on_output(...)`. Returns the request id."""
-        if model not in self.placement.models:
-            raise UserError(f"model: {model!r} is not served here; models: {', '.join(self.placement.models)}")
         params = (params or SamplingParams()).validate()
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise UserError("prompt: empty; give at least one token")
-        arch = self.config.model(model).arch
-        bad = [t for t in prompt if not 0 <= t < arch.vocab_size]
-        if bad:
-            raise UserError(f"prompt: token id {bad[0]} outside the vocabulary of {model} (0..{arch.vocab_size - 1})")
-        if len(prompt) + params.max_tokens > arch.max_context:
-            raise UserError(
-                f"max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {model} ({arch.max_context}); shorten the prompt or lower max_tokens"
-            )
+        prompt = check_request(self.config, self.placement, model, prompt_token_ids, params.max_tokens)
         self._check_fits(model, len(prompt) + params.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
         with self._wake:

@@ -33,6 +33,7 @@ from typing import AsyncIterator, Callable
 import msgpack
 import ray
 
+from paraflex.admission import check_request
 from paraflex.engine.dispatcher import Dispatcher
 from paraflex.engine.ray_engine import FAILED, READY, engine_actor_class
 from paraflex.engine.ray_output import OutputRouter, unpack_records
@@ -105,7 +106,7 @@ class RayBackend:
     async def stream(self, model: str, prompt_token_ids: list[int], params,
                      request_id: str) -> AsyncIterator[Output]:
         params = params.validate()
-        prompt = self._check_request(model, prompt_token_ids, params)
+        prompt = check_request(self.config, self.placement, model, prompt_token_ids, params.max_tokens)
         loop = asyncio.get_running_loop()
         stream = _Stream(model, -1, loop, asyncio.Queue())
         with self._lock:
@@ -168,22 +169,6 @@ class RayBackend:
         await asyncio.to_thread(self.shutdown)
 
     # ------------------------------------------------------------------ dispatch and streams
-    def _check_request(self, model: str, prompt_token_ids, params) -> list[int]:
-        if model not in self.placement.models:
-            raise UserError(f"model: {model!r} is not served here; models: {', '.join(self.placement.models)}")
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise UserError("prompt: empty; give at least one token")
-        arch = self.config.model(model).arch
-        bad = [t for t in prompt if not 0 <= t < arch.vocab_size]
-        if bad:
-            raise UserError(f"prompt: token id {bad[0]} outside the vocabulary of {model} (0..{arch.vocab_size - 1})")
-        if len(prompt) + params.max_tokens > arch.max_context:
-            raise UserError(
-                f"max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {model} ({arch.max_context}); shorten the prompt or lower max_tokens")
-        return prompt
-
     def _replica_alive(self, model: str, replica: int) -> bool:
         return all(self.engine_state[e] == ALIVE for e in self.placement.models[model].replicas[replica])
 

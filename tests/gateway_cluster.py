@@ -5,7 +5,9 @@ multi-stage pipelines, an unaligned cut and a replicated model."""
 from __future__ import annotations
 
 from paraflex.config import Config
-from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
+from paraflex.placement import Placement
+
+from hand_placement import hand_placement
 
 # model -> (layers, stage layer ranges, replicas as engine per stage)
 LAYOUT = {
@@ -30,12 +32,4 @@ def make_config() -> Config:
 
 
 def make_placement(kv_bytes: int = 4 << 20) -> Placement:
-    engines = [EnginePlacement(i) for i in range(2)]
-    models = {}
-    for name, (layers, cuts, replicas) in LAYOUT.items():
-        models[name] = ModelPlacement(name, layers, list(cuts), [list(r) for r in replicas])
-        for j, route in enumerate(replicas):
-            for k, eid in enumerate(route):
-                engines[eid].stages.append(StageRef(name, j, k))
-                engines[eid].kv_bytes[name] = kv_bytes
-    return Placement(1, "hand", {}, 0.0, models, engines)
+    return hand_placement(LAYOUT, 2, kv_bytes)

@@ -1,0 +1,30 @@
+"""Admission checks for one generation request, before any engine sees it.
+
+Shared by the in-process runtime (`paraflex.runtime.LLMCluster.submit`) and the Ray backend
+(`paraflex.serving.RayBackend`): the model must be served, the prompt non-empty and inside
+the vocabulary, and prompt + max_tokens inside the model's context. Each failure is a
+`UserError` naming the field and the fix (the gateway turns it into a 400).
+"""
+
+from __future__ import annotations
+
+from paraflex.errors import UserError
+
+
+def check_request(config, placement, model: str, prompt_token_ids, max_tokens: int) -> list[int]:
+    """Return the prompt as a list of ints, or raise `UserError` naming what is wrong."""
+    if model not in placement.models:
+        raise UserError(f"model: {model!r} is not served here; models: {', '.join(placement.models)}")
+    prompt = [int(t) for t in prompt_token_ids]
+    if not prompt:
+        raise UserError("prompt: empty; give at least one token")
+    arch = config.model(model).arch
+    bad = [t for t in prompt if not 0 <= t < arch.vocab_size]
+    if bad:
+        raise UserError(f"prompt: token id {bad[0]} outside the vocabulary of {model} (0..{arch.vocab_size - 1})")
+    if len(prompt) + max_tokens > arch.max_context:
+        raise UserError(
+            f"max_tokens: prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the "
+            f"context of {model} ({arch.max_context}); shorten the prompt or lower max_tokens"
+        )
+    return prompt
