@@ -4,6 +4,10 @@ multi-stage pipelines, an unaligned cut and a replicated model."""
 
 from __future__ import annotations
 
+import asyncio
+
+import openai
+
 from paraflex.config import Config
 from paraflex.placement import Placement
 
@@ -33,3 +37,29 @@ def make_config() -> Config:
 
 def make_placement(kv_bytes: int = 4 << 20) -> Placement:
     return hand_placement(LAYOUT, 2, kv_bytes)
+
+
+def stream_concurrently(url: str, jobs: list[tuple[str, int]], prompt_prefix: str, timeout: float) -> list[tuple]:
+    """Send every (model, max_tokens) job at once as a streaming completion through the official
+    client; per job: ("ok", finish_reason, completion_tokens) or ("error", message, None)."""
+
+    async def one(c, model, n):
+        try:
+            stream = await c.completions.create(model=model, prompt=f"{prompt_prefix} {n}", max_tokens=n,
+                                                temperature=0, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True})
+            finish, usage = None, None
+            async for ch in stream:
+                if ch.choices and ch.choices[0].finish_reason:
+                    finish = ch.choices[0].finish_reason
+                usage = ch.usage or usage
+            return ("ok", finish, usage.completion_tokens if usage else None)
+        except openai.APIError as exc:
+            return ("error", str(exc), None)
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            return await asyncio.wait_for(asyncio.gather(*(one(c, m, n) for m, n in jobs)), timeout)
+
+    return asyncio.run(run_all())

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from hand_placement import hand_placement
+
 VOCAB = 320
 
 # The test machine has 2 shared cores: one intra-op thread avoids OpenMP spin contention that
@@ -88,17 +90,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 
 def make_placement(models: dict, num_engines: int, kv_bytes: int = 1 << 20):
     """A hand-made placement: models[name] = (num_layers, [(a, b), ...], [[engine per stage], ...])."""
-    from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
-
-    engines = [EnginePlacement(i) for i in range(num_engines)]
-    mps = {}
-    for name, (layers, cuts, replicas) in models.items():
-        mps[name] = ModelPlacement(name, layers, list(cuts), [list(r) for r in replicas])
-        for j, route in enumerate(replicas):
-            for k, eid in enumerate(route):
-                engines[eid].stages.append(StageRef(name, j, k))
-                engines[eid].kv_bytes[name] = kv_bytes
-    return Placement(1, "hand", {}, 0.0, mps, engines)
+    return hand_placement(models, num_engines, kv_bytes)
 
 
 def make_config(models: dict, num_engines: int, block_bytes: int = 4096, host_memory_gb: float = 0.0,

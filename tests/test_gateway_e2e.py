@@ -7,16 +7,17 @@ must all end with their tokens or an explicit error."""
 
 from __future__ import annotations
 
+import functools
 import asyncio
 import random
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-from gateway_cluster import MODELS, make_config, make_placement
+import polling
+from gateway_cluster import MODELS, make_config, make_placement, stream_concurrently
 from paraflex.engine.sampling import SamplingParams
 from paraflex.gateway.app import build_app
 from paraflex.gateway.in_process_backend import InProcessBackend
@@ -50,13 +51,7 @@ def pool_usage(backend) -> list[int]:
     return [e.scheduler.pool.num_used for e in backend.cluster.engines]
 
 
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
+wait_for = functools.partial(polling.wait_for, timeout=10.0)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -121,25 +116,7 @@ def test_64_concurrent_streams_over_three_models_none_lost(served):
     rng = random.Random(7)
     jobs = [(MODELS[i % 3], rng.randint(2, 24)) for i in range(64)]
 
-    async def one(c, model, n):
-        try:
-            stream = await c.completions.create(model=model, prompt=f"req {n}", max_tokens=n, temperature=0,
-                                                stream=True, stream_options={"include_usage": True},
-                                                extra_body={"ignore_eos": True})
-            finish, usage = None, None
-            async for ch in stream:
-                if ch.choices and ch.choices[0].finish_reason:
-                    finish = ch.choices[0].finish_reason
-                usage = ch.usage or usage
-            return ("ok", finish, usage.completion_tokens if usage else None)
-        except openai.APIError as exc:
-            return ("error", str(exc), None)
-
-    async def run_all():
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
-            return await asyncio.wait_for(asyncio.gather(*(one(c, m, n) for m, n in jobs)), 180)
-
-    results = asyncio.run(run_all())
+    results = stream_concurrently(url, jobs, prompt_prefix="req", timeout=180)
     assert len(results) == 64
     for (model, n), (kind, detail, tokens) in zip(jobs, results):
         assert kind in ("ok", "error")

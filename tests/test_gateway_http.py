@@ -4,13 +4,14 @@ OpenAI-style errors, overload, auth, and aborting on disconnect or stop."""
 
 from __future__ import annotations
 
+import functools
 import json
-import time
 
 import httpx
 import openai
 import pytest
 
+import polling
 from paraflex.gateway.app import build_app
 from paraflex.gateway.server import ServerThread
 from gateway_fakes import BOS, EchoBackend
@@ -35,13 +36,7 @@ def client(url: str, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=10)
 
 
-def wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
+wait_for = functools.partial(polling.wait_for, timeout=5.0)
 
 
 def test_models_lists_every_backend_model(serve):

@@ -6,16 +6,17 @@ three models all end with their tokens or an explicit error, and a killed engine
 
 from __future__ import annotations
 
+import functools
 import asyncio
 import random
 import re
-import time
 
 import httpx
 import openai
 import pytest
 
-from gateway_cluster import MODELS, make_config, make_placement
+import polling
+from gateway_cluster import MODELS, make_config, make_placement, stream_concurrently
 from paraflex.engine.sampling import SamplingParams
 from paraflex.gateway.app import build_app
 from paraflex.gateway.server import ServerThread
@@ -47,13 +48,7 @@ def kv_usage(url: str) -> dict[str, float]:
     return {e: float(v) for e, v in re.findall(r'^vllm:kv_cache_usage_perc\{engine="(\d+)"\} (\S+)$', text, re.M)}
 
 
-def wait_for(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
+wait_for = functools.partial(polling.wait_for, timeout=15.0, interval=0.1)
 
 
 def test_greedy_text_equals_the_in_process_runtime(served, reference):
@@ -88,25 +83,7 @@ def test_64_concurrent_streams_over_three_models_none_lost(served):
     rng = random.Random(11)
     jobs = [(MODELS[i % 3], rng.randint(2, 8)) for i in range(64)]
 
-    async def one(c, model, n):
-        try:
-            stream = await c.completions.create(model=model, prompt=f"job {n}", max_tokens=n, temperature=0,
-                                                stream=True, stream_options={"include_usage": True},
-                                                extra_body={"ignore_eos": True})
-            finish, usage = None, None
-            async for ch in stream:
-                if ch.choices and ch.choices[0].finish_reason:
-                    finish = ch.choices[0].finish_reason
-                usage = ch.usage or usage
-            return ("ok", finish, usage.completion_tokens if usage else None)
-        except openai.APIError as exc:
-            return ("error", str(exc), None)
-
-    async def run_all():
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
-            return await asyncio.wait_for(asyncio.gather(*(one(c, m, n) for m, n in jobs)), 240)
-
-    results = asyncio.run(run_all())
+    results = stream_concurrently(url, jobs, prompt_prefix="job", timeout=240)
     assert len(results) == 64
     for (model, n), (kind, detail, tokens) in zip(jobs, results):
         assert kind == "ok" and (detail, tokens) == ("length", n), (model, n, kind, detail, tokens)
