@@ -93,22 +93,23 @@ class GatewayMetrics:
             lines.append(f"# HELP {name} {doc}")
             lines.append(f"# TYPE {name} {kind}")
 
-        family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.")
-        for m in self.model_names:
-            lines.append(f"vllm:num_requests_running{_labels(model_name=m)} {float(state.running.get(m, 0))}")
-        family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.")
-        for m in self.model_names:
-            lines.append(f"vllm:num_requests_waiting{_labels(model_name=m)} {float(state.waiting.get(m, 0))}")
+        def per_model(name: str, kind: str, doc: str, values) -> None:
+            family(name, kind, doc)
+            for m in self.model_names:
+                lines.append(f"{name}{_labels(model_name=m)} {float(values.get(m, 0))}")
+
+        per_model("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+                  state.running)
+        per_model("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+                  state.waiting)
         family("vllm:kv_cache_usage_perc", "gauge",
                "KV-cache usage of each engine's shared block pool. 1 means 100 percent usage.")
         for engine, usage in sorted(state.kv_cache_usage.items()):
             lines.append(f"vllm:kv_cache_usage_perc{_labels(engine=engine)} {float(usage)}")
-        family("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.")
-        for m in self.model_names:
-            lines.append(f"vllm:prompt_tokens_total{_labels(model_name=m)} {float(self.prompt_tokens[m])}")
-        family("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.")
-        for m in self.model_names:
-            lines.append(f"vllm:generation_tokens_total{_labels(model_name=m)} {float(self.generation_tokens[m])}")
+        per_model("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+                  self.prompt_tokens)
+        per_model("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+                  self.generation_tokens)
         family("vllm:request_success_total", "counter", "Count of successfully processed requests.")
         for (m, reason), n in sorted(self.finished.items()):
             lines.append(f"vllm:request_success_total{_labels(model_name=m, finished_reason=reason)} {float(n)}")
