@@ -145,8 +145,12 @@ class LLMCluster:
             self._wake.notify()
 
     def has_unfinished(self) -> bool:
+        """Requests live or queued, or messages (tokens, frees) still travelling between engines."""
         with self._lock:
-            return bool(self._live or self._inbox)
+            return self._has_work_locked()
+
+    def _has_work_locked(self) -> bool:
+        return bool(self._live or self._inbox or self.hub.pending())
 
     def step(self) -> bool:
         """Apply queued submits/aborts, then let every engine run at most one batch.
@@ -194,7 +198,7 @@ class LLMCluster:
         try:
             while True:
                 with self._wake:
-                    while not self._stop and not self._inbox and not self._live:
+                    while not self._stop and not self._has_work_locked():
                         self._wake.wait()
                     if self._stop:
                         return

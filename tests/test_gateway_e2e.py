@@ -125,7 +125,7 @@ def test_64_concurrent_streams_over_three_models_none_lost(served):
         else:
             assert detail  # an explicit error message, never a silent loss
     assert sum(kind == "ok" for kind, _, _ in results) == 64
-    assert wait_for(lambda: sum(pool_usage(backend)) == 0)
+    assert wait_for(lambda: sum(pool_usage(backend)) == 0), f"KV not freed after all streams ended: {pool_usage(backend)}"
 
 
 def test_over_context_and_unknown_model_through_the_real_backend(served):

@@ -2,6 +2,7 @@
 background thread, the demo models, and the `paraflex generate` command."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -133,6 +134,24 @@ def test_background_thread_serves_concurrent_clients():
     finally:
         c.shutdown()
     assert all(len(out[i].token_ids) == 6 and out[i].finish_reason == "length" for i in range(4))
+
+
+def test_background_thread_frees_every_stage_after_the_last_request_ends():
+    """The last request's free travels from its last stage (engine 1) back to its first stage
+    (engine 0) after the request left the live set: the thread must deliver it, not go idle."""
+    pl = make_placement({"tiny-4l": (4, [(0, 1), (1, 4)], [[0, 1]])}, 2)
+    c = LLMCluster(_demo_config(), pl, kv_bytes=1 << 20, models=["tiny-4l"])
+    c.start()
+    try:
+        out = c.generate("tiny-4l", "last one", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                         timeout_s=60)[0]
+        assert out.finish_reason == "length"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(e.scheduler.pool.num_used for e in c.engines):
+            time.sleep(0.01)
+        assert [e.scheduler.pool.num_used for e in c.engines] == [0, 0]
+    finally:
+        c.shutdown()
 
 
 def test_generate_command_prints_the_completion(tmp_path, capsys):
