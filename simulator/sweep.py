@@ -3,32 +3,42 @@
 `run_sweep(config, systems, rates, base_settings, out_dir, jobs)` plans each system once (a
 system may carry §8.5 ablations: `paraflex+no-sharding`, `paraflex+random-placement`,
 `paraflex+prefill-first`),
-simulates every (system, rate) point in a process pool (each point's seed is the base seed +
-the rate's index, so every system sees the same requests at a given rate, and different rates
-see different draws, as §8.1 varies seeds across rates), prints a progress bar on stderr,
-and writes sweep.csv, sweep.json and two PNGs: latency_vs_throughput.png (median and P99
-E2E latency versus achieved throughput, one line per system: Fig. 8) and per_model.png
-(the same per model: Fig. 9). Used by `paraflex simulate --sweep` and bench/reproduce_paper.py.
+simulates every (system, rate, replicate) point in a process pool, prints a progress bar on
+stderr, appends each finished point to points.jsonl, and writes sweep.csv, sweep.json and two PNGs: latency_vs_throughput.png (median and
+P99 E2E latency versus achieved throughput, one line per system: Fig. 8) and per_model.png
+(the same per model: Fig. 9); with several replicates the curves show the mean over seeds
+and bars from the lowest to the highest seed. Used by `paraflex simulate --sweep` and
+bench/reproduce_paper.py.
+
+Seeds: replicate k of the rate at index i runs with seed `base + 1000 k + i` (`point_seed`),
+so every system sees the same requests at a given (rate, replicate), different rates see
+different draws (as §8.1 varies seeds across rates), and replicates are independent draws.
+`aggregate` reduces the replicates of each (system, rate) to mean, min and max.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from paraflex.errors import UserError
 from paraflex.simulator.output import pyplot, write_json
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.systems import build_system
 
-COLUMNS = ("system", "rate", "seed", "finished", "throughput_rps", "throughput_tok_s", "e2e_median_s", "e2e_p99_s",
+COLUMNS = ("system", "rate", "seed", "replicate", "finished", "throughput_rps", "throughput_tok_s", "e2e_median_s", "e2e_p99_s",
            "ttft_median_s", "ttft_p99_s", "tbt_median_s", "tbt_p99_s", "slo_attainment", "goodput_rps",
            "active_gpu_share_mean", "decode_batch_size_mean", "swap_outs", "wall_s")
 
+
+SEED_STRIDE = 1000  # seed distance between replicates (rate indices stay below it)
+AGGREGATED = ("throughput_rps", "e2e_median_s", "e2e_p99_s", "ttft_median_s", "tbt_median_s", "slo_attainment",
+              "goodput_rps", "active_gpu_share_mean", "decode_batch_size_mean")
 
 ABLATIONS = {"no-sharding": "no_sharding", "random-placement": "random_placement", "prefill-first": "prefill_first"}
 
@@ -45,9 +55,10 @@ def parse_system(spec: str, base: SimSettings) -> SimSettings:
 
 
 def _point(args):
-    config, layout, settings, label = args
+    config, layout, settings, label, replicate = args
     summary = simulate(config, settings, layout=layout).summary
     summary["system"] = label
+    summary["replicate"] = replicate
     return summary
 
 
@@ -71,28 +82,57 @@ class Progress:
         self.stream.flush()
 
 
+def point_seed(base_seed: int, rate_index: int, replicate: int) -> int:
+    """The seed of one sweep point (module docstring)."""
+    if not 0 <= rate_index < SEED_STRIDE:
+        raise UserError(f"--rates: at most {SEED_STRIDE} rates per sweep (got index {rate_index})")
+    return base_seed + SEED_STRIDE * replicate + rate_index
+
+
 def run_sweep(config, systems: list[str], rates: list[float], base: SimSettings, out_dir: str | None,
-              jobs: int = 1, quiet: bool = False) -> list[dict]:
+              jobs: int = 1, quiet: bool = False, replicates: int = 1) -> list[dict]:
+    """Summaries of every (system, rate, replicate) point, in that nesting order; each carries
+    `system`, `rate`, `seed` and `replicate`."""
+    if replicates < 1:
+        raise UserError(f"--seeds must be >= 1 replicate per rate, got {replicates}")
     specs = {s: parse_system(s, base) for s in systems}
     layouts = {s: build_system(config, specs[s]) for s in systems}
     tasks = []
     for system in systems:
         for i, rate in enumerate(rates):
-            st = dataclasses.replace(specs[system], rate=rate, seed=base.seed + i)
-            tasks.append((config, layouts[system], st, system))
+            for k in range(replicates):
+                st = dataclasses.replace(specs[system], rate=rate, seed=point_seed(base.seed, i, k))
+                tasks.append((config, layouts[system], st, system, k))
+    # Highest rates first: they run longest, so the pool does not end on one slow point.
+    order = sorted(range(len(tasks)), key=lambda j: -tasks[j][2].rate)
     progress = None if quiet else Progress(len(tasks), "simulate sweep")
-    results: list[dict] = []
-    if jobs > 1:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            for summary in pool.map(_point, tasks):
-                results.append(summary)
-                if progress:
-                    progress.step(f"{summary['system']} @ {summary['rate']:g} req/s")
-    else:
-        for task in tasks:
-            results.append(_point(task))
-            if progress:
-                progress.step(f"{results[-1]['system']} @ {results[-1]['rate']:g} req/s")
+    done: dict[int, dict] = {}
+    log = None
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        log = open(os.path.join(out_dir, "points.jsonl"), "w", encoding="utf-8")
+
+    def record(j: int, summary: dict) -> None:
+        done[j] = summary
+        if log:  # finished points survive an interrupted sweep
+            log.write(json.dumps(summary) + "\n")
+            log.flush()
+        if progress:
+            progress.step(f"{summary['system']} @ {summary['rate']:g} req/s seed {summary['seed']}")
+
+    try:
+        if jobs > 1:
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                futures = {pool.submit(_point, tasks[j]): j for j in order}
+                for fut in as_completed(futures):
+                    record(futures[fut], fut.result())
+        else:
+            for j in order:
+                record(j, _point(tasks[j]))
+    finally:
+        if log:
+            log.close()
+    results = [done[j] for j in range(len(tasks))]
     if out_dir:
         write_sweep(out_dir, results, {s: layouts[s].describe() for s in systems}, config, base)
     return results
@@ -107,28 +147,61 @@ def write_sweep(out_dir: str, results: list[dict], layouts: dict, config, base: 
         for r in results:
             w.writerow([r.get(c) for c in COLUMNS])
     p_json = os.path.join(out_dir, "sweep.json")
-    write_json(p_json, {"results": results})
+    write_json(p_json, {"results": results, "aggregate": aggregate(results)})
     p_cfg = os.path.join(out_dir, "config.json")
     write_json(p_cfg, {"config": config.to_dict(), "simulation": dataclasses.asdict(base), "layouts": layouts})
     return [p_csv, p_json, p_cfg, plot_latency_throughput(out_dir, results), plot_per_model(out_dir, results)]
 
 
-def _by_system(results: list[dict]) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
+def _stats(values: list[float]) -> dict:
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def aggregate(results: list[dict], keys=AGGREGATED) -> list[dict]:
+    """One row per (system, rate): `{key: {"mean", "min", "max", "n"}}` over the replicates
+    (a metric that is None in some replicate, e.g. no finished request, counts only where
+    set), plus `per_model` with the same reduction of each model's throughput, median and P99."""
+    groups: dict[tuple, list[dict]] = {}
     for r in results:
+        groups.setdefault((r["system"], r["rate"]), []).append(r)
+    rows = []
+    for (system, rate), rs in groups.items():
+        row = {"system": system, "rate": rate, "seeds": [r["seed"] for r in rs]}
+        for k in keys:
+            vals = [r[k] for r in rs if r.get(k) is not None]
+            row[k] = _stats(vals) if vals else None
+        models = rs[0].get("per_model", {})
+        row["per_model"] = {m: {k: _stats([r["per_model"][m][k] for r in rs if r["per_model"][m].get(k) is not None] or [float("nan")])
+                                for k in ("throughput_rps", "e2e_median_s", "e2e_p99_s")} for m in models}
+        rows.append(row)
+    return rows
+
+
+def _by_system(rows: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
         out.setdefault(r["system"], []).append(r)
-    for rows in out.values():
-        rows.sort(key=lambda r: r["rate"])
+    for rs in out.values():
+        rs.sort(key=lambda r: r["rate"])
     return out
+
+
+def _curve(ax, points: list[tuple[dict, dict]], label: str) -> None:
+    """Mean latency versus mean throughput over seeds; bars span the seeds' min..max."""
+    x = [p[0]["mean"] for p in points]
+    y = [p[1]["mean"] for p in points]
+    yerr = [[p[1]["mean"] - p[1]["min"] for p in points], [p[1]["max"] - p[1]["mean"] for p in points]]
+    xerr = [[p[0]["mean"] - p[0]["min"] for p in points], [p[0]["max"] - p[0]["mean"] for p in points]]
+    ax.errorbar(x, y, xerr=xerr, yerr=yerr, marker="o", ms=3, capsize=2, elinewidth=0.8, label=label)
 
 
 def plot_latency_throughput(out_dir: str, results: list[dict]) -> str:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for system, rows in _by_system(results).items():
-        x = [r["throughput_rps"] for r in rows]
+    for system, rows in _by_system(aggregate(results)).items():
+        rows = [r for r in rows if r["e2e_median_s"] is not None]
         for ax, key in zip(axes, ("e2e_median_s", "e2e_p99_s")):
-            ax.plot(x, [r[key] for r in rows], marker="o", ms=3, label=system)
+            _curve(ax, [(r["throughput_rps"], r[key]) for r in rows], system)
     for ax, title in zip(axes, ("median E2E latency", "P99 E2E latency")):
         ax.set_xlabel("throughput (req/s)")
         ax.set_ylabel("latency (s)")
@@ -147,12 +220,11 @@ def plot_per_model(out_dir: str, results: list[dict]) -> str:
     plt = pyplot()
     models = list(results[0]["per_model"]) if results else []
     fig, axes = plt.subplots(2, max(1, len(models)), figsize=(3.2 * max(1, len(models)), 6), squeeze=False)
-    for system, rows in _by_system(results).items():
+    for system, rows in _by_system(aggregate(results)).items():
         for j, m in enumerate(models):
             pm = [r["per_model"][m] for r in rows]
-            x = [p["throughput_rps"] for p in pm]
-            axes[0][j].plot(x, [p["e2e_median_s"] for p in pm], marker="o", ms=3, label=system)
-            axes[1][j].plot(x, [p["e2e_p99_s"] for p in pm], marker="o", ms=3, label=system)
+            _curve(axes[0][j], [(p["throughput_rps"], p["e2e_median_s"]) for p in pm], system)
+            _curve(axes[1][j], [(p["throughput_rps"], p["e2e_p99_s"]) for p in pm], system)
     for j, m in enumerate(models):
         axes[0][j].set_title(m, fontsize=9)
         for i, what in enumerate(("median", "P99")):
