@@ -87,3 +87,16 @@ def test_bench_peaks_are_per_seed_under_the_bound():
     assert peak == [7.5, 15.0]  # seed 0 diverges at 16; seed 1 holds at 16, has no P99 at 32
     assert sustained == [8, 16]
     assert bench._rng([1.0, 2.0, 6.0]) == "3.0 [1.0-6.0]"
+
+
+def test_cli_sweep_seeds(tmp_path, capsys):
+    from paraflex.cli import main
+
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(CONFIG))
+    assert main(["simulate", str(cfg), "--sweep", "--rates", "10", "--systems", "paraflex", "--seeds", "2",
+                 "--jobs", "1", "-o", str(tmp_path / "s")]) == 0
+    rows = (tmp_path / "s" / "sweep.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + 2 and rows[0].startswith("system,rate,seed,replicate")
+    assert main(["simulate", str(cfg), "--sweep", "--rates", "10", "--seeds", "0", "-o", str(tmp_path / "t")]) == 2
+    assert "--seeds must be >= 1" in capsys.readouterr().err

@@ -30,6 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--systems", help="comma-separated systems for --sweep (default: all five); "
                    "add ablations with +, e.g. paraflex+prefill-first,paraflex+no-sharding")
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="worker processes for --sweep")
+    p.add_argument("--seeds", type=int, default=1, help="--sweep: independent draws per rate (default 1); curves show their mean")
     w = p.add_argument_group("workload overrides")
     w.add_argument("--trace", help="replay this arrived_at,num_prefill_tokens,num_decode_tokens CSV")
     w.add_argument("--arrival", choices=("poisson", "lognormal", "trace"))
@@ -111,10 +112,10 @@ def run(args) -> int:
         for s in systems:
             SYSTEMS.get(s.split("+")[0], "--systems")
         out = args.output or os.path.join("sim-results", "sweep")
-        results = run_sweep(config, systems, rates, base, out, jobs=max(1, args.jobs))
-        print(f"{'system':<10} {'rate':>6} {'tput req/s':>10} {'E2E med s':>10} {'E2E P99 s':>10} {'SLO att.':>8}")
+        results = run_sweep(config, systems, rates, base, out, jobs=max(1, args.jobs), replicates=args.seeds)
+        print(f"{'system':<10} {'rate':>6} {'seed':>6} {'tput req/s':>10} {'E2E med s':>10} {'E2E P99 s':>10} {'SLO att.':>8}")
         for r in results:
-            print(f"{r['system']:<10} {r['rate']:>6g} {r['throughput_rps']:>10.3f} {r['e2e_median_s']:>10.3f} "
+            print(f"{r['system']:<10} {r['rate']:>6g} {r['seed']:>6} {r['throughput_rps']:>10.3f} {r['e2e_median_s']:>10.3f} "
                   f"{r['e2e_p99_s']:>10.3f} {r['slo_attainment']:>8.3f}")
         print(f"results: {out}/ (sweep.csv, sweep.json, latency_vs_throughput.png, per_model.png)")
         return 0
