@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import platform
 import sys
@@ -70,6 +71,9 @@ def report(results: list[dict], systems: list[str], rates: list[float], common: 
     for s in systems:
         peak, sustained = pk[s]
         rs = at[s]
+        if not rs:
+            lines.append(f"| {s} | {_rng(peak)} | {ratio(_mean(peak), _mean(pk[base][0]))} | {_rng(sustained, '.0f')} | — | — | — | — | — | — | — |")
+            continue
         med, p99 = [r["e2e_median_s"] for r in rs], [r["e2e_p99_s"] for r in rs]
         lines.append(f"| {s} | {_rng(peak)} | {ratio(_mean(peak), _mean(pk[base][0]))} | {_rng(sustained, '.0f')} "
                      f"| {_rng(med)} | {ratio(_mean(med), bmed)} | {_rng(p99)} | {ratio(_mean(p99), bp99)} "
@@ -79,7 +83,7 @@ def report(results: list[dict], systems: list[str], rates: list[float], common: 
     lines += ["", f"per-model median E2E s at {common:g} req/s (mean [min-max] over seeds)", "",
               "| system | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]
     for s in systems:
-        cells = [_rng([r["per_model"][m]["e2e_median_s"] for r in at[s]]) for m in models]
+        cells = [_rng([r["per_model"][m]["e2e_median_s"] for r in at[s]]) if at[s] else "—" for m in models]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     lines += ["", "achieved req/s by offered rate (mean [min-max] over seeds; * = P99 over the bound in some seed)", "",
               "| system | " + " | ".join(f"{r:g}" for r in rates) + " |", "|---|" + "---|" * len(rates)]
@@ -87,10 +91,32 @@ def report(results: list[dict], systems: list[str], rates: list[float], common: 
         cells = []
         for rate in rates:
             rs = [r for r in results if r["system"] == s and r["rate"] == rate]
+            if not rs:
+                cells.append("—")
+                continue
             star = "*" if any(r["e2e_p99_s"] is None or r["e2e_p99_s"] > bound for r in rs) else ""
             cells.append(_rng([r["throughput_rps"] for r in rs]) + star)
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     return lines
+
+
+def report_only(args) -> int:
+    """Tables from the points a previous run logged; rates and systems as found there."""
+    path = os.path.join(args.out, "points.jsonl")
+    if not os.path.isfile(path):
+        print(f"--report-only: {path} not found; run the sweep with --out {args.out} first", file=sys.stderr)
+        return 2
+    with open(path, encoding="utf-8") as fh:
+        results = [json.loads(line) for line in fh if line.strip()]
+    systems = list(dict.fromkeys(r["system"] for r in results))
+    rates = sorted({r["rate"] for r in results})
+    common = args.common_rate or rates[min(1, len(rates) - 1)]
+    complete = {(r["system"], r["rate"]) for r in results}
+    missing = [f"{s}@{r:g}" for s in systems for r in rates if (s, r) not in complete]
+    lines = report(results, systems, rates, common, args.p99_bound)
+    lines += ["", f"{len(results)} points from {path}" + (f"; missing: {', '.join(missing)}" if missing else "")]
+    print("\n".join(lines))
+    return 0
 
 
 def main() -> int:
@@ -108,7 +134,11 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="base seed (replicate k at rate index i uses seed + 1000 k + i)")
     ap.add_argument("--out", default="bench-results/reproduce_paper")
+    ap.add_argument("--report-only", action="store_true",
+                    help="simulate nothing: rebuild the tables from --out/points.jsonl (e.g. of an interrupted sweep)")
     args = ap.parse_args()
+    if args.report_only:
+        return report_only(args)
     config = load_config(args.config)
     if args.duration:
         config.workload = dataclasses.replace(config.workload, duration_s=args.duration, num_requests=None)
