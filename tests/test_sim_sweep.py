@@ -101,3 +101,21 @@ def test_cli_sweep_seeds(tmp_path, capsys):
     assert len(rows) == 1 + 2 and rows[0].startswith("system,rate,seed,replicate")
     assert main(["simulate", str(cfg), "--sweep", "--rates", "10", "--seeds", "0", "-o", str(tmp_path / "t")]) == 2
     assert "--seeds must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_report_only_reads_logged_points(tmp_path, capsys):
+    bench = _bench()
+    pm = {"m": {"e2e_median_s": 2.0}}
+    pts = [{"system": s, "rate": rate, "replicate": k, "seed": k, "throughput_rps": thr, "e2e_median_s": med,
+            "e2e_p99_s": p99, "slo_attainment": 1.0, "active_gpu_share_mean": 0.5, "decode_batch_size_mean": 4.0,
+            "per_model": pm}
+           for s, rate, k, thr, med, p99 in [("paraflex", 8, 0, 7.0, 2.0, 10.0), ("paraflex", 16, 0, 12.0, 4.0, 30.0),
+                                              ("sarathi", 8, 0, 6.0, 3.0, 20.0), ("sarathi", 16, 0, 9.0, 5.0, 90.0)]]
+    (tmp_path / "points.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pts))
+    args = type("A", (), {"out": str(tmp_path), "common_rate": 8.0, "p99_bound": 60.0})()
+    assert bench.report_only(args) == 0
+    out = capsys.readouterr().out
+    assert "| paraflex | 12.0 | 1.00 | 16 |" in out  # peak at 16 (P99 30 s under the bound)
+    assert "| sarathi | 6.0 | 0.50 | 8 |" in out  # 16 is over the bound: peak falls back to 8
+    args.out = str(tmp_path / "nothing")
+    assert bench.report_only(args) == 2
