@@ -440,7 +440,7 @@ class RayTransport(Transport):
             raise RuntimeError(f"engine {self.engine_id} has no handle for engine {dst}; "
                                "pass every engine to connect(peers=...)")
         # Fire and forget: a dead peer is detected by the controller's health monitor
-        # (paraflex.serving), which fails that replica's requests.
+        # (paraflex.ray_backend), which fails that replica's requests.
         peer.deliver.remote(payload)
 
     def _arrived(self, lane: _ModelLane, job: _Incoming) -> None:
