@@ -131,6 +131,7 @@ from paraflex.engine.request import (
 
 _TICK = count()  # unique tie-break for the ages heap
 _GONE_MEMORY = 100_000  # ids of finished/aborted requests remembered to drop late messages
+_UNBOUNDED = 1 << 62  # repeatable_decisions: no other queue can interrupt
 
 
 class ProtocolError(ParaflexError):
@@ -367,6 +368,7 @@ class EngineScheduler:
         self._chunk_keys: dict[str, tuple] = {}  # later stages: req_id -> key of the batch with its latest chunk
         self._seq = 0
         self._batch_seq = 0
+        self._last_pick: tuple | None = None  # (class, head key, queue) of the last policy pick; None if promoted
         self.decisions = 0
         self.stats = {"swap_out_blocks": 0, "swap_in_blocks": 0, "swap_outs": 0, "swap_ins": 0, "starvation_promotions": 0}
 
@@ -556,6 +558,7 @@ class EngineScheduler:
     def schedule(self, now: float = 0.0) -> ScheduledBatch | None:
         """The next batch to run on this engine, or None if nothing can run now."""
         batch = None
+        self._last_pick = None
         if self.starvation_limit != 0:
             batch = self._serve_starving(now)
         if batch is None:
@@ -611,6 +614,113 @@ class EngineScheduler:
         if st.is_last:
             done.token_message = TokenMessage(batch.model, batch.batch_id, entries)
         return done
+
+    # ------------------------------------------------------------------ bulk decode advance
+    # The simulator's fast-forward (simulator/fast_forward.py) calls these when it has proved
+    # that the next k cycles of one decode batch run undisturbed: no other work on the engines
+    # of its route, no request finishing, KV growing into free blocks. They leave exactly the
+    # state that k rounds of the protocol (complete / token message / schedule at the first
+    # stage; receive_batch / schedule / complete at a later stage) would leave, with the same
+    # blocks allocated in the same order; tests/test_sim_fast_forward.py pins this against
+    # the step-by-step path.
+    def advance_first_decode(self, batch: ScheduledBatch, k: int) -> None:
+        """First stage: `batch` (a decode batch just formed by `schedule`, all members running)
+        completes, its tokens come back and the same members form k - 1 further batches that
+        complete in turn; after the k-th completion their tokens arrive and they wait in the
+        decode queue, ready for the next `schedule`."""
+        st = self._check_bulk(batch.model, batch.stage, k)
+        if not st.is_first or batch.kind != DECODE:
+            raise ProtocolError(f"advance_first_decode: {batch.batch_id} is not a first-stage decode batch")
+        reqs = [self._bulk_member(sr.req_id, RUNNING) for sr in batch.requests]
+        grow = self.pool.grow
+        for _ in range(k - 1):  # complete batch i, receive its tokens, form batch i + 1
+            for req in reqs:
+                req.context_len += 1
+                alloc = req.alloc
+                if req.context_len + 1 > alloc.blocks_per_layer * alloc.tokens_per_block:
+                    grow(alloc, req.context_len + 1)
+        self.decisions += k - 1
+        self._batch_seq += k - 1
+        q = st.decode_q
+        for req in reqs:  # the k-th completion and its token message
+            req.context_len += 1
+            req.generated += k
+            req.transition(BLOCKED)
+            req.transition(WAITING_DECODE)
+            q.push(req, self.decisions)
+
+    def advance_later_decode(self, model: str, stage: int, req_ids: list[str], k: int) -> None:
+        """Later stage: k decode batches of exactly `req_ids` (all blocked here) arrive, run and
+        complete one after another; the members end blocked, k tokens further on."""
+        st = self._check_bulk(model, stage, k)
+        if st.is_first:
+            raise ProtocolError(f"advance_later_decode: {model} stage {stage} is a first stage")
+        reqs = [self._bulk_member(rid, BLOCKED) for rid in req_ids]
+        grow = self.pool.grow
+        for _ in range(k):
+            for req in reqs:
+                alloc = req.alloc
+                if req.context_len + 1 > alloc.blocks_per_layer * alloc.tokens_per_block:
+                    grow(alloc, req.context_len + 1)
+            for req in reqs:
+                req.context_len += 1
+        if st.is_last:
+            for req in reqs:
+                req.generated += k
+        self._seq += k
+        self.decisions += k
+
+    def _check_bulk(self, model: str, stage: int, k: int) -> ResidentStage:
+        if k < 1:
+            raise ProtocolError(f"bulk advance of {k} cycles; give at least one")
+        if self.track_history:
+            raise ProtocolError("bulk advance skips state transitions; it cannot run with track_history")
+        st = self._by_key.get((model, stage))
+        if st is None:
+            raise ProtocolError(f"engine {self.engine_id} hosts no stage {stage} of {model!r}")
+        return st
+
+    def _bulk_member(self, req_id: str, state: str) -> StageRequest:
+        req = self._reqs.get(req_id)
+        if req is None or req.state != state or req.abort_pending or req.alloc is None or req.alloc.on_host:
+            raise ProtocolError(f"bulk advance: request {req_id!r} is not {state} with resident KV on engine {self.engine_id}")
+        return req
+
+    def repeatable_decisions(self, batch: ScheduledBatch) -> int:
+        """For a first-stage decode batch `schedule` just formed: how many further decisions in
+        a row would form it again from the same requests, if they were back in their decode
+        queue and every other queue stayed as it is now. Each of those decisions tries that
+        queue first when every other non-empty queue comes later in the policy's order (class,
+        then head key); it ends when another queue would be promoted for starvation. 0 when
+        this cannot be shown (the batch came from a promotion, or another queue comes first)."""
+        st = self._by_key[(batch.model, batch.stage)]
+        if st.decode_q.items:
+            return 0
+        others = [q for x in self.stages for q in x.queues() if q.items]
+        if not others:
+            return _UNBOUNDED
+        pick = self._last_pick
+        if pick is None or pick[2] is not st.decode_q:
+            return 0
+        mine = (pick[0], pick[1])
+        for q in others:
+            if q.reg is None or (q.reg[0], q.reg[1]) < mine:
+                return 0
+        limit = self.effective_starvation_limit
+        if self.starvation_limit == 0:
+            return _UNBOUNDED
+        # decision j after this one runs with d = decisions + j - 1; q is promoted once d - q.since > limit
+        return max(0, min(q.since for q in others) + limit + 1 - self.decisions)
+
+    def has_queued(self, model: str) -> bool:
+        """Whether this engine's stage of `model` has work waiting in a queue."""
+        st = self.stage_of(model)
+        return any(q.items for q in st.queues())
+
+    @property
+    def has_swapped(self) -> bool:
+        """Whether some request's KV on this engine is in the host pool."""
+        return bool(self._swapped)
 
     # ------------------------------------------------------------------ queries
     def state_of(self, req_id: str) -> str | None:
@@ -991,6 +1101,7 @@ class EngineScheduler:
                 continue
             batch = attempt(self, entry[2], now)
             if batch is not None:
+                self._last_pick = (cls, entry[0], entry[2])
                 break
             skipped.append(heappop(heap))
         for entry in skipped:
