@@ -157,8 +157,7 @@ class Cluster:
         last stage freed them in complete(), the first stage frees them when the token
         message arrives) and send the tokens to the first stage."""
         records, metrics = self.records, self.metrics
-        for entry in done.token_message.entries:
-            metrics.token(records[entry.req_id], t)
+        metrics.tokens([records[entry.req_id] for entry in done.token_message.entries], t)
         if done.finished:
             route = self.replicas[info.model][info.replica]
             for rid in done.finished:

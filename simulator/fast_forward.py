@@ -152,41 +152,46 @@ class DecodeFastForward:
         if k_max < 1:
             return None
         infos = [eng.stages[sb.model] for eng in route]
-        hop = cluster.interconnect.transfer_time(CostModel.hidden_bytes(info.arch, n))
         nbytes = CostModel.hidden_bytes(info.arch, n)
+        hop = cluster.interconnect.transfer_time(nbytes)
         back = 0.0 if len(route) == 1 else cluster.interconnect.latency_s
-        # KV: per engine, blocks still free and each member's next block boundary (tokens)
+        # KV: per engine, blocks still free and each member's (token capacity, tokens per block, layers)
         free = [eng.pool.num_free for eng in route]
         kv = [[(a.blocks_per_layer * a.tokens_per_block, a.tokens_per_block, a.num_layers)
                for a in (eng.scheduler.request(rid).alloc for rid in rids)] for eng in route]
-        ctx0 = sum(sr.context_len for sr in sb.requests)  # attention span of the first cycle
         base = [sr.context_len for sr in sb.requests]  # each member's context after the first cycle
-        metrics, records = cluster.metrics, cluster.records
+        kv_next = _next_crossing(kv, base)
+        ctx0 = sum(base)  # attention span of the first cycle
+        metrics = cluster.metrics
+        records = cluster.records
         recs = [records[rid] for rid in rids]
+        record_batch, record_tokens = metrics.batch, metrics.tokens
+        stages = [(eng.id, eng.decode_time, inf) for eng, inf in zip(route, infos)]
         s = t
         k = 0
         while k < k_max:
-            # cycle k: the batch's (k + 1)-th step, context of member r = base[r] + k
+            # cycle k: the batch's (k + 1)-th step; member i holds context base[i] + k
             ctx = ctx0 + n * k
-            times = []
             tt = s
-            for j, eng in enumerate(route):
+            times = []
+            for j, (eid, decode_time, inf) in enumerate(stages):
                 if j:
                     tt = tt + hop
-                end = tt + eng.decode_time(infos[j], n, ctx)
-                times.append((tt, end))
+                end = tt + decode_time(inf, n, ctx)
+                times.append((eid, tt, end))
                 tt = end
             nxt = tt + back
             if not nxt < horizon:
                 break
-            if not self._kv_fits(kv, free, base, k):
-                break
-            for eng, (a, b) in zip(route, times):
-                metrics.batch(eng.id, a, b, False, n, n)
+            if k >= kv_next:
+                if not _kv_fits(kv, free, base, k):
+                    break
+                kv_next = _next_crossing(kv, base)
+            for eid, a, b in times:
+                record_batch(eid, a, b, False, n, n)
             for _ in range(len(route) - 1):
                 metrics.hop(nbytes)
-            for rec in recs:
-                metrics.token(rec, tt)
+            record_tokens(recs, tt)
             s = nxt
             k += 1
         if not k:
@@ -200,23 +205,28 @@ class DecodeFastForward:
         self.cycles += k
         return s
 
-    @staticmethod
-    def _kv_fits(kv, free, base, k: int) -> bool:
-        """Cycle k takes each member to context base + k on every engine of the route (the
-        first engine's batch of cycle 0 already holds it): reserve the new blocks, or say no."""
-        for j, members in enumerate(kv):
-            need = 0
-            for i, (cap, tpb, layers) in enumerate(members):
-                target = base[i] + k
-                if target > cap:
-                    need += (-(-target // tpb) - cap // tpb) * layers
-            if need > free[j]:
-                return False
-        for j, members in enumerate(kv):
-            for i, (cap, tpb, layers) in enumerate(members):
-                target = base[i] + k
-                if target > cap:
-                    blocks = -(-target // tpb)
-                    free[j] -= (blocks - cap // tpb) * layers
-                    members[i] = (blocks * tpb, tpb, layers)
-        return True
+
+def _next_crossing(kv, base) -> int:
+    """The first cycle at which some member outgrows its blocks on some engine."""
+    return min(cap - base[i] + 1 for members in kv for i, (cap, _, _) in enumerate(members))
+
+
+def _kv_fits(kv, free, base, k: int) -> bool:
+    """Cycle k takes each member to context base + k on every engine of the route (the first
+    engine's batch of cycle 0 already holds it): reserve the new blocks, or say no."""
+    for j, members in enumerate(kv):
+        need = 0
+        for i, (cap, tpb, layers) in enumerate(members):
+            target = base[i] + k
+            if target > cap:
+                need += (-(-target // tpb) - cap // tpb) * layers
+        if need > free[j]:
+            return False
+    for j, members in enumerate(kv):
+        for i, (cap, tpb, layers) in enumerate(members):
+            target = base[i] + k
+            if target > cap:
+                blocks = -(-target // tpb)
+                free[j] -= (blocks - cap // tpb) * layers
+                members[i] = (blocks * tpb, tpb, layers)
+    return True

@@ -95,19 +95,22 @@ class MetricsStore:
         self.requests[rid] = rec
         return rec
 
-    def token(self, rec: RequestRecord, t: float) -> None:
-        k = rec.tokens
-        if k == 0:
-            rec.first_token = t
-        else:
-            gap = t - rec.last_token
-            self.tbt[rec.model].append(gap)
-            if gap > rec.max_tbt:
-                rec.max_tbt = gap
-        if t <= rec.arrival + rec.ttft_slo + k * rec.tbt_slo:
-            rec.on_time += 1
-        rec.last_token = t
-        rec.tokens = k + 1
+    def tokens(self, recs: list[RequestRecord], t: float) -> None:
+        """One token for each of `recs` at `t`."""
+        tbt = self.tbt
+        for rec in recs:
+            k = rec.tokens
+            if k == 0:
+                rec.first_token = t
+            else:
+                gap = t - rec.last_token
+                tbt[rec.model].append(gap)
+                if gap > rec.max_tbt:
+                    rec.max_tbt = gap
+            if t <= rec.arrival + rec.ttft_slo + k * rec.tbt_slo:
+                rec.on_time += 1
+            rec.last_token = t
+            rec.tokens = k + 1
 
     def finish(self, rec: RequestRecord, t: float) -> None:
         rec.finish = t
