@@ -61,6 +61,69 @@ class DecodeFastForward:
                     self.routes_on[eid].append((model, rho))
         self.cycles = 0  # cycles replayed (for the summary)
 
+    def _replay_one_stage(self, eng, info, n, base, kv, free, kv_next, k_max, horizon, recs, t):
+        """Cycles of a one-stage replica: back to back on one engine, the tokens return at
+        once (`Cluster._emit_tokens`: no delay to the same engine). Returns (cycles, end)."""
+        step = eng.decode_time_fn(info, n)
+        ctx = sum(base)
+        ends = []
+        s = t
+        k = 0
+        while k < k_max:
+            end = s + step(ctx)
+            if not end < horizon:
+                break
+            if k >= kv_next:
+                if not _kv_fits(kv, free, base, k):
+                    break
+                kv_next = _next_crossing(kv, base)
+            ends.append(end)
+            s = end
+            ctx += n
+            k += 1
+        if k:
+            metrics = self.cluster.metrics
+            metrics.decode_run(eng.id, t, ends, n)
+            metrics.token_steps(recs, ends)
+        return k, s
+
+    def _replay_pipeline(self, route, infos, n, base, kv, free, kv_next, k_max, horizon, recs, t):
+        """Cycles through several stages: hop between stages, token latency back to the first."""
+        cluster = self.cluster
+        metrics = cluster.metrics
+        nbytes = CostModel.hidden_bytes(infos[0].arch, n)
+        hop = cluster.interconnect.transfer_time(nbytes)
+        back = cluster.interconnect.latency_s
+        stages = [(eng.id, eng.decode_time_fn(inf, n)) for eng, inf in zip(route, infos)]
+        ctx = sum(base)
+        s = t
+        k = 0
+        while k < k_max:
+            tt = s
+            times = []
+            for j, (eid, step) in enumerate(stages):
+                if j:
+                    tt = tt + hop
+                end = tt + step(ctx)
+                times.append((eid, tt, end))
+                tt = end
+            nxt = tt + back
+            if not nxt < horizon:
+                break
+            if k >= kv_next:
+                if not _kv_fits(kv, free, base, k):
+                    break
+                kv_next = _next_crossing(kv, base)
+            for eid, a, b in times:
+                metrics.batch(eid, a, b, False, n, n)
+            for _ in range(len(stages) - 1):
+                metrics.hop(nbytes)
+            metrics.tokens(recs, tt)
+            s = nxt
+            ctx += n
+            k += 1
+        return k, s
+
     def _window(self, first, sb, replica: int, route, t: float) -> tuple[int, float]:
         """(cycles the scheduler decisions allow, horizon): (0, t) if no cycle can be replayed."""
         cluster = self.cluster
@@ -152,48 +215,18 @@ class DecodeFastForward:
         if k_max < 1:
             return None
         infos = [eng.stages[sb.model] for eng in route]
-        nbytes = CostModel.hidden_bytes(info.arch, n)
-        hop = cluster.interconnect.transfer_time(nbytes)
-        back = 0.0 if len(route) == 1 else cluster.interconnect.latency_s
         # KV: per engine, blocks still free and each member's (token capacity, tokens per block, layers)
         free = [eng.pool.num_free for eng in route]
         kv = [[(a.blocks_per_layer * a.tokens_per_block, a.tokens_per_block, a.num_layers)
                for a in (eng.scheduler.request(rid).alloc for rid in rids)] for eng in route]
         base = [sr.context_len for sr in sb.requests]  # each member's context after the first cycle
         kv_next = _next_crossing(kv, base)
-        ctx0 = sum(base)  # attention span of the first cycle
-        metrics = cluster.metrics
         records = cluster.records
         recs = [records[rid] for rid in rids]
-        record_batch, record_tokens = metrics.batch, metrics.tokens
-        stages = [(eng.id, eng.decode_time, inf) for eng, inf in zip(route, infos)]
-        s = t
-        k = 0
-        while k < k_max:
-            # cycle k: the batch's (k + 1)-th step; member i holds context base[i] + k
-            ctx = ctx0 + n * k
-            tt = s
-            times = []
-            for j, (eid, decode_time, inf) in enumerate(stages):
-                if j:
-                    tt = tt + hop
-                end = tt + decode_time(inf, n, ctx)
-                times.append((eid, tt, end))
-                tt = end
-            nxt = tt + back
-            if not nxt < horizon:
-                break
-            if k >= kv_next:
-                if not _kv_fits(kv, free, base, k):
-                    break
-                kv_next = _next_crossing(kv, base)
-            for eid, a, b in times:
-                record_batch(eid, a, b, False, n, n)
-            for _ in range(len(route) - 1):
-                metrics.hop(nbytes)
-            record_tokens(recs, tt)
-            s = nxt
-            k += 1
+        if len(route) == 1:
+            k, s = self._replay_one_stage(first, info, n, base, kv, free, kv_next, k_max, horizon, recs, t)
+        else:
+            k, s = self._replay_pipeline(route, infos, n, base, kv, free, kv_next, k_max, horizon, recs, t)
         if not k:
             return None
         first.scheduler.advance_first_decode(sb, k)
