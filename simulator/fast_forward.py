@@ -36,6 +36,7 @@ the time the last replayed tokens arrive. Exactness is pinned by tests/test_sim_
 from __future__ import annotations
 
 from bisect import bisect_right
+from heapq import heapify, heapreplace
 
 from paraflex.costmodel import CostModel
 
@@ -189,14 +190,48 @@ class DecodeFastForward:
                     horizon = min(horizon, min(eng.pending))
                 models.update(self.models_on[e])
                 todo.extend(self.routes_on[e])
+        # replicas whose unfinished count cannot drop before the horizon: this one, and on a
+        # one-stage route the other one-stage replicas of its engine (their requests wait there)
+        frozen = {ours}
+        if len(route) == 1:
+            frozen.update(key for key in self.routes_on[route[0].id] if len(cluster.replicas[key[0]][key[1]]) == 1)
         arrivals = self.arrivals
         for m in models:
             ts = arrivals.get(m)
             if ts:
                 i = bisect_right(ts, t)
                 if i < len(ts) and ts[i] < horizon:
-                    horizon = ts[i]
+                    i = self._skip_arrivals(m, ts, i, horizon, seen_engines, frozen)
+                    if i < len(ts) and ts[i] < horizon:
+                        horizon = ts[i]
         return horizon
+
+    def _skip_arrivals(self, m: str, ts: list[float], i: int, horizon: float, seen: set[int], frozen) -> int:
+        """Skip the arrivals ts[i:] of `m` (before the horizon) that provably go to a replica
+        whose route avoids the engines `seen`; return the index of the first that may not.
+
+        The dispatcher sends a request to the replica with the fewest unfinished requests.
+        Counts only fall between arrivals, except the frozen replicas' (which stay). So an
+        arrival goes elsewhere if every replica touching `seen` holds more (a lower bound: its
+        count if frozen, else 0) than the least loaded of the others can hold by then (an
+        upper bound: their counts now, plus the skipped arrivals, each on the least loaded)."""
+        cluster = self.cluster
+        counts = cluster.dispatcher.outstanding(m)
+        floor = None
+        others = []
+        for rho, route in enumerate(cluster.replicas[m]):
+            if any(e in seen for e in route):
+                lb = counts[rho] if (m, rho) in frozen else 0
+                floor = lb if floor is None or lb < floor else floor
+            else:
+                others.append(counts[rho])
+        if not others or floor is None:
+            return i
+        heapify(others)
+        while i < len(ts) and ts[i] < horizon and floor > others[0]:
+            heapreplace(others, others[0] + 1)
+            i += 1
+        return i
 
     def advance(self, first, sb, t: float) -> float | None:
         """Replay as many cycles of `sb` (formed by `first` at `t`) as provably undisturbed;
