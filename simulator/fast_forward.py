@@ -140,10 +140,14 @@ class DecodeFastForward:
             return 0, t  # an idle stage would run that work between two of this batch's steps
         else:
             budget = _UNBOUNDED
-        return budget, self._horizon(route, (sb.model, replica), t)
+        # no cycle ends before its first stage does: stop looking once the horizon is that near
+        first_end = t + first.decode_time(first.stages[sb.model], len(sb.requests), sum(sr.context_len for sr in sb.requests))
+        horizon = self._horizon(route, (sb.model, replica), t, first_end)
+        return (budget, horizon) if horizon > first_end else (0, t)
 
-    def _horizon(self, route, ours: tuple[str, int], t: float) -> float:
-        """A time before which no event can reach the route's engines (t: none can be shown).
+    def _horizon(self, route, ours: tuple[str, int], t: float, enough: float) -> float:
+        """A time before which no event can reach the route's engines (t: none can be shown;
+        any time <= `enough` once the search finds one).
 
         Events at the route's engines are pending there, or come from another (model,
         replica) with unfinished requests touching the route. Such a replica's next event is
@@ -163,6 +167,8 @@ class DecodeFastForward:
                 horizon = min(horizon, min(eng.pending))
             models.update(self.models_on[eng.id])
             todo.extend(self.routes_on[eng.id])
+        if horizon <= enough:
+            return horizon
         seen_routes = {ours}
         seen_engines = set(on_route)
         engines = cluster.engines
@@ -177,6 +183,8 @@ class DecodeFastForward:
             times = route_pending[key]
             if times:
                 horizon = min(horizon, min(times))
+                if horizon <= enough:
+                    return horizon
             for e in cluster.replicas[m][rho]:
                 if e in seen_engines:
                     continue
