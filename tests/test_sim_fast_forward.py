@@ -144,3 +144,29 @@ def test_bulk_advance_refuses_a_request_that_is_not_running():
     scheds[0].complete(b)
     with pytest.raises(ProtocolError, match="not running"):
         scheds[0].advance_first_decode(b, 2)
+
+
+def test_parked_model_starvation_promotions_are_kept():
+    """Two one-stage models on one engine: the older one's decodes repeat while the younger
+    one's wait, until the starvation promotion serves it; the replay must stop for each one."""
+    from paraflex.config import Config
+    from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
+    from paraflex.simulator.systems import SystemLayout
+    from paraflex.simulator.workload import SimRequest
+
+    cfg = Config.from_dict({
+        "cluster": {"num_engines": 1, "device": "cpu", "memory_gb": 1},
+        "models": [{"name": "a", "arch": "tiny-2l"}, {"name": "b", "arch": "tiny-2l"}],
+        "scheduler": {"max_batch_size": 8, "policy": "full-batch-first"},
+    })
+    layers = cfg.models[0].arch.num_layers
+    models = {m: ModelPlacement(m, layers, [(0, layers)], [[0]]) for m in ("a", "b")}
+    layout = SystemLayout("hand", Placement(1, "hand", {}, 0.0, models, [EnginePlacement(0, [StageRef("a", 0, 0), StageRef("b", 0, 0)], 0, {})]),
+                          "full-batch-first", 1, cfg.cluster.memory_bytes)
+    reqs = [SimRequest(0, "a", 0.0, 20, 400), SimRequest(1, "b", 1e-4, 30, 300), SimRequest(2, "a", 2e-4, 5, 200)]
+    res = {ff: simulate(cfg, SimSettings(fast_forward=ff, check_invariants=True), layout=layout, requests=reqs)
+           for ff in (True, False)}
+    _assert_same(res[True], res[False])
+    promotions = [r.engines[0].scheduler.stats["starvation_promotions"] for r in res.values()]
+    assert promotions[0] == promotions[1] > 0
+    assert res[True].summary["fast_forward_cycles"] > 100
