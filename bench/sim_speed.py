@@ -6,7 +6,8 @@ count, so load per engine stays the same; 4 GPUs cannot hold the base case's fou
 285 GB of weights against 4 x 80 GB x 90%, so the smallest case is one 8-GPU engine) at N
 and 2N requests, at each load given (requests/s per engine: the base 0.5 and a busier one),
 and prints requests per wall-second (whole run, and the event loop alone, without building
-the engines), events per request, and the wall-time growth from N to 2N (2.0x = linear cost).
+the engines), requests per CPU-second of the whole run (steadier than wall time on a shared
+machine), events per request, and the wall-time growth from N to 2N (2.0x = linear cost).
 
 Peers, measured in the same run:
 - per case: the same simulation with the decode fast-forward off (`fast_forward=False`: every
@@ -64,11 +65,11 @@ def _config(path: str, engines: int, n: int, rate_per_engine: float):
 
 
 def _run(cfg, rate, layout, fast_forward=True, loop=None):
-    """(event-loop wall s, whole-run wall s, result)."""
-    t0 = time.perf_counter()
+    """(event-loop wall s, whole-run wall s, whole-run CPU s, result)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     res = simulate(cfg, SimSettings(rate=rate, seed=0, fast_forward=fast_forward), layout=layout, loop=loop)
-    whole = time.perf_counter() - t0
-    return whole - res.summary["setup_wall_s"], whole, res
+    whole, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return whole - res.summary["setup_wall_s"], whole, cpu, res
 
 
 def _same(a, b) -> bool:
@@ -87,8 +88,8 @@ def main() -> int:
     print(f"machine: {platform.machine()} {os.cpu_count()} cores (shared, load average {load:.1f} at start), "
           f"python {platform.python_version()}")
     print(f"{'req/s/eng':>9} {'engines':>7} {'GPUs':>5} {'requests':>8} {'events':>7} {'ev/req':>6} {'run s':>6} "
-          f"{'req/run-s':>9} {'whole s':>7} {'req/whole-s':>11} {'growth':>6} | {'step-by-step':>12} {'ev/req':>6} "
-          f"{'req/whole-s':>11} {'speed-up':>8} {'same':>4}")
+          f"{'req/run-s':>9} {'whole s':>7} {'req/whole-s':>11} {'req/cpu-s':>9} {'growth':>6} | {'step-by-step':>12} "
+          f"{'ev/req':>6} {'req/whole-s':>11} {'req/cpu-s':>9} {'speed-up':>8} {'cpu':>6} {'same':>4}")
     sort_peer = None
     for rpe in [float(x) for x in args.rates.split(",")]:
         for e in [int(x) for x in args.engines.split(",")]:
@@ -97,16 +98,17 @@ def main() -> int:
             first = None
             for mult in (1, 2):
                 cfg_n, _ = _config(args.config, e, mult * args.requests, rpe)
-                w, whole, res = _run(cfg_n, rate, layout)
-                pw, pwhole, peer = _run(cfg_n, rate, layout, fast_forward=False)
+                w, whole, cpu, res = _run(cfg_n, rate, layout)
+                pw, pwhole, pcpu, peer = _run(cfg_n, rate, layout, fast_forward=False)
                 n, ev, pev = res.summary["requests"], res.summary["events"], peer.summary["events"]
                 growth = f"{w / first:.2f}x" if first else ""
                 first = first or w
                 print(f"{rpe:>9g} {e:>7} {e * cfg.cluster.tp:>5} {n:>8} {ev:>7} {ev / n:>6.0f} {w:>6.2f} {n / w:>9.0f} "
-                      f"{whole:>7.2f} {n / whole:>11.0f} {growth:>6} | {pwhole:>11.2f}s {pev / n:>6.0f} {n / pwhole:>11.0f} "
-                      f"{pwhole / whole:>7.2f}x {'yes' if _same(res, peer) else 'NO':>4}")
+                      f"{whole:>7.2f} {n / whole:>11.0f} {n / cpu:>9.0f} {growth:>6} | {pwhole:>11.2f}s {pev / n:>6.0f} "
+                      f"{n / pwhole:>11.0f} {n / pcpu:>9.0f} {pwhole / whole:>7.2f}x {pcpu / cpu:>5.2f}x "
+                      f"{'yes' if _same(res, peer) else 'NO':>4}")
                 if sort_peer is None:
-                    sw, _, _ = _run(cfg_n, rate, layout, fast_forward=False, loop=SortingEventLoop())
+                    sw, _, _, _ = _run(cfg_n, rate, layout, fast_forward=False, loop=SortingEventLoop())
                     sort_peer = (rpe, e, n, pw, sw)
     rpe, e, n, heap_w, sort_w = sort_peer
     print(f"\nloop peer ({e} engine(s), {rpe:g} req/s per engine, {n} requests, same run, fast-forward off): heap loop "
