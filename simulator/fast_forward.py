@@ -10,21 +10,26 @@ load most cycles are undisturbed, and then this module replays k of them as arit
 
 When (all checked at the moment the first engine formed the batch, at time t):
 
-- the batch is a pure decode batch of a first stage, moving no KV between device and host;
-- no engine of the route has a pending event, runs something, or holds swapped KV;
-- no other (model, replica) whose route touches an engine of this route has an unfinished
-  request, and this batch holds every unfinished request of its own replica: then no work but
-  this batch exists on those engines, and nothing can reach them except new requests;
+- the batch is a pure decode batch of a first stage, moving no KV between device and host,
+  and holds every unfinished request of its replica;
+- no other engine of the route is running something; no engine of the route holds swapped KV;
+- on a one-stage route, the engine's other non-empty queues all come later in the policy's
+  order (class, then head key) than this batch's queue, and the replay stops before any of
+  them reaches its starvation promotion (`EngineScheduler.repeatable_decisions`); on a longer
+  route no engine of the route has queued work (an idle stage would run it between steps);
 - horizon: every cycle replayed ends (its tokens are back at the first engine) strictly before
-  the next arrival of any model resident on the route (arrivals are known in advance; the
-  dispatcher's choice among replicas is not, so every replica counts);
+  the first event that can reach the route: events pending at its engines; events of another
+  (model, replica) with unfinished requests whose route touches it (its pending events, and
+  the next events of engines where its work waits in a queue, searched transitively, since
+  such an engine decides at its own next event); and new requests for models resident on the
+  engines searched, except those the least-outstanding dispatcher provably sends to a replica
+  away from them (`_skip_arrivals`);
 - no request of the batch produces its last token in a replayed cycle (finishing frees KV and
   wakes other engines: that cycle runs through the ordinary events);
 - each engine's pool has free blocks for the KV the cycles add (so no eviction is considered).
 
-Then the outcome of each cycle is known: the scheduler would pick these requests again (no
-other queue holds work; a starvation promotion needs another non-empty queue), and each stage
-starts when its input arrives. The replay records the same metrics at the same times (stage
+Then the outcome of each cycle is known: the scheduler would pick these requests again, and
+each stage starts when its input arrives. The replay records the same metrics at the same times (stage
 intervals, batch sizes, hops, one token per request per cycle, computed with the same float
 expressions as the event handlers) and moves each engine's scheduler state forward in bulk
 (`EngineScheduler.advance_first_decode` / `advance_later_decode`), allocating the same blocks in
