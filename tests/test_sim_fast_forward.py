@@ -52,6 +52,7 @@ def test_ring_pipelines_identical_with_and_without_fast_forward(seed, policy, me
     _assert_same(fast, plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rate", [2.0, 8.0])
 def test_ring_fast_forward_runs_and_cuts_events(rate):
     w = WorkloadConfig(arrival="lognormal", cv=2.0, num_requests=40, seed=3, output_scale=1.0)
@@ -146,6 +147,7 @@ def test_bulk_advance_refuses_a_request_that_is_not_running():
         scheds[0].advance_first_decode(b, 2)
 
 
+@pytest.mark.slow
 def test_parked_model_starvation_promotions_are_kept():
     """Two one-stage models on one engine: the older one's decodes repeat while the younger
     one's wait, until the starvation promotion serves it; the replay must stop for each one."""
