@@ -31,6 +31,7 @@ class Cluster:
         self.loop = loop
         self.metrics = metrics
         self.check = settings.check_invariants
+        self.local_tokens_direct = settings.fast_forward  # see _emit_tokens
         placement = layout.placement
         cl, sc = config.cluster, config.scheduler
         self.interconnect = cl.interconnect()
@@ -169,6 +170,13 @@ class Cluster:
                     e.scheduler.free(rid)
                 self._wake(e, t)
         first = self.engines[info.first_engine]
+        if first is eng and self.local_tokens_direct:
+            # A one-stage replica: the tokens are back at this instant. Step by step they would
+            # arrive in a TokenArrivalEvent after this instant's other stage ends and batch
+            # arrivals; none of those can change what receive_tokens does here or what this
+            # engine decides (it decides after all of them), so the results are the same.
+            eng.scheduler.receive_tokens(done.token_message)
+            return
         delay = 0.0 if first is eng else self.interconnect.latency_s
         first.pending.append(t + delay)
         route_pending.append(t + delay)

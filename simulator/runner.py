@@ -40,7 +40,9 @@ class SimSettings:
     prefill_first: bool = False
     host_link_gbps: float = 256.0
     check_invariants: bool = False
-    fast_forward: bool = True  # replay undisturbed decode cycles in closed form (same results)
+    # fast paths with the same results: replay undisturbed decode cycles in closed form
+    # (fast_forward.py), hand a one-stage replica its tokens without an event (cluster.py)
+    fast_forward: bool = True
 
     def validate(self) -> "SimSettings":
         if not self.rate > 0:
