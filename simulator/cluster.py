@@ -173,8 +173,10 @@ class Cluster:
         if first is eng and self.local_tokens_direct:
             # A one-stage replica: the tokens are back at this instant. Step by step they would
             # arrive in a TokenArrivalEvent after this instant's other stage ends and batch
-            # arrivals; none of those can change what receive_tokens does here or what this
-            # engine decides (it decides after all of them), so the results are the same.
+            # arrivals; none of those changes what receive_tokens does here or what this engine
+            # decides (it decides after all of them), so the results are the same. (If another
+            # stage end frees KV here at this instant, the freed blocks go back to the free list
+            # in the other order: later block ids may differ, no result depends on them.)
             eng.scheduler.receive_tokens(done.token_message)
             return
         delay = 0.0 if first is eng else self.interconnect.latency_s
