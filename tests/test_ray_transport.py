@@ -40,9 +40,9 @@ msgpack_values = st.recursive(
 def test_phase1_round_trip(meta, shapes, seq, kind):
     tensors = {f"t{i}": torch.zeros(s, dtype=torch.float16) for i, s in enumerate(shapes)} or None
     env = Envelope(src=3, dst=5, model="m", kind=kind, meta=meta, tensors=tensors)
-    back, specs, seq2, replica = decode_phase1(encode_phase1(env, seq, 2))
+    back, specs, seq2, replica, slots = decode_phase1(encode_phase1(env, seq, 2))
     assert (back.src, back.dst, back.model, back.kind, back.meta) == (3, 5, "m", kind, meta)
-    assert back.tensors is None and seq2 == seq and replica == 2
+    assert back.tensors is None and seq2 == seq and replica == 2 and slots is None
     if tensors:
         assert specs == [[n, "torch.float16", list(t.shape)] for n, t in tensors.items()]
     else:
@@ -75,7 +75,7 @@ class _FakeMethod:
         self.target, self.gate = target, gate
 
     def remote(self, payload: bytes) -> None:
-        env, _, _, _ = decode_phase1(payload)
+        env = decode_phase1(payload)[0]
         hold = self.gate.get(env.meta.get("batch"))
         if hold is not None:  # deliver this phase-1 call only when the test releases it
             threading.Thread(target=lambda: (hold.wait(10), self.target.deliver(payload)),
