@@ -125,7 +125,7 @@ class SlotInbox:
     """The posted slot receives of one hop (one predecessor in one replica group).
 
     A thread keeps `window` receives posted, each into a fresh `slot_bytes` buffer, waits for
-    them in slot order, re-posts, and hands each landed buffer to `on_landed(k, buf)`. If the
+    them in slot order, hands each landed buffer to `on_landed(k, buf)` and re-posts. If the
     pair breaks it calls `on_failed(exc)` and ends, unless `retire()` was called first (the
     group was rebuilt or the transport closed; then it ends quietly)."""
 
@@ -158,8 +158,8 @@ class SlotInbox:
                 work.wait(IDLE_WAIT)
                 if self.retired:
                     return
+                self.on_landed(k, buf)  # first: the arrival may complete a waiting envelope
                 posted.append(self._post(k + self.window))
-                self.on_landed(k, buf)
                 k += 1
         except BaseException as exc:  # noqa: BLE001 - reported to the transport
             if not self.retired:
