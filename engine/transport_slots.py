@@ -11,8 +11,8 @@ matches by tag on each pair. So every engine keeps `window` receives posted for 
 predecessor in each replica group's stage order, each into a fresh buffer of `slot_bytes`,
 with tag `slot_tag(k)` for the k-th slot transfer on that hop. The sender numbers its tensors
 to its successor the same way and sends each tensor of at most `slot_bytes` into the next slot
-before it submits phase 1; the receive is already posted, so the bytes travel while the Ray
-call does. Phase 1 names the first slot; `SlotTable` pairs phase-1 claims and landed buffers in
+(a transfer of at most PACK_BYTES goes packed into one slot) right after it submits phase 1;
+the receive is already posted, so the bytes travel while the Ray call does. Phase 1 names the first slot; `SlotTable` pairs phase-1 claims and landed buffers in
 whichever order they come. A landed buffer becomes the envelope's tensor (a view, no copy),
 and a fresh buffer takes its place in the window.
 
@@ -33,7 +33,12 @@ import torch
 SLOT_TAG_BASE = 2**30  # rendezvous tags (transport_ray) stay below; slot tags above
 SLOT_TAG_SPACE = 2**30
 DEFAULT_SLOT_BYTES = 8 << 20  # per tensor; larger tensors go the rendezvous way
-DEFAULT_WINDOW = 4  # receives posted ahead per predecessor: two hidden+residual batches
+DEFAULT_WINDOW = 4  # receives posted ahead per predecessor
+# Transfers up to this size (decode batches) are packed into ONE slot: one gloo operation and
+# one wake-up of the receiving thread instead of one per tensor, for a copy of a few µs.
+# Larger ones (prefill) take one slot per tensor and are not copied.
+PACK_BYTES = 256 << 10
+ALIGN = 64
 # A posted slot may wait for data indefinitely (an idle model); gloo closes the pair when a
 # wait times out, so slot waits use a timeout no idle period reaches. A dead peer still ends
 # the wait at once (its connection closes).
@@ -45,19 +50,44 @@ def slot_tag(k: int) -> int:
     return SLOT_TAG_BASE + k % SLOT_TAG_SPACE
 
 
-def slot_views(specs: list, bufs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The envelope's tensors as views of their landed slot buffers.
+def pack_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Byte offsets of tensors of these sizes packed into one slot (each 64-byte aligned),
+    and the packed size."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // ALIGN) * ALIGN
+    return offsets, end
 
-    `specs` are phase-1 descriptors [name, dtype, shape] (dtype as a torch.dtype);
-    `bufs` the uint8 slot buffers, one per tensor, each at least the tensor's size."""
-    out = {}
-    for (name, dtype, shape), buf in zip(specs, bufs):
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > buf.numel():
-            raise ValueError(f"slot transfer of {name!r}: {nbytes} bytes do not fit a "
-                             f"{buf.numel()}-byte slot (engines disagree on slot_bytes)")
-        out[name] = buf[:nbytes].view(dtype).view(shape)
+
+def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One uint8 buffer holding `tensors` at their `pack_offsets`."""
+    offsets, total = pack_offsets([t.nbytes for t in tensors])
+    out = torch.empty(total, dtype=torch.uint8)
+    for t, off in zip(tensors, offsets):
+        out[off:off + t.nbytes].copy_(t.reshape(-1).view(torch.uint8))
     return out
+
+
+def slot_views(specs: list, bufs: list[torch.Tensor], packed: bool) -> dict[str, torch.Tensor]:
+    """The envelope's tensors as views of their landed slot buffers (no copy).
+
+    `specs` are phase-1 descriptors [name, dtype, shape] (dtype as a torch.dtype); `bufs` the
+    uint8 slot buffers: one per tensor, or one holding all of them at `pack_offsets`."""
+    sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in specs]
+    if packed:
+        offsets, total = pack_offsets(sizes)
+        places = [(bufs[0], off) for off in offsets]
+        need = [(bufs[0], total)]
+    else:
+        places = [(buf, 0) for buf in bufs]
+        need = list(zip(bufs, sizes))
+    for buf, nbytes in need:
+        if nbytes > buf.numel():
+            raise ValueError(f"slot transfer of {nbytes} bytes does not fit a {buf.numel()}-byte "
+                             "slot (engines disagree on slot_bytes)")
+    return {name: buf[off:off + n].view(dtype).view(shape)
+            for (name, dtype, shape), (buf, off), n in zip(specs, places, sizes)}
 
 
 class SlotTable:

@@ -4,6 +4,7 @@ the pre-posted slot way and the rendezvous way), and a round trip between real R
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -22,7 +23,7 @@ from paraflex.engine.transport_ray import (
     encode_phase1,
     start_store,
 )
-from paraflex.engine.transport_slots import SlotTable, slot_views
+from paraflex.engine.transport_slots import SlotTable, pack, slot_views
 
 # ----------------------------------------------------------------------------- phase-1 wire
 
@@ -126,11 +127,28 @@ def test_slot_table_close_fails_waiting_jobs_and_refuses_new_claims():
 
 def test_slot_views_are_typed_views_and_reject_a_too_small_slot():
     buf = torch.arange(64, dtype=torch.uint8)
-    views = slot_views([("h", torch.float32, [2, 3]), ("r", torch.bool, [4])], [buf, buf])
+    views = slot_views([("h", torch.float32, [2, 3]), ("r", torch.bool, [4])], [buf, buf], False)
     assert views["h"].shape == (2, 3) and views["h"].data_ptr() == buf.data_ptr()
     assert views["r"].tolist() == [False, True, True, True]
-    with pytest.raises(ValueError, match="do not fit"):
-        slot_views([("h", torch.float32, [20])], [buf])
+    with pytest.raises(ValueError, match="does not fit"):
+        slot_views([("h", torch.float32, [20])], [buf], False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=st.lists(st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.bool,
+                                                  torch.int64]),
+                                 st.lists(st.integers(1, 7), min_size=1, max_size=3)),
+                       min_size=1, max_size=4))
+def test_packed_slot_round_trips_every_tensor(shapes):
+    tensors = [(torch.arange(math.prod(s)) % 5).to(dt).reshape(s) for dt, s in shapes]
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    packed = pack(tensors)
+    buf[:packed.numel()] = packed
+    specs = [(f"t{i}", t.dtype, list(t.shape)) for i, t in enumerate(tensors)]
+    views = slot_views(specs, [buf], True)
+    for i, t in enumerate(tensors):
+        assert views[f"t{i}"].dtype == t.dtype and torch.equal(views[f"t{i}"], t)
+        assert views[f"t{i}"].data_ptr() % 64 == 0
 
 
 # ----------------------------------------------------------------------------- in-process gloo
@@ -266,13 +284,13 @@ def test_batches_to_the_next_stage_go_into_preposted_slots(pair):
     gate[1] = release  # phase 1 of batch 1 is held: its tensors land in the slots first
     ts[0].send(_batch("a", 1, rows=3))
     deadline = time.monotonic() + 10
-    while ts[1]._slots.pending()[0] < 2 and time.monotonic() < deadline:
+    while ts[1]._slots.pending()[0] < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert ts[1]._slots.pending() == (2, 0) and ts[1].recv_ready() == []
+    assert ts[1]._slots.pending() == (1, 0) and ts[1].recv_ready() == []  # packed: 1 slot
     release.set()
     (env,) = _drain(ts[1], 1)
     _check(env)
-    assert ts[0]._groups[("a", 0)].next_slot == 2 and ts[1]._slots.pending() == (0, 0)
+    assert ts[0]._groups[("a", 0)].next_slot == 1 and ts[1]._slots.pending() == (0, 0)
 
 
 def test_phase1_before_slot_data_holds_later_metadata_of_the_model(pair):
@@ -282,7 +300,7 @@ def test_phase1_before_slot_data_holds_later_metadata_of_the_model(pair):
     group = ts[0]._groups[("a", 0)]
     batch = _batch("a", 4, rows=2)
     first, group.next_slot = group.next_slot, group.next_slot + 2
-    ts[1].deliver(encode_phase1(batch, 0, 0, (0, first)))
+    ts[1].deliver(encode_phase1(batch, 0, 0, (0, first, False)))
     ts[1].deliver(encode_phase1(Envelope(0, 1, "a", "free", {"request_ids": ["r"]}), 1, 0))
     assert _drain(ts[1], 1, timeout=0.3) == [] and ts[1]._slots.pending() == (0, 2)
     for work in group.send_slots(list(batch.tensors.values()), 1, first):
@@ -314,7 +332,7 @@ def test_claim_on_a_hop_without_slots_fails_alone_and_the_lane_keeps_serving(pai
     ts, _ = pair
     errors = []
     ts[1].on_error = lambda model, peer, exc: errors.append((model, peer, str(exc)))
-    ts[1].deliver(encode_phase1(_batch("a", 3, rows=1), 0, 0, (7, 0)))  # generation 7: none
+    ts[1].deliver(encode_phase1(_batch("a", 3, rows=1), 0, 0, (7, 0, True)))  # generation 7: none
     ts[0].send(_batch("a", 12, rows=1))
     got = _drain(ts[1], 1)
     assert [e.meta["batch"] for e in got] == [12]
