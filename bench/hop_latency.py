@@ -9,6 +9,7 @@ same tensor bytes as one buffer, the fewest gloo operations that move them (each
 round trip). The ratio hop / floor is printed per case; the target is <= 1.5x.
 
     python bench/hop_latency.py [--iters 200] [--cases decode1,decode32,prefill512] [--csv out.csv]
+                                [--slot-bytes N]   (0: the rendezvous way, for A/B runs)
 """
 
 from __future__ import annotations
