@@ -488,7 +488,7 @@ class RayTransport(Transport):
                 job.done = not specs
             failed = self._release(lane) if job.done else []
         self._report_failed(failed)
-        if not job.done and slots is None:  # rendezvous: post now, the lane thread waits
+        if specs and slots is None:  # rendezvous: post now, the lane thread waits
             if lane.streams is None:
                 try:
                     lane.post_cpu_receives(job)
