@@ -2,12 +2,14 @@
 
 Where it sits: benchmarks the hop between engine actors (paraflex.engine.transport_ray), the
 path every batch takes from one pipeline stage to the next. Two actors ping-pong envelopes;
-one hop = half a round trip. The floor is measured between the same two actors in the same
+one hop = half a round trip. Each direction is a stage-to-next-stage hop, as in serving: the
+model has two replicas, (0, 1) and (1, 0), and the echo travels on the second. The floor is measured between the same two actors in the same
 run: a bare Ray actor call carrying the same phase-1 bytes, plus a bare gloo send/recv of the
 same tensor bytes as one buffer, the fewest gloo operations that move them (each also half a
 round trip). The ratio hop / floor is printed per case; the target is <= 1.5x.
 
     python bench/hop_latency.py [--iters 200] [--cases decode1,decode32,prefill512] [--csv out.csv]
+                                [--slot-bytes N]   (0: the rendezvous way, for A/B runs)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch  # noqa: E402
 
 from paraflex.engine.transport import Envelope  # noqa: E402
 from paraflex.engine.transport_ray import GroupSpec, RayTransport, encode_phase1, start_store  # noqa: E402
+from paraflex.engine.transport_slots import DEFAULT_SLOT_BYTES  # noqa: E402
 
 # name -> (rows, hidden): SmolLM2-135M width (576), fp32 as served on CPU.
 CASES = {
@@ -59,10 +62,10 @@ def _envelope(src: int, dst: int, rows: int, hidden: int, batch_id: int) -> Enve
 class HopActor:
     """One endpoint: a RayTransport, plus the bare primitives the floor is made of."""
 
-    def __init__(self, engine_id: int) -> None:
+    def __init__(self, engine_id: int, slot_bytes: int) -> None:
         torch.set_num_threads(1)
         self.id = engine_id
-        self.t = RayTransport(engine_id)
+        self.t = RayTransport(engine_id, slot_bytes=slot_bytes)
         self.peer = None
         self.event = threading.Event()
         self.result: list[float] | None = None
@@ -70,7 +73,7 @@ class HopActor:
 
     def connect(self, peers, host, port) -> None:
         self.peer = peers[1 - self.id]
-        self.t.connect(peers, [GroupSpec(MODEL, 0, (0, 1))], host, port)
+        self.t.connect(peers, [GroupSpec(MODEL, 0, (0, 1)), GroupSpec(MODEL, 1, (1, 0))], host, port)
         self.group = self.t._groups[(MODEL, 0)].pg
 
     def deliver(self, payload: bytes) -> None:
@@ -114,7 +117,7 @@ class HopActor:
     def _echo(self, iters, rows, hidden) -> None:
         for _ in range(iters):
             env = self._wait_one()
-            self.t.send(Envelope(1, 0, env.model, env.kind, env.meta, env.tensors))
+            self.t.send(Envelope(1, 0, env.model, env.kind, env.meta | {"replica": 1}, env.tensors))
         self.result = []
 
     def _run_actor(self, iters, rows, hidden) -> None:
@@ -175,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     ap.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start one)")
     ap.add_argument("--csv", default=None, help="also write the table to this CSV file")
+    ap.add_argument("--slot-bytes", type=int, default=DEFAULT_SLOT_BYTES,
+                    help="the transport's pre-posted slot size (default %(default)s; "
+                         "0 = every transfer the rendezvous way, for A/B runs)")
     args = ap.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     for c in cases:
@@ -189,14 +195,15 @@ def main(argv: list[str] | None = None) -> int:
              include_dashboard=False, log_to_driver=False, configure_logging=False)
     store, port = start_store("127.0.0.1" if not args.ray_address else ray.util.get_node_ip_address())
     host = "127.0.0.1" if not args.ray_address else ray.util.get_node_ip_address()
-    actors = [HopActor.remote(0), HopActor.remote(1)]
+    actors = [HopActor.remote(0, args.slot_bytes), HopActor.remote(1, args.slot_bytes)]
     peers = {0: actors[0], 1: actors[1]}
     rows_out = []
     try:
         ray.get([x.connect.remote(peers, host, port) for x in actors], timeout=120)
         print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} CPUs, "
               f"python {platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}, "
-              f"gloo on loopback; {args.iters} round trips per case after {warmup} warm-up")
+              f"gloo on loopback; {args.iters} round trips per case after {warmup} warm-up; "
+              f"slot_bytes {args.slot_bytes}; load average {os.getloadavg()[0]:.1f}")
         print(f"{'case':<11} {'tensor bytes':>12} {'meta B':>7} {'hop med us':>10} {'hop p90':>8} "
               f"{'actor med':>9} {'gloo med':>8} {'floor med':>9} {'ratio':>6}")
         for case in cases:
@@ -219,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case:<11} {tensor_bytes:>12} {meta_bytes:>7} {hop[0]*1e6:>10.0f} {hop[1]*1e6:>8.0f} "
                   f"{act[0]*1e6:>9.0f} {glo[0]*1e6:>8.0f} {floor*1e6:>9.0f} {ratio:>5.2f}x", flush=True)
         worst = max(r[-1] for r in rows_out)
-        print(f"worst ratio hop/floor: {worst:.2f}x (target <= 1.5x): {'OK' if worst <= 1.5 else 'MISSED'}")
+        print(f"worst ratio hop/floor: {worst:.2f}x (target <= 1.5x): {'OK' if worst <= 1.5 else 'MISSED'}"
+              f"; load average now {os.getloadavg()[0]:.1f}")
         if args.csv:
             with open(args.csv, "w") as f:
                 f.write("case,tensor_bytes,meta_bytes,hop_median_s,hop_p90_s,actor_median_s,"

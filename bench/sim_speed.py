@@ -4,13 +4,19 @@ Runs the paper-base config (ParaFlex placement, full-batch-first; engines of 8 G
 cluster scaled to 1, 2 and 8 engines (8, 16, 64 GPUs; the total rate scales with the engine
 count, so load per engine stays the same; 4 GPUs cannot hold the base case's four models,
 285 GB of weights against 4 x 80 GB x 90%, so the smallest case is one 8-GPU engine) at N
-and 2N requests, and prints requests per wall-second (whole run, and the event loop alone,
-without building the engines) and the wall-time growth from N to 2N (2.0x = linear cost).
-The peer, measured in the same run on the first case: the
-same simulation driven by a naive event loop that keeps a plain list (wake-ups included) and
-sorts it before every pop (the textbook O(n log n)-per-event loop a heap replaces).
+and 2N requests, at each load given (requests/s per engine: the base 0.5 and a busier one),
+and prints requests per wall-second (whole run, and the event loop alone, without building
+the engines), requests per CPU-second of the whole run (steadier than wall time on a shared
+machine), events per request, and the wall-time growth from N to 2N (2.0x = linear cost).
 
-    python bench/sim_speed.py [--requests 100] [--engines 1,2,8]
+Peers, measured in the same run:
+- per case: the same simulation with the decode fast-forward off (`fast_forward=False`: every
+  decode step through the event loop and the scheduler; results are identical, the table
+  says so per case);
+- on the first case: a naive event loop that keeps a plain list (wake-ups included) and sorts
+  it before every pop (the textbook O(n log n)-per-event loop a heap replaces).
+
+    python bench/sim_speed.py [--requests 100] [--engines 1,2,8] [--rates 0.5,2]
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from paraflex.config import load_config
 from paraflex.simulator.event_loop import EventLoop
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.systems import build_system
+
+RUN_ONLY = ("wall_s", "setup_wall_s", "sim_requests_per_wall_s", "events", "fast_forward_cycles")
 
 
 class SortingEventLoop(EventLoop):
@@ -56,12 +64,17 @@ def _config(path: str, engines: int, n: int, rate_per_engine: float):
     return cfg, rate_per_engine * engines
 
 
-def _time(cfg, rate, layout, loop=None):
-    """(event-loop wall s, requests, events, whole-run wall s)."""
-    t0 = time.perf_counter()
-    res = simulate(cfg, SimSettings(rate=rate, seed=0), layout=layout, loop=loop)
-    whole = time.perf_counter() - t0
-    return whole - res.summary["setup_wall_s"], res.summary["requests"], res.summary["events"], whole
+def _run(cfg, rate, layout, fast_forward=True, loop=None):
+    """(event-loop wall s, whole-run wall s, whole-run CPU s, result)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = simulate(cfg, SimSettings(rate=rate, seed=0, fast_forward=fast_forward), layout=layout, loop=loop)
+    whole, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return whole - res.summary["setup_wall_s"], whole, cpu, res
+
+
+def _same(a, b) -> bool:
+    strip = lambda s: {k: v for k, v in s.items() if k not in RUN_ONLY}  # noqa: E731
+    return list(a.metrics.request_rows()) == list(b.metrics.request_rows()) and strip(a.summary) == strip(b.summary)
 
 
 def main() -> int:
@@ -69,27 +82,39 @@ def main() -> int:
     ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "paper-base.yaml"))
     ap.add_argument("--engines", default="1,2,8")
     ap.add_argument("--requests", type=int, default=100)
-    ap.add_argument("--rate-per-engine", type=float, default=0.5)
+    ap.add_argument("--rates", default="0.5,2", help="requests/s per engine, comma-separated")
     args = ap.parse_args()
-    print(f"machine: {platform.machine()} {os.cpu_count()} cores (shared), python {platform.python_version()}")
-    print(f"{'engines':>7} {'GPUs':>5} {'requests':>8} {'events':>9} {'run s':>7} {'req/run-s':>9} {'events/s':>9} "
-          f"{'whole s':>8} {'req/whole-s':>11} {'growth N->2N':>12}")
-    peer = None
-    for e in [int(x) for x in args.engines.split(",")]:
-        cfg, rate = _config(args.config, e, args.requests, args.rate_per_engine)
-        layout = build_system(cfg, SimSettings(system="paraflex"))
-        w1, n1, ev1, t1 = _time(cfg, rate, layout)
-        cfg2, _ = _config(args.config, e, 2 * args.requests, args.rate_per_engine)
-        w2, n2, ev2, t2 = _time(cfg2, rate, layout)
-        for w, n, ev, t, g in ((w1, n1, ev1, t1, ""), (w2, n2, ev2, t2, f"{w2 / w1:.2f}x run")):
-            print(f"{e:>7} {e * cfg.cluster.tp:>5} {n:>8} {ev:>9} {w:>7.2f} {n / w:>9.1f} {ev / w:>9.0f} "
-                  f"{t:>8.2f} {n / t:>11.1f} {g:>12}")
-        if peer is None:
-            wp, _, _, _ = _time(cfg, rate, layout, loop=SortingEventLoop())
-            peer = (e, w1, wp, n1)
-    e, heap_w, sort_w, n = peer
-    print(f"\npeer ({e} engines, {n} requests, same run): heap loop {heap_w:.2f} s vs sort-every-pop loop {sort_w:.2f} s "
-          f"-> heap is {sort_w / heap_w:.2f}x faster")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"machine: {platform.machine()} {os.cpu_count()} cores (shared, load average {load:.1f} at start), "
+          f"python {platform.python_version()}")
+    print(f"{'req/s/eng':>9} {'engines':>7} {'GPUs':>5} {'requests':>8} {'events':>7} {'ev/req':>6} {'run s':>6} "
+          f"{'req/run-s':>9} {'whole s':>7} {'req/whole-s':>11} {'req/cpu-s':>9} {'growth':>6} | {'step-by-step':>12} "
+          f"{'ev/req':>6} {'req/whole-s':>11} {'req/cpu-s':>9} {'speed-up':>8} {'cpu':>6} {'same':>4}")
+    sort_peer = None
+    for rpe in [float(x) for x in args.rates.split(",")]:
+        for e in [int(x) for x in args.engines.split(",")]:
+            cfg, rate = _config(args.config, e, args.requests, rpe)
+            layout = build_system(cfg, SimSettings(system="paraflex"))
+            first = None
+            for mult in (1, 2):
+                cfg_n, _ = _config(args.config, e, mult * args.requests, rpe)
+                w, whole, cpu, res = _run(cfg_n, rate, layout)
+                pw, pwhole, pcpu, peer = _run(cfg_n, rate, layout, fast_forward=False)
+                n, ev, pev = res.summary["requests"], res.summary["events"], peer.summary["events"]
+                growth = f"{w / first:.2f}x" if first else ""
+                first = first or w
+                print(f"{rpe:>9g} {e:>7} {e * cfg.cluster.tp:>5} {n:>8} {ev:>7} {ev / n:>6.0f} {w:>6.2f} {n / w:>9.0f} "
+                      f"{whole:>7.2f} {n / whole:>11.0f} {n / cpu:>9.0f} {growth:>6} | {pwhole:>11.2f}s {pev / n:>6.0f} "
+                      f"{n / pwhole:>11.0f} {n / pcpu:>9.0f} {pwhole / whole:>7.2f}x {pcpu / cpu:>5.2f}x "
+                      f"{'yes' if _same(res, peer) else 'NO':>4}")
+                if sort_peer is None:
+                    sw, _, _, _ = _run(cfg_n, rate, layout, fast_forward=False, loop=SortingEventLoop())
+                    sort_peer = (rpe, e, n, pw, sw)
+    rpe, e, n, heap_w, sort_w = sort_peer
+    print(f"\nloop peer ({e} engine(s), {rpe:g} req/s per engine, {n} requests, same run, fast-forward off): heap loop "
+          f"{heap_w:.2f} s vs sort-every-pop loop {sort_w:.2f} s -> heap is {sort_w / heap_w:.2f}x faster")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"load average at the end: {load:.1f}")
     return 0
 
 

@@ -171,8 +171,9 @@ class BlockPool:
         free = self._free
         if total > len(free):
             raise PoolExhausted(f"need {total} KV blocks for {alloc.owner!r}, {len(free)} free")
-        for layer in alloc.table:
-            layer.extend(free.take(per_layer))
+        ids = free.take(total)  # the ids per-layer takes would pop, layer after layer
+        for i, layer in enumerate(alloc.table):
+            layer.extend(ids[i * per_layer:(i + 1) * per_layer])
         alloc.blocks_per_layer += per_layer
         self._used_by[alloc.group] = self._used_by.get(alloc.group, 0) + total
         return total

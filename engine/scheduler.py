@@ -93,30 +93,34 @@ get KV is served within L + Q decisions, whatever other models do. Within a queu
 request/batch goes first, and a first-stage decode batch takes up to `max_batch_size` of them. A chatty small model beside
 a large one therefore cannot hold back the large model's under-sized decode batches for ever
 (tests/test_scheduler_starvation.py).
+
+Files: this module holds `EngineScheduler` (events in, `schedule`, `complete`, queries); its
+mixins hold one job each: queue ordering and starvation (engine/queue_heaps.py), KV fitting and
+swap planning (engine/kv_planning.py), batch formation (engine/batch_forming.py) and the
+simulator's bulk decode advance (engine/bulk_advance.py); engine/queues.py has the queue types,
+engine/scheduled.py what `schedule` and `complete` return.
 """
 
 from __future__ import annotations
 
-from bisect import insort
 from collections import OrderedDict
-from heapq import heapify, heappop, heappush
-from itertools import count
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
 
 from paraflex.errors import ConfigError, ParaflexError, UserError
+from paraflex.engine.batch_forming import BatchForming
 from paraflex.engine.block_pool import BlockPool, tokens_per_block
+from paraflex.engine.bulk_advance import BulkAdvance
+from paraflex.engine.kv_planning import KVPlanning
 from paraflex.engine.messages import (
     DECODE,
-    MIXED,
     PREFILL,
     BatchMessage,
-    DecodeEntry,
     FreeMessage,
-    PrefillEntry,
     TokenEntry,
     TokenMessage,
 )
+from paraflex.engine.queue_heaps import QueueHeaps
+from paraflex.engine.queues import PendingBatch, Queue, ResidentStage
 from paraflex.engine.request import (
     ABORTED,
     BLOCKED,
@@ -128,195 +132,16 @@ from paraflex.engine.request import (
     WAITING_PREFILL,
     StageRequest,
 )
+from paraflex.engine.scheduled import Completion, ProtocolError, ScheduledBatch, ScheduledRequest
 
-_TICK = count()  # unique tie-break for the ages heap
+# the engine core's scheduler API, importable from here as before the split into mixins
+__all__ = ["Completion", "EngineScheduler", "PendingBatch", "ProtocolError", "Queue", "ResidentStage",
+           "ScheduledBatch", "ScheduledRequest"]
+
 _GONE_MEMORY = 100_000  # ids of finished/aborted requests remembered to drop late messages
 
 
-class ProtocolError(ParaflexError):
-    """A driver broke the driving protocol (unknown stage, duplicate request, bad message)."""
-
-
-@dataclass
-class ResidentStage:
-    """One stage of one model resident on this engine, with its queues."""
-
-    model: str
-    stage: int
-    num_layers: int
-    kv_bytes_per_token_per_layer: int
-    num_stages: int
-    tokens_per_block: int = 0
-    # first stage: requests; later stages: PendingBatch objects; all sorted by arrival key
-    prefill_q: "Queue" = field(default=None, repr=False)
-    decode_q: "Queue" = field(default=None, repr=False)  # first stage: ready decodes; later: under-sized batches
-    full_q: "Queue" = field(default=None, repr=False)  # later stages: full decode batches
-    inflight: dict[str, int] = field(default_factory=dict, repr=False)  # first stage: batch_id -> requests awaiting a token
-    key: tuple[str, int] = field(init=False, repr=False)
-    is_first: bool = field(init=False, repr=False)
-    is_last: bool = field(init=False, repr=False)
-
-    def __post_init__(self):
-        self.key = (self.model, self.stage)
-        self.is_first = self.stage == 0
-        self.is_last = self.stage == self.num_stages - 1
-
-    def queues(self) -> tuple["Queue", ...]:
-        return (self.prefill_q, self.decode_q) if self.is_first else (self.full_q, self.decode_q, self.prefill_q)
-
-
-class Queue:
-    """Items sorted by arrival key, plus the decision index it last was served/became non-empty.
-
-    Every change of `since` also goes on the engine's `ages` heap, so that finding starving
-    queues costs O(1) per decision while none starves.
-    """
-
-    __slots__ = ("items", "since", "stage", "name", "owner", "reg")
-
-    def __init__(self, stage: ResidentStage, name: str, owner: "EngineScheduler"):
-        self.items: list = []
-        self.since = 0
-        self.stage = stage
-        self.name = name
-        self.owner = owner
-        self.reg: tuple | None = None  # (class, head key, tick) of its live entry in a class heap
-
-    def touch(self, decision: int) -> None:
-        """Mark the queue served (or newly non-empty) at `decision`."""
-        self.since = decision
-        heappush(self.owner._ages, (decision, next(_TICK), self))
-
-    def push(self, item, decision: int) -> None:
-        if not self.items:
-            self.touch(decision)
-        insort(self.items, item, key=_key)
-        if self.items[0] is item or self.owner._classify_on_len:
-            self.owner._requeue(self)
-
-    def pop_front(self, n: int) -> None:
-        del self.items[:n]
-        self.owner._requeue(self)
-
-    def remove(self, item) -> None:
-        self.items.remove(item)
-        self.owner._requeue(self)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __repr__(self) -> str:
-        return f"Queue({self.stage.model}/{self.stage.stage}.{self.name}, {len(self.items)})"
-
-
-def _key(item):
-    return item.key
-
-
-class PendingBatch:
-    """A batch received from upstream at a later stage, kept whole until it runs."""
-
-    __slots__ = ("msg", "prefills", "decodes", "key", "seq", "rows", "dropped", "queue")
-
-    def __init__(self, msg: BatchMessage, seq: int):
-        self.msg = msg
-        self.prefills: list[tuple[StageRequest, PrefillEntry]] = []
-        self.decodes: list[tuple[StageRequest, DecodeEntry]] = []
-        self.seq = seq
-        self.key = (float("inf"), seq)
-        self.rows: list[tuple[int, int]] = []  # received tensor rows of each live member
-        self.dropped = False
-        self.queue: Queue | None = None  # the queue it waits in
-
-    def members(self) -> list[StageRequest]:
-        return [r for r, _ in self.prefills] + [r for r, _ in self.decodes]
-
-    def __len__(self) -> int:
-        return len(self.prefills) + len(self.decodes)
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request in a scheduled batch: what the worker computes for it."""
-
-    req_id: str
-    kind: str  # "prefill" (a prompt chunk) | "decode"
-    start_pos: int  # position of the first new token
-    num_tokens: int  # new tokens this step
-    context_len: int  # tokens with KV here after this step (attention span)
-    block_table: list[list[int]]  # [layer][logical block] -> device block; read-only, valid until complete()
-    token_ids: list[int] | None = None  # first stage: input token ids of this step (None in the simulator)
-    samples: bool = False  # last stage: this step produces a token
-    sampling: dict | None = None  # sampling params as a dict (last stage needs them)
-
-
-@dataclass
-class ScheduledBatch:
-    """A batch for the worker (or the simulator's cost model) to execute."""
-
-    batch_id: str
-    model: str
-    stage: int
-    kind: str  # "prefill" | "decode" | "mixed"
-    requests: list[ScheduledRequest]
-    num_layers: int
-    is_first: bool
-    is_last: bool
-    block_bytes: int
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), run first
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block), run second
-    message: BatchMessage | None = None  # for stage + 1; None on the last stage
-    src_rows: list[tuple[int, int]] | None = None  # later stages: rows [a, b) of the received tensors to keep, in order; None = all
-    formed_at: float = 0.0
-
-    @property
-    def req_ids(self) -> list[str]:
-        return [r.req_id for r in self.requests]
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.requests)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.requests)
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.requests if r.kind == PREFILL)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for r in self.requests if r.kind == DECODE)
-
-    @property
-    def total_context(self) -> int:
-        """Sum of decode requests' context lengths (what a decode step's attention reads)."""
-        return sum(r.context_len for r in self.requests if r.kind == DECODE)
-
-    @property
-    def swap_out_bytes(self) -> int:
-        return len(self.swap_out) * self.block_bytes
-
-    @property
-    def swap_in_bytes(self) -> int:
-        return len(self.swap_in) * self.block_bytes
-
-
-@dataclass
-class Completion:
-    """What `complete` reports back to the driver."""
-
-    batch_id: str
-    token_message: TokenMessage | None = None  # last stage: send to the first stage
-    finished: list[str] = field(default_factory=list)  # finished here: send FreeMessage to the other stages
-    aborted: list[str] = field(default_factory=list)  # aborts that waited for this batch to end
-
-    def free_message(self, model: str) -> FreeMessage | None:
-        return FreeMessage(model, list(self.finished), "finished") if self.finished else None
-
-
-class EngineScheduler:
+class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
     """Per-engine scheduler over resident stages and one block pool (see module docstring)."""
 
     def __init__(
@@ -367,6 +192,7 @@ class EngineScheduler:
         self._chunk_keys: dict[str, tuple] = {}  # later stages: req_id -> key of the batch with its latest chunk
         self._seq = 0
         self._batch_seq = 0
+        self._last_pick: tuple | None = None  # (class, head key, queue) of the last policy pick; None if promoted
         self.decisions = 0
         self.stats = {"swap_out_blocks": 0, "swap_in_blocks": 0, "swap_outs": 0, "swap_ins": 0, "starvation_promotions": 0}
 
@@ -556,6 +382,7 @@ class EngineScheduler:
     def schedule(self, now: float = 0.0) -> ScheduledBatch | None:
         """The next batch to run on this engine, or None if nothing can run now."""
         batch = None
+        self._last_pick = None
         if self.starvation_limit != 0:
             batch = self._serve_starving(now)
         if batch is None:
@@ -611,6 +438,16 @@ class EngineScheduler:
         if st.is_last:
             done.token_message = TokenMessage(batch.model, batch.batch_id, entries)
         return done
+
+    def has_queued(self, model: str) -> bool:
+        """Whether this engine's stage of `model` has work waiting in a queue."""
+        st = self.stage_of(model)
+        return any(q.items for q in st.queues())
+
+    @property
+    def has_swapped(self) -> bool:
+        """Whether some request's KV on this engine is in the host pool."""
+        return bool(self._swapped)
 
     # ------------------------------------------------------------------ queries
     def state_of(self, req_id: str) -> str | None:
@@ -716,318 +553,3 @@ class EngineScheduler:
     def _next_batch_id(self, st: ResidentStage) -> str:
         self._batch_seq += 1
         return f"{st.model}/e{self.engine_id}/{self._batch_seq}"
-
-    # --- KV: fit a set of (request, target context) pairs, evicting if allowed ---------------
-    @staticmethod
-    def _blocks_needed(st: ResidentStage, req: StageRequest, target: int) -> int:
-        """Device blocks `req` needs to cover `target` tokens (all of them if swapped out)."""
-        alloc = req.alloc
-        if alloc is None:
-            return -(-target // st.tokens_per_block) * st.num_layers
-        per_layer = -(-target // alloc.tokens_per_block)
-        if not alloc.on_host:
-            per_layer -= alloc.blocks_per_layer
-        return per_layer * alloc.num_layers if per_layer > 0 else 0
-
-    def _make_room(self, need: int, exclude: set[str], swap_out: list) -> bool:
-        """Evict until `need` device blocks are free; all-or-nothing. Appends to swap_out."""
-        pool = self.pool
-        deficit = need - pool.num_free
-        if deficit <= 0:
-            return True
-        host_free = pool.host_num_free
-        occupancy = {st.key: pool.used_by(st.key) for st in self.stages}
-        cands: dict[tuple[str, int], list[tuple[StageRequest, int]]] = {}
-        for req in self._reqs.values():
-            if req.state not in (BLOCKED, WAITING_DECODE) or req.req_id in exclude or req.prefilled < req.prompt_len:
-                continue  # running, prefilling (a chunked prompt between chunks too) or in this batch
-            alloc = req.alloc
-            if alloc is None or alloc.on_host or not alloc.num_blocks:
-                continue
-            cands.setdefault((req.model, req.stage), []).append((req, alloc.num_blocks))
-        # within a stage: blocked before waiting-decode, newest first -> pop from the end
-        for lst in cands.values():
-            lst.sort(key=lambda c: (c[0].state == BLOCKED, c[0].key))
-        victims = []
-        while deficit > 0 and cands:
-            key = max(cands, key=lambda k: (occupancy[k], k))
-            lst = cands[key]
-            req, n = lst.pop()
-            if not lst:
-                del cands[key]
-            if n > host_free:
-                continue
-            victims.append(req)
-            deficit -= n
-            host_free -= n
-            occupancy[key] -= n
-        if deficit > 0:
-            return False
-        for req in victims:
-            plan = pool.swap_out(req.req_id)
-            swap_out.extend(plan)
-            self.stats["swap_out_blocks"] += len(plan)
-            self.stats["swap_outs"] += 1
-            req.transition(SWAPPED_BLOCKED if req.state == BLOCKED else SWAPPED_DECODE)
-            self._swapped.add(req)
-        return True
-
-    def _swap_in_ahead(self, batch: ScheduledBatch) -> None:
-        """Space freed: bring swapped requests back, oldest first, while `headroom` stays free.
-
-        The copies ride on `batch.swap_in` (the worker runs them before the batch). Stops at
-        the first request that does not fit, so younger ones never overtake older ones.
-        """
-        pool = self.pool
-        if pool.num_free <= self.headroom_blocks:
-            return
-        for req in sorted(self._swapped, key=_key):
-            n = req.alloc.num_blocks
-            if pool.num_free - n < self.headroom_blocks:
-                break
-            plan = pool.swap_in(req.req_id)
-            batch.swap_in.extend(plan)
-            self.stats["swap_in_blocks"] += len(plan)
-            self.stats["swap_ins"] += 1
-            req.transition(BLOCKED if req.state == SWAPPED_BLOCKED else WAITING_DECODE)
-            self._swapped.discard(req)
-
-    def _fit(self, st: ResidentStage, members: list[tuple[StageRequest, int]], allow_evict: bool,
-             swap_out: list, swap_in: list) -> bool:
-        """Give every (request, target context) KV; swap in swapped members. False: nothing changed."""
-        pool = self.pool
-        need = 0
-        blocks_needed = self._blocks_needed
-        for req, target in members:
-            need += blocks_needed(st, req, target)
-        if need > pool.num_free:
-            if not allow_evict or need > pool.capacity:
-                return False
-            if not self._make_room(need, {r.req_id for r, _ in members}, swap_out):
-                return False
-        for req, target in members:
-            alloc = req.alloc
-            if alloc is None:
-                alloc = req.alloc = pool.open(req.req_id, st.key, st.num_layers, st.tokens_per_block)
-            elif alloc.on_host:
-                plan = pool.swap_in(req.req_id)
-                swap_in.extend(plan)
-                self.stats["swap_in_blocks"] += len(plan)
-                self.stats["swap_ins"] += 1
-                req.transition(WAITING_DECODE)
-                self._swapped.discard(req)
-            pool.grow(alloc, target)
-        return True
-
-    # --- batch formers (policies call these) ------------------------------------------------
-    def try_first_decode(self, st: ResidentStage, limit: int, now: float,
-                         prefill_budget: int = 0) -> ScheduledBatch | None:
-        """First stage: a decode batch of the oldest ready requests, shrunk until KV fits.
-
-        With `prefill_budget` > 0 (Sarathi) prompt chunks fill the rest of the token budget.
-        """
-        q = st.decode_q
-        take = q.items[:limit]
-        swap_out: list = []
-        swap_in: list = []
-        while take:
-            if self._fit(st, [(r, r.context_len + 1) for r in take], True, swap_out, swap_in):
-                break
-            take.pop()
-        chunks = self._take_chunks(st, prefill_budget - len(take), swap_out, swap_in) if prefill_budget > 0 else []
-        if not take and not chunks:
-            return None
-        if take:
-            q.pop_front(len(take))
-            q.touch(self.decisions)
-        return self._form_first(st, chunks, take, now, swap_out, swap_in)
-
-    def try_first_prefill(self, st: ResidentStage, now: float, budget: int, max_requests: int) -> ScheduledBatch | None:
-        """First stage: admit the oldest waiting prompts (whole) under the budget, into free KV."""
-        q = st.prefill_q
-        if not q.items:
-            return None
-        chosen: list[StageRequest] = []
-        tokens = 0
-        need = self.watermark_blocks + self.pool.host_num_used  # swapped requests keep their room
-        for req in q.items:
-            if len(chosen) >= max_requests or (chosen and tokens + req.prompt_len > budget):
-                break
-            n = self._blocks_needed(st, req, req.prompt_len)
-            if need + n > self.pool.num_free:
-                break
-            chosen.append(req)
-            tokens += req.prompt_len
-            need += n
-        if not chosen:
-            return None
-        swap_out: list = []
-        swap_in: list = []
-        ok = self._fit(st, [(r, r.prompt_len) for r in chosen], False, swap_out, swap_in)
-        assert ok, "prefill admission checked free blocks"
-        q.pop_front(len(chosen))
-        q.touch(self.decisions)
-        return self._form_first(st, [(r, r.prefilled, r.prompt_len - r.prefilled) for r in chosen], [], now, swap_out, swap_in)
-
-    def _take_chunks(self, st: ResidentStage, budget: int, swap_out: list, swap_in: list) -> list:
-        """Sarathi: prompt chunks of the oldest waiting prompts filling `budget` tokens."""
-        q = st.prefill_q
-        if budget <= 0 or not q.items:
-            return []
-        chunks = []
-        for req in list(q.items):
-            if budget <= 0:
-                break
-            n = min(budget, req.prompt_len - req.prefilled)
-            target = req.prefilled + n
-            if self._blocks_needed(st, req, target) + self.watermark_blocks + self.pool.host_num_used > self.pool.num_free:
-                break
-            self._fit(st, [(req, target)], False, swap_out, swap_in)
-            q.remove(req)
-            chunks.append((req, req.prefilled, n))
-            budget -= n
-        if chunks:
-            q.touch(self.decisions)
-        return chunks
-
-    def _form_first(self, st: ResidentStage, chunks: list, decodes: list[StageRequest], now: float,
-                    swap_out: list, swap_in: list) -> ScheduledBatch:
-        batch_id = self._next_batch_id(st)
-        kind = MIXED if chunks and decodes else (PREFILL if chunks else DECODE)
-        reqs = []
-        pentries = []
-        dentries = []
-        pool = self.pool
-        for req, start, n in chunks:
-            req.transition(RUNNING)
-            end = start + n
-            toks = req.token_ids[start:end] if req.token_ids is not None else None
-            reqs.append(ScheduledRequest(req.req_id, PREFILL, start, n, end, req.alloc.table, toks,
-                                         st.is_last and end == req.prompt_len, req.sampling))
-            pentries.append(PrefillEntry(req.req_id, start, n, req.prompt_len, req.max_new_tokens, req.arrival,
-                                         req.token_ids[: req.prompt_len] if start == 0 and req.token_ids is not None else None,
-                                         req.sampling if start == 0 else None))
-        for req in decodes:
-            req.transition(RUNNING)
-            pos = req.context_len
-            tok = req.token_ids[-1] if req.token_ids is not None else None
-            reqs.append(ScheduledRequest(req.req_id, DECODE, pos, 1, pos + 1, req.alloc.table,
-                                         [tok] if tok is not None else None, st.is_last, req.sampling))
-            dentries.append(DecodeEntry(req.req_id, tok, pos))
-        msg = None if st.is_last else BatchMessage(st.model, st.stage + 1, batch_id, kind, pentries, dentries, now)
-        return ScheduledBatch(batch_id, st.model, st.stage, kind, reqs, st.num_layers, True, st.is_last,
-                              pool.block_bytes, swap_out, swap_in, msg, None, now)
-
-    def try_pending(self, st: ResidentStage, q: Queue, now: float) -> ScheduledBatch | None:
-        """Later stage: run the oldest received batch of queue `q` whole, if its KV fits."""
-        if not q.items:
-            return None
-        pb = q.items[0]
-        for req, e in pb.prefills:
-            if req.state != WAITING_PREFILL or req.prefilled != e.start:
-                return None  # an earlier chunk of this request has not run here yet
-        members = [(r, e.start + e.num_tokens) for r, e in pb.prefills] + [(r, e.position + 1) for r, e in pb.decodes]
-        whole = sum(-(-t // st.tokens_per_block) for _, t in members) * st.num_layers
-        if whole > self.pool.capacity:
-            raise ProtocolError(
-                f"engine {self.engine_id}: batch {pb.msg.batch_id} of {st.model} stage {st.stage} needs {whole} KV blocks, "
-                f"the pool holds {self.pool.capacity}; give this engine KV for max_batch_size requests of full context"
-            )
-        swap_out: list = []
-        swap_in: list = []
-        if not self._fit(st, members, True, swap_out, swap_in):
-            return None
-        q.pop_front(1)
-        q.touch(self.decisions)
-        reqs = []
-        pool = self.pool
-        for req, e in pb.prefills:
-            req.transition(RUNNING)
-            end = e.start + e.num_tokens
-            reqs.append(ScheduledRequest(req.req_id, PREFILL, e.start, e.num_tokens, end, req.alloc.table,
-                                         None, st.is_last and end == req.prompt_len, req.sampling))
-        for req, e in pb.decodes:
-            req.transition(RUNNING)
-            reqs.append(ScheduledRequest(req.req_id, DECODE, e.position, 1, e.position + 1, req.alloc.table,
-                                         None, st.is_last, req.sampling))
-        msg = None
-        src = pb.msg
-        if not st.is_last:
-            msg = BatchMessage(src.model, st.stage + 1, src.batch_id, src.kind, [e for _, e in pb.prefills],
-                               [e for _, e in pb.decodes], src.formed_at)
-        return ScheduledBatch(src.batch_id, st.model, st.stage, src.kind, reqs, st.num_layers, False, st.is_last,
-                              pool.block_bytes, swap_out, swap_in, msg, list(pb.rows) if pb.dropped else None, now)
-
-    # --- class heaps: each policy class keeps its non-empty queues ordered by head key -------
-    def _requeue(self, q: Queue) -> None:
-        """Re-register `q` in its policy class heap after its head or size changed."""
-        if not q.items:
-            q.reg = None
-            return
-        cls = self.policy.classify(self, q)
-        key = q.items[0].key
-        reg = q.reg
-        if reg is not None and reg[0] == cls and reg[1] == key:
-            return
-        tick = next(_TICK)
-        q.reg = (cls, key, tick)
-        heap = self._heaps[cls]
-        heappush(heap, (key, tick, q))
-        if len(heap) > 4 * (len(self.stages) + 16):
-            heap[:] = [e for e in heap if e[2].reg is not None and e[2].reg[2] == e[1]]
-            heapify(heap)
-
-    def pick_from_class(self, cls: int, now: float) -> ScheduledBatch | None:
-        """Try the queues of one policy class, oldest head first; the first batch formed wins."""
-        heap = self._heaps[cls]
-        attempt = self.policy.attempt
-        skipped = []
-        batch = None
-        while heap:
-            entry = heap[0]
-            reg = entry[2].reg
-            if reg is None or reg[2] != entry[1]:
-                heappop(heap)  # stale: the queue changed since
-                continue
-            batch = attempt(self, entry[2], now)
-            if batch is not None:
-                break
-            skipped.append(heappop(heap))
-        for entry in skipped:
-            heappush(heap, entry)
-        return batch
-
-    @property
-    def effective_starvation_limit(self) -> int:
-        """`starvation_limit`, or when it is None: max(64, 4 x the number of queues)."""
-        if self.starvation_limit is not None:
-            return self.starvation_limit
-        return self._starvation_auto
-
-    def _serve_starving(self, now: float) -> ScheduledBatch | None:
-        ages = self._ages
-        # drop stale heap entries (the queue was touched again, or emptied) from the top
-        while ages and (ages[0][2].since != ages[0][0] or not ages[0][2].items):
-            heappop(ages)
-        if len(ages) > 8 * (len(self.stages) + 8):
-            ages[:] = [a for a in ages if a[2].since == a[0] and a[2].items]
-            heapify(ages)
-        limit = self.effective_starvation_limit
-        d = self.decisions
-        if not ages or d - ages[0][0] <= limit:
-            return None
-        popped = {}  # id(queue) -> its live entry (a queue touched twice in one decision: keep one)
-        while ages and d - ages[0][0] > limit:
-            entry = heappop(ages)
-            if entry[2].since == entry[0] and entry[2].items:
-                popped[id(entry[2])] = entry
-        batch = None
-        for q in sorted((e[2] for e in popped.values()), key=lambda q: q.items[0].key):
-            batch = self.policy.attempt(self, q, now)
-            if batch is not None:
-                self.stats["starvation_promotions"] += 1
-                break
-        for entry in popped.values():  # still starving (the served queue got a fresh entry)
-            if entry[2].since == entry[0] and entry[2].items:
-                heappush(ages, entry)
-        return batch

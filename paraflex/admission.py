@@ -1,7 +1,7 @@
 """Admission checks for one generation request, before any engine sees it.
 
 Shared by the in-process runtime (`paraflex.runtime.LLMCluster.submit`) and the Ray backend
-(`paraflex.serving.RayBackend`): the model must be served, the prompt non-empty and inside
+(`paraflex.ray_backend.RayBackend`): the model must be served, the prompt non-empty and inside
 the vocabulary, and prompt + max_tokens inside the model's context. Each failure is a
 `UserError` naming the field and the fix (the gateway turns it into a 400).
 """

@@ -16,8 +16,10 @@ from __future__ import annotations
 from paraflex.costmodel import CostModel
 from paraflex.engine.block_pool import BlockPool
 from paraflex.engine.dispatcher import Dispatcher
+from paraflex.engine.messages import DECODE
 from paraflex.engine.scheduler import EngineScheduler
 from paraflex.simulator.events import BatchArrivalEvent, EngineWakeupEvent, StageEndEvent, TokenArrivalEvent
+from paraflex.simulator.fast_forward import DecodeFastForward
 from paraflex.simulator.sim_engine import SimEngine, StageInfo
 
 
@@ -29,6 +31,7 @@ class Cluster:
         self.loop = loop
         self.metrics = metrics
         self.check = settings.check_invariants
+        self.local_tokens_direct = settings.fast_forward  # see _emit_tokens
         placement = layout.placement
         cl, sc = config.cluster, config.scheduler
         self.interconnect = cl.interconnect()
@@ -63,7 +66,16 @@ class Cluster:
         self.replicas = {name: mp.replicas for name, mp in placement.models.items()}
         self.dispatcher = Dispatcher({name: len(r) for name, r in self.replicas.items()})
         self.records: dict[str, object] = {}
+        # times of the heap events of each (model, replica): the decode fast-forward's horizon
+        self.route_pending: dict[tuple[str, int], list[float]] = {
+            (name, rho): [] for name, routes in self.replicas.items() for rho in range(len(routes))}
         self.woken: list[SimEngine] = []
+        self.fast_forward: DecodeFastForward | None = None
+
+    def enable_fast_forward(self, requests) -> None:
+        """Replay undisturbed decode cycles in closed form (fast_forward.py); `requests` are
+        all the run's requests, whose arrival times bound each replay."""
+        self.fast_forward = DecodeFastForward(self, requests)
 
     # --- helpers ------------------------------------------------------------------------
     def _wake(self, eng: SimEngine, t: float) -> None:
@@ -103,36 +115,50 @@ class Cluster:
         sb = eng.scheduler.schedule(t)
         if sb is None:
             return
+        ff = self.fast_forward
+        if ff is not None and sb.is_first and sb.kind == DECODE and not sb.swap_in and not sb.swap_out:
+            t_next = ff.advance(eng, sb, t)
+            if t_next is not None:  # the batch's requests are back in the decode queue at t_next
+                t = t_next
+                sb = eng.scheduler.schedule(t)
         swapped = len(sb.swap_out) + len(sb.swap_in)
         if swapped:
             self.metrics.swap(len(sb.swap_out) * eng.block_bytes, len(sb.swap_in) * eng.block_bytes)
         run, decodes, tokens = eng.batch_time(eng.stages[sb.model], sb)
         eng.busy = True
-        self.loop.schedule(StageEndEvent(t + eng.swap_time(swapped) + run, eng, sb, t, decodes, tokens))
+        end = t + eng.swap_time(swapped) + run
+        eng.pending.append(end)
+        self.route_pending[(sb.model, eng.stages[sb.model].replica)].append(end)
+        self.loop.schedule(StageEndEvent(end, eng, sb, t, decodes, tokens))
 
     def stage_done(self, eng: SimEngine, sb, start: float, t: float, decodes: int, tokens: int) -> None:
         eng.busy = False
+        info = eng.stages[sb.model]
+        eng.pending.remove(t)
+        route_pending = self.route_pending[(sb.model, info.replica)]
+        route_pending.remove(t)
         self.metrics.batch(eng.id, start, t, decodes == 0, len(sb.requests), tokens)
         done = eng.scheduler.complete(sb)
-        info = eng.stages[sb.model]
         if not info.last:
             nbytes = CostModel.hidden_bytes(info.arch, tokens)
             self.metrics.hop(nbytes)
-            self.loop.schedule(BatchArrivalEvent(t + self.interconnect.transfer_time(nbytes),
-                                                 self.engines[info.next_engine], sb.message))
+            nxt = self.engines[info.next_engine]
+            at = t + self.interconnect.transfer_time(nbytes)
+            nxt.pending.append(at)
+            route_pending.append(at)
+            self.loop.schedule(BatchArrivalEvent(at, nxt, sb.message))
         else:
-            self._emit_tokens(eng, info, done, t)
+            self._emit_tokens(eng, info, done, t, route_pending)
         if self.check:
             eng.scheduler.check()
         self._wake(eng, t)
 
-    def _emit_tokens(self, eng: SimEngine, info: StageInfo, done, t: float) -> None:
+    def _emit_tokens(self, eng: SimEngine, info: StageInfo, done, t: float, route_pending: list) -> None:
         """Last stage: record the tokens, free finished requests on the middle stages (the
         last stage freed them in complete(), the first stage frees them when the token
         message arrives) and send the tokens to the first stage."""
         records, metrics = self.records, self.metrics
-        for entry in done.token_message.entries:
-            metrics.token(records[entry.req_id], t)
+        metrics.tokens([records[entry.req_id] for entry in done.token_message.entries], t)
         if done.finished:
             route = self.replicas[info.model][info.replica]
             for rid in done.finished:
@@ -144,13 +170,28 @@ class Cluster:
                     e.scheduler.free(rid)
                 self._wake(e, t)
         first = self.engines[info.first_engine]
+        if first is eng and self.local_tokens_direct:
+            # A one-stage replica: the tokens are back at this instant. Step by step they would
+            # arrive in a TokenArrivalEvent after this instant's other stage ends and batch
+            # arrivals; none of those changes what receive_tokens does here or what this engine
+            # decides (it decides after all of them), so the results are the same. (If another
+            # stage end frees KV here at this instant, the freed blocks go back to the free list
+            # in the other order: later block ids may differ, no result depends on them.)
+            eng.scheduler.receive_tokens(done.token_message)
+            return
         delay = 0.0 if first is eng else self.interconnect.latency_s
+        first.pending.append(t + delay)
+        route_pending.append(t + delay)
         self.loop.schedule(TokenArrivalEvent(t + delay, first, done.token_message))
 
     def deliver_batch(self, eng: SimEngine, message, t: float) -> None:
+        eng.pending.remove(t)
+        self.route_pending[(message.model, eng.stages[message.model].replica)].remove(t)
         eng.scheduler.receive_batch(message)
         self._wake(eng, t)
 
     def deliver_tokens(self, eng: SimEngine, tokens, t: float) -> None:
+        eng.pending.remove(t)
+        self.route_pending[(tokens.model, eng.stages[tokens.model].replica)].remove(t)
         eng.scheduler.receive_tokens(tokens)
         self._wake(eng, t)

@@ -95,19 +95,27 @@ class MetricsStore:
         self.requests[rid] = rec
         return rec
 
-    def token(self, rec: RequestRecord, t: float) -> None:
-        k = rec.tokens
-        if k == 0:
-            rec.first_token = t
-        else:
-            gap = t - rec.last_token
-            self.tbt[rec.model].append(gap)
-            if gap > rec.max_tbt:
-                rec.max_tbt = gap
-        if t <= rec.arrival + rec.ttft_slo + k * rec.tbt_slo:
-            rec.on_time += 1
-        rec.last_token = t
-        rec.tokens = k + 1
+    def tokens(self, recs: list[RequestRecord], t: float) -> None:
+        """One token for each of `recs` at `t`."""
+        self.token_steps(recs, (t,))
+
+    def token_steps(self, recs: list[RequestRecord], times) -> None:
+        """For each time in order: one token for each of `recs` (the fast-forward's replay)."""
+        tbt = self.tbt
+        for t in times:
+            for rec in recs:
+                k = rec.tokens
+                if k == 0:
+                    rec.first_token = t
+                else:
+                    gap = t - rec.last_token
+                    tbt[rec.model].append(gap)
+                    if gap > rec.max_tbt:
+                        rec.max_tbt = gap
+                if t <= rec.arrival + rec.ttft_slo + k * rec.tbt_slo:
+                    rec.on_time += 1
+                rec.last_token = t
+                rec.tokens = k + 1
 
     def finish(self, rec: RequestRecord, t: float) -> None:
         rec.finish = t
@@ -126,6 +134,21 @@ class MetricsStore:
         else:
             self.decode_batches += 1
             self.decode_batch_sizes.append(size)
+
+    def decode_run(self, engine: int, start: float, ends: list[float], size: int) -> None:
+        """Back-to-back decode batches of `size` requests on one engine, the first starting at
+        `start`, each ending at `ends[i]` and the next starting there: `batch` for each."""
+        b = self.busy[engine]
+        if b and b[-1] >= start:
+            b[-1] = ends[-1]
+        else:
+            b.append(start)
+            b.append(ends[-1])
+        k = len(ends)
+        self.batches += k
+        self.batch_tokens += size * k
+        self.decode_batches += k
+        self.decode_batch_sizes.extend([size] * k)
 
     def swap(self, out_bytes: int, in_bytes: int) -> None:
         if out_bytes:

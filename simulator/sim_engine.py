@@ -30,9 +30,11 @@ class StageInfo:
 
 
 class SimEngine:
-    """Timing wrapper around one engine's scheduler. `busy` while a stage executes."""
+    """Timing wrapper around one engine's scheduler. `busy` while a stage executes; `pending`
+    holds the times of the events on the heap addressed to it (stage ends, batch and token
+    arrivals), for the decode fast-forward's horizon."""
 
-    __slots__ = ("id", "scheduler", "pool", "cost", "stages", "busy", "wake_pending", "swap_Bps",
+    __slots__ = ("id", "scheduler", "pool", "cost", "stages", "busy", "wake_pending", "pending", "swap_Bps",
                  "block_bytes", "_decode_cache", "_prefill_cache")
 
     def __init__(self, engine_id: int, scheduler, pool, cost, stages: dict[str, StageInfo], swap_Bps: float):
@@ -43,6 +45,7 @@ class SimEngine:
         self.stages = stages
         self.busy = False
         self.wake_pending = False
+        self.pending: list[float] = []
         self.swap_Bps = swap_Bps
         self.block_bytes = pool.block_bytes
         self._decode_cache: dict = {}
@@ -63,14 +66,25 @@ class SimEngine:
         """CostModel.decode_time, computed as (everything but attention, cached per batch
         size) + layers x attention(context): the same sum, without redoing the linear part
         for every context length (tests check equality with the cost model)."""
+        return self._decode_rest(info, batch_size) + info.num_layers * self.cost.attention_decode_time(
+            info.arch, batch_size, total_context)
+
+    def decode_time_fn(self, info: StageInfo, batch_size: int):
+        """`decode_time(info, batch_size, ctx)` as a function of ctx alone (the same sum), for
+        the fast-forward's replay loop."""
+        rest, layers, arch = self._decode_rest(info, batch_size), info.num_layers, info.arch
+        attention = self.cost.attention_decode_time
+        return lambda ctx: rest + layers * attention(arch, batch_size, ctx)
+
+    def _decode_rest(self, info: StageInfo, batch_size: int) -> float:
         key = (info.model, batch_size)
         rest = self._decode_cache.get(key)
-        arch, layers = info.arch, info.num_layers
         if rest is None:
+            arch, layers = info.arch, info.num_layers
             full = self.cost.decode_time(arch, layers, batch_size, batch_size, first=info.first, last=info.last)
             rest = full - layers * self.cost.attention_decode_time(arch, batch_size, batch_size)
             self._decode_cache[key] = rest
-        return rest + layers * self.cost.attention_decode_time(arch, batch_size, total_context)
+        return rest
 
     def mixed_time(self, info: StageInfo, prefill_tokens: int, num_seqs: int, batch_size: int, total_context: int) -> float:
         """A Sarathi batch: prompt chunks and decodes share one pass through the weights, so

@@ -1,9 +1,10 @@
-"""The two-phase Ray transport: phase-1 wire format, gloo phase 2 between endpoints in one
-process (fake actor handles, so ordering can be forced), and a round trip between real Ray
-actors."""
+"""The two-phase Ray transport: phase-1 wire format, the slot table's pairing logic, gloo
+phase 2 between endpoints in one process (fake actor handles, so ordering can be forced; both
+the pre-posted slot way and the rendezvous way), and a round trip between real Ray actors."""
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -22,6 +23,7 @@ from paraflex.engine.transport_ray import (
     encode_phase1,
     start_store,
 )
+from paraflex.engine.transport_slots import SlotTable, pack, slot_views
 
 # ----------------------------------------------------------------------------- phase-1 wire
 
@@ -40,9 +42,9 @@ msgpack_values = st.recursive(
 def test_phase1_round_trip(meta, shapes, seq, kind):
     tensors = {f"t{i}": torch.zeros(s, dtype=torch.float16) for i, s in enumerate(shapes)} or None
     env = Envelope(src=3, dst=5, model="m", kind=kind, meta=meta, tensors=tensors)
-    back, specs, seq2, replica = decode_phase1(encode_phase1(env, seq, 2))
+    back, specs, seq2, replica, slots = decode_phase1(encode_phase1(env, seq, 2))
     assert (back.src, back.dst, back.model, back.kind, back.meta) == (3, 5, "m", kind, meta)
-    assert back.tensors is None and seq2 == seq and replica == 2
+    assert back.tensors is None and seq2 == seq and replica == 2 and slots is None
     if tensors:
         assert specs == [[n, "torch.float16", list(t.shape)] for n, t in tensors.items()]
     else:
@@ -68,6 +70,87 @@ def test_arrival_key_uses_batch_id_and_stage():
     assert arrival_key(t1, 1) != arrival_key(t2, 2)
 
 
+# ----------------------------------------------------------------------------- slot table
+
+class _Job:
+    def __init__(self, n: int) -> None:
+        self.bufs = [None] * n
+        self.missing = 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(plan=st.lists(st.tuples(st.sampled_from(["h0", "h1"]), st.integers(1, 3)), min_size=1,
+                     max_size=8),
+       order=st.randoms(use_true_random=False))
+def test_slot_table_pairs_claims_and_landings_in_any_order(plan, order):
+    """Every job gets exactly its own slots' buffers, whichever comes first, and is reported
+    complete exactly once."""
+    table = SlotTable()
+    for hop in ("h0", "h1"):
+        table.open(hop)
+    jobs, events, next_k = [], [], {"h0": 0, "h1": 0}
+    for hop, n in plan:
+        job, first = _Job(n), next_k[hop]
+        next_k[hop] += n
+        jobs.append((job, hop, first))
+        events.append(("claim", job, hop, first))
+        events += [("land", None, hop, first + i) for i in range(n)]
+    order.shuffle(events)
+    completed = []
+    for what, job, hop, k in events:
+        if what == "claim":
+            if table.claim(hop, k, job):
+                completed.append(job)
+        else:
+            done = table.land(hop, k, torch.tensor([k], dtype=torch.uint8) + (hop == "h1") * 100)
+            if done is not None:
+                completed.append(done)
+    assert sorted(map(id, completed)) == sorted(id(j) for j, _, _ in jobs)
+    for job, hop, first in jobs:
+        assert [int(b[0]) for b in job.bufs] == [first + i + (hop == "h1") * 100
+                                                 for i in range(len(job.bufs))]
+    assert table.pending() == (0, 0)
+
+
+def test_slot_table_close_fails_waiting_jobs_and_refuses_new_claims():
+    table = SlotTable()
+    table.open("h")
+    job = _Job(2)
+    assert not table.claim("h", 0, job)
+    table.land("h", 5, torch.zeros(1, dtype=torch.uint8))  # landed, never claimed
+    assert table.pending() == (1, 2)
+    assert table.close("h") == [job]
+    assert table.pending() == (0, 0)
+    with pytest.raises(RuntimeError, match="no slot receives are posted"):
+        table.claim("h", 2, _Job(1))
+
+
+def test_slot_views_are_typed_views_and_reject_a_too_small_slot():
+    buf = torch.arange(64, dtype=torch.uint8)
+    views = slot_views([("h", torch.float32, [2, 3]), ("r", torch.bool, [4])], [buf, buf], False)
+    assert views["h"].shape == (2, 3) and views["h"].data_ptr() == buf.data_ptr()
+    assert views["r"].tolist() == [False, True, True, True]
+    with pytest.raises(ValueError, match="does not fit"):
+        slot_views([("h", torch.float32, [20])], [buf], False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=st.lists(st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.bool,
+                                                  torch.int64]),
+                                 st.lists(st.integers(1, 7), min_size=1, max_size=3)),
+                       min_size=1, max_size=4))
+def test_packed_slot_round_trips_every_tensor(shapes):
+    tensors = [(torch.arange(math.prod(s)) % 5).to(dt).reshape(s) for dt, s in shapes]
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    packed = pack(tensors)
+    buf[:packed.numel()] = packed
+    specs = [(f"t{i}", t.dtype, list(t.shape)) for i, t in enumerate(tensors)]
+    views = slot_views(specs, [buf], True)
+    for i, t in enumerate(tensors):
+        assert views[f"t{i}"].dtype == t.dtype and torch.equal(views[f"t{i}"], t)
+        assert views[f"t{i}"].data_ptr() % 64 == 0
+
+
 # ----------------------------------------------------------------------------- in-process gloo
 
 class _FakeMethod:
@@ -75,7 +158,7 @@ class _FakeMethod:
         self.target, self.gate = target, gate
 
     def remote(self, payload: bytes) -> None:
-        env, _, _, _ = decode_phase1(payload)
+        env = decode_phase1(payload)[0]
         hold = self.gate.get(env.meta.get("batch"))
         if hold is not None:  # deliver this phase-1 call only when the test releases it
             threading.Thread(target=lambda: (hold.wait(10), self.target.deliver(payload)),
@@ -110,11 +193,16 @@ def _drain(t: RayTransport, n: int, timeout: float = 10.0) -> list[Envelope]:
     return got
 
 
+def _make_pair(**kw):
+    gate: dict = {}
+    ts = {0: RayTransport(0, **kw), 1: RayTransport(1, **kw)}
+    store = _connect_all(ts, [GroupSpec("a", 0, (0, 1)), GroupSpec("b", 0, (0, 1))], gate)
+    return ts, gate, store
+
+
 @pytest.fixture
 def pair():
-    gate: dict = {}
-    ts = {0: RayTransport(0), 1: RayTransport(1)}
-    store = _connect_all(ts, [GroupSpec("a", 0, (0, 1)), GroupSpec("b", 0, (0, 1))], gate)
+    ts, gate, store = _make_pair()
     yield ts, gate
     for t in ts.values():
         t.close()
@@ -188,6 +276,95 @@ def test_send_without_group_fails_fast_and_lane_failures_are_reported(pair):
     ts[0].send(_batch("a", 11, rows=1))
     got = _drain(ts[1], 1)
     assert [e.meta["batch"] for e in got] == [11] and errors == [("a", 0)]
+
+
+def test_batches_to_the_next_stage_go_into_preposted_slots(pair):
+    ts, gate = pair
+    release = threading.Event()
+    gate[1] = release  # phase 1 of batch 1 is held: its tensors land in the slots first
+    ts[0].send(_batch("a", 1, rows=3))
+    deadline = time.monotonic() + 10
+    while ts[1]._slots.pending()[0] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ts[1]._slots.pending() == (1, 0) and ts[1].recv_ready() == []  # packed: 1 slot
+    release.set()
+    (env,) = _drain(ts[1], 1)
+    _check(env)
+    assert ts[0]._groups[("a", 0)].next_slot == 1 and ts[1]._slots.pending() == (0, 0)
+
+
+def test_phase1_before_slot_data_holds_later_metadata_of_the_model(pair):
+    """Abort/free mid-flight: a free that arrives while a batch's tensors are still on the
+    way is released after that batch, never before it."""
+    ts, _ = pair
+    group = ts[0]._groups[("a", 0)]
+    batch = _batch("a", 4, rows=2)
+    first, group.next_slot = group.next_slot, group.next_slot + 2
+    ts[1].deliver(encode_phase1(batch, 0, 0, (0, first, False)))
+    ts[1].deliver(encode_phase1(Envelope(0, 1, "a", "free", {"request_ids": ["r"]}), 1, 0))
+    assert _drain(ts[1], 1, timeout=0.3) == [] and ts[1]._slots.pending() == (0, 2)
+    for work in group.send_slots(list(batch.tensors.values()), 1, first):
+        work.wait()
+    got = _drain(ts[1], 2)
+    assert [e.kind for e in got] == ["batch", "free"]
+    _check(got[0])
+
+
+def test_tensors_over_slot_bytes_take_the_rendezvous_way():
+    ts, _, store = _make_pair(slot_bytes=64)
+    try:
+        sent = [_batch("a", i, rows=[1, 40, 2, 9][i % 4]) for i in range(12)]  # 32 B .. 1.3 KB
+        for env in sent:
+            ts[0].send(env)
+        got = _drain(ts[1], len(sent))
+        assert sorted(e.meta["batch"] for e in got) == list(range(12))
+        for env in got:
+            _check(env)
+        small = sum(2 for e in sent if e.meta["rows"] * 8 * 4 <= 64)
+        assert ts[0]._groups[("a", 0)].next_slot == small == 12
+    finally:
+        for t in ts.values():
+            t.close()
+        del store
+
+
+def test_claim_on_a_hop_without_slots_fails_alone_and_the_lane_keeps_serving(pair):
+    ts, _ = pair
+    errors = []
+    ts[1].on_error = lambda model, peer, exc: errors.append((model, peer, str(exc)))
+    ts[1].deliver(encode_phase1(_batch("a", 3, rows=1), 0, 0, (7, 0, True)))  # generation 7: none
+    ts[0].send(_batch("a", 12, rows=1))
+    got = _drain(ts[1], 1)
+    assert [e.meta["batch"] for e in got] == [12]
+    assert [(m, p) for m, p, _ in errors] == [("a", 0)] and "no slot receives" in errors[0][2]
+
+
+def test_rebuilt_group_gets_fresh_slots_and_close_ends_the_slot_threads():
+    def slot_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("pf-slots-")]
+
+    before = len(slot_threads())
+    ts, gate, store = _make_pair()
+    try:
+        ts[0].send(_batch("a", 1, rows=2))
+        _check(_drain(ts[1], 1)[0])
+        store2 = _connect_all(ts, [GroupSpec("a", 0, (0, 1), generation=1)], gate)
+        assert ts[1].group_generations()["a/0"] == 1
+        assert ts[0]._groups[("a", 0)].next_slot == 0  # the new group numbers slots afresh
+        for i in range(3):
+            ts[0].send(_batch("a", 10 + i, rows=1 + i))
+        got = _drain(ts[1], 3)
+        assert sorted(e.meta["batch"] for e in got) == [10, 11, 12]
+        for env in got:
+            _check(env)
+    finally:
+        for t in ts.values():
+            t.close()
+    deadline = time.monotonic() + 10
+    while len(slot_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(slot_threads()) == before
+    del store, store2
 
 
 def test_send_after_close_raises():

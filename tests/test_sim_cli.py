@@ -39,6 +39,16 @@ def test_one_run_writes_results(cfg, tmp_path, capsys):
     assert "throughput" in capsys.readouterr().out
 
 
+def test_no_fast_forward_gives_the_same_requests(cfg, tmp_path):
+    runs = {}
+    for name, extra in (("fast", []), ("slow", ["--no-fast-forward"])):
+        out = tmp_path / name
+        assert main(["simulate", str(cfg), "--rate", "20", "-o", str(out), *extra]) == 0
+        runs[name] = (out / "requests.csv").read_text(), json.loads((out / "summary.json").read_text())
+    assert runs["fast"][0] == runs["slow"][0]
+    assert runs["slow"][1]["fast_forward_cycles"] == 0 < runs["fast"][1]["fast_forward_cycles"]
+
+
 def _err(argv, capsys):
     code = main(argv)
     return code, capsys.readouterr().err.strip()

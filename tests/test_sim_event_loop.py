@@ -35,7 +35,9 @@ class AllHeapLoop(EventLoop):
 def _run(loop, seed, policy):
     w = WorkloadConfig(arrival="lognormal", cv=3.0, num_requests=80, seed=seed, output_scale=1.0)
     cfg = _config(0.02, policy, 8, w)
-    return simulate(cfg, SimSettings(system="ring", rate=60.0, seed=seed), layout=_ring_layout(cfg, policy), loop=loop)
+    # fast paths off: they skip most wake-ups (tests/test_sim_fast_forward.py covers them)
+    return simulate(cfg, SimSettings(system="ring", rate=60.0, seed=seed, fast_forward=False), layout=_ring_layout(cfg, policy),
+                    loop=loop)
 
 
 @pytest.mark.parametrize("seed,policy", [(0, "full-batch-first"), (1, "prefill-first"), (2, "sarathi")])

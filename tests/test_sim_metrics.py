@@ -37,11 +37,11 @@ def test_tokens_deadlines_throughput_and_tbt():
     m = MetricsStore({"a": ModelSLO(0.5, 0.1), "b": ModelSLO(10, 10)}, 1, 1)
     r0 = m.add_request(0, "a", 0.0, 10, 3)
     for t in (0.4, 0.5, 0.9):  # deadlines 0.5, 0.6, 0.7 -> third is late
-        m.token(r0, t)
+        m.tokens([r0], t)
     m.finish(r0, 0.9)
     r1 = m.add_request(1, "b", 1.0, 10, 2)
     for t in (2.0, 3.0):
-        m.token(r1, t)
+        m.tokens([r1], t)
     m.finish(r1, 3.0)
     s = m.summary()
     assert s["finished"] == 2 and s["span_s"] == pytest.approx(3.0)

@@ -46,6 +46,8 @@ def add_arguments(p) -> None:
     a.add_argument("--prefill-first", action="store_true", help="prefill-first scheduling instead of the system's policy")
     a.add_argument("--host-link-gbps", type=float, default=256.0, help="host<->GPU bandwidth per GPU for KV swaps")
     a.add_argument("--check-invariants", action="store_true", help="check KV accounting after every stage (slow)")
+    a.add_argument("--no-fast-forward", action="store_true",
+                   help="simulate every decode step as events (same results, slower; for checking)")
 
 
 def _workload(args, config):
@@ -101,7 +103,8 @@ def run(args) -> int:
     seed = args.seed if args.seed is not None else config.workload.seed
     base = SimSettings(system=args.system, rate=1.0, seed=seed, no_sharding=args.no_sharding,
                        random_placement=args.random_placement, prefill_first=args.prefill_first,
-                       host_link_gbps=args.host_link_gbps, check_invariants=args.check_invariants)
+                       host_link_gbps=args.host_link_gbps, check_invariants=args.check_invariants,
+                       fast_forward=not args.no_fast_forward)
     if args.sweep:
         from paraflex.simulator.sweep import run_sweep
 

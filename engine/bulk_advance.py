@@ -1,0 +1,88 @@
+"""Bulk decode advance: k rounds of the driving protocol for one decode batch, in one call.
+
+Place in the data flow: a mixin of `EngineScheduler` (engine/scheduler.py) used only by the
+simulator's decode fast-forward (simulator/fast_forward.py), which proves first that the k
+cycles run undisturbed. Split out so that the fast path's state changes live in one file.
+"""
+
+from __future__ import annotations
+
+from paraflex.engine.messages import DECODE
+from paraflex.engine.queues import ResidentStage
+from paraflex.engine.request import BLOCKED, RUNNING, WAITING_DECODE, StageRequest
+from paraflex.engine.scheduled import ProtocolError, ScheduledBatch
+
+
+class BulkAdvance:
+    """`advance_first_decode` / `advance_later_decode` for `EngineScheduler`."""
+
+    # ------------------------------------------------------------------ bulk decode advance
+    # The simulator's fast-forward (simulator/fast_forward.py) calls these when it has proved
+    # that the next k cycles of one decode batch run undisturbed: no other work on the engines
+    # of its route, no request finishing, KV growing into free blocks. They leave exactly the
+    # state that k rounds of the protocol (complete / token message / schedule at the first
+    # stage; receive_batch / schedule / complete at a later stage) would leave, with the same
+    # blocks allocated in the same order; tests/test_sim_fast_forward.py pins this against
+    # the step-by-step path.
+    def advance_first_decode(self, batch: ScheduledBatch, k: int) -> None:
+        """First stage: `batch` (a decode batch just formed by `schedule`, all members running)
+        completes, its tokens come back and the same members form k - 1 further batches that
+        complete in turn; after the k-th completion their tokens arrive and they wait in the
+        decode queue, ready for the next `schedule`."""
+        st = self._check_bulk(batch.model, batch.stage, k)
+        if not st.is_first or batch.kind != DECODE:
+            raise ProtocolError(f"advance_first_decode: {batch.batch_id} is not a first-stage decode batch")
+        reqs = [self._bulk_member(sr.req_id, RUNNING) for sr in batch.requests]
+        grow = self.pool.grow
+        for _ in range(k - 1):  # complete batch i, receive its tokens, form batch i + 1
+            for req in reqs:
+                req.context_len += 1
+                alloc = req.alloc
+                if req.context_len + 1 > alloc.blocks_per_layer * alloc.tokens_per_block:
+                    grow(alloc, req.context_len + 1)
+        self.decisions += k - 1
+        self._batch_seq += k - 1
+        q = st.decode_q
+        for req in reqs:  # the k-th completion and its token message
+            req.context_len += 1
+            req.generated += k
+            req.transition(BLOCKED)
+            req.transition(WAITING_DECODE)
+            q.push(req, self.decisions)
+
+    def advance_later_decode(self, model: str, stage: int, req_ids: list[str], k: int) -> None:
+        """Later stage: k decode batches of exactly `req_ids` (all blocked here) arrive, run and
+        complete one after another; the members end blocked, k tokens further on."""
+        st = self._check_bulk(model, stage, k)
+        if st.is_first:
+            raise ProtocolError(f"advance_later_decode: {model} stage {stage} is a first stage")
+        reqs = [self._bulk_member(rid, BLOCKED) for rid in req_ids]
+        grow = self.pool.grow
+        for _ in range(k):
+            for req in reqs:
+                alloc = req.alloc
+                if req.context_len + 1 > alloc.blocks_per_layer * alloc.tokens_per_block:
+                    grow(alloc, req.context_len + 1)
+            for req in reqs:
+                req.context_len += 1
+        if st.is_last:
+            for req in reqs:
+                req.generated += k
+        self._seq += k
+        self.decisions += k
+
+    def _check_bulk(self, model: str, stage: int, k: int) -> ResidentStage:
+        if k < 1:
+            raise ProtocolError(f"bulk advance of {k} cycles; give at least one")
+        if self.track_history:
+            raise ProtocolError("bulk advance skips state transitions; it cannot run with track_history")
+        st = self._by_key.get((model, stage))
+        if st is None:
+            raise ProtocolError(f"engine {self.engine_id} hosts no stage {stage} of {model!r}")
+        return st
+
+    def _bulk_member(self, req_id: str, state: str) -> StageRequest:
+        req = self._reqs.get(req_id)
+        if req is None or req.state != state or req.abort_pending or req.alloc is None or req.alloc.on_host:
+            raise ProtocolError(f"bulk advance: request {req_id!r} is not {state} with resident KV on engine {self.engine_id}")
+        return req
