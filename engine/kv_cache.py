@@ -12,6 +12,8 @@ as raw byte copies, so they work for every model at once.
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 
@@ -20,11 +22,19 @@ class KVCache:
                  device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
-        self.blocks = torch.zeros(num_blocks, block_bytes, dtype=torch.uint8, device=self.device)
+        # Device blocks start zeroed: attention reads (and masks) slots past a request's
+        # context, which must hold finite numbers. On CPU they are an anonymous memory map,
+        # whose pages the OS hands out zero-filled on first write: a pool sized by the plan
+        # costs memory only for the blocks requests have used.
+        if self.device.type == "cpu":
+            backing = mmap.mmap(-1, max(1, num_blocks * block_bytes))  # kept alive by the tensor
+            self.blocks = torch.frombuffer(backing, dtype=torch.uint8)[: num_blocks * block_bytes].view(
+                num_blocks, block_bytes)
+        else:
+            self.blocks = torch.zeros(num_blocks, block_bytes, dtype=torch.uint8, device=self.device)
         pin = self.device.type == "cuda"
         # Host blocks are only read after a swap-out wrote them, so they start uninitialised:
-        # untouched pages cost no memory. Device blocks start zeroed: attention reads (and
-        # masks) slots past a request's context, which must hold finite numbers.
+        # untouched pages cost no memory.
         self.host_blocks = torch.empty(host_num_blocks, block_bytes, dtype=torch.uint8, pin_memory=pin)
         self._views: dict[tuple, torch.Tensor] = {}
 

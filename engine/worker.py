@@ -18,10 +18,18 @@ from paraflex.engine.model import Stage
 from paraflex.errors import ParaflexError
 
 
+# On CPU, batches of at most this many new tokens run on ONE intra-op thread: a batch-1
+# decode step of SmolLM2 takes 42-47 ms on one thread and 46-57 ms on two on the 2-core VM
+# (memory-bound matrix-vector products plus ~1,000 small ops that each pay a thread hand-off),
+# while a batch-32 step gains from two (245-267 ms vs 319-345 ms).
+SERIAL_MAX_TOKENS = 4
+
+
 class Worker:
     def __init__(self, kv: KVCache) -> None:
         self.kv = kv
         self.device = kv.device
+        self.max_threads = torch.get_num_threads()
         self.stages: dict[str, Stage] = {}
         self._views: dict[str, torch.Tensor] = {}
 
@@ -58,6 +66,10 @@ class Worker:
             [r.num_tokens for r in reqs], [r.context_len for r in reqs], tables,
             view.shape[2], self.device,
         )
+        if self.device.type == "cpu" and self.max_threads > 1:
+            threads = 1 if batch.num_tokens <= SERIAL_MAX_TOKENS else self.max_threads
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         out = stage.forward(inputs, meta, view)
         if stage.last:
             rows = [i for i, r in enumerate(reqs) if r.samples]

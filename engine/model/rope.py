@@ -50,13 +50,18 @@ class Rotary:
         self.inv_freq = inv_frequencies(head_dim, theta, scaling).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """(cos, signed sin), each [tokens, 1, head_dim]: the signed sin is -sin on the first
+        half, so that `apply_rotary` needs one `roll` instead of slicing, negating and joining."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        sin[:, :half].neg_()
+        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [tokens, heads, head_dim] by cos/sin [tokens, 1, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [tokens, heads, head_dim] by `Rotary.cos_sin` [tokens, 1, head_dim]:
+    x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), computed exactly (sign
+    flips are exact) as roll(x) * signed_sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
