@@ -65,23 +65,6 @@ def engine_routes(placement, engine_id: int) -> dict[str, tuple[int, int, list[i
     return out
 
 
-def scheduler_options(sc, device: torch.device) -> dict:
-    """EngineScheduler keyword arguments from the config's scheduler section.
-
-    A `prefill_token_budget` packs waiting prompts (up to `max_batch_size` of them) into one
-    prefill batch under that many tokens, as the config promises. Without one, a GPU engine
-    keeps the paper's one prompt per prefill batch, while a CPU engine packs under the
-    scheduler's default budget: a CPU matmul over all prompts' rows at once runs ~1.4x more
-    FLOP/s than one prompt at a time (M=4096 vs M=128 rows for SmolLM2's shapes), and
-    the engine's one forward pass per batch is the unit of work on a CPU."""
-    opts = {"max_batch_size": sc.max_batch_size, "policy": sc.policy}
-    if sc.prefill_token_budget is not None:
-        opts["prefill_token_budget"] = sc.prefill_token_budget
-    if sc.prefill_token_budget is not None or device.type == "cpu":
-        opts["prefill_max_requests"] = sc.max_batch_size
-    return opts
-
-
 def build_engine(config, placement, engine_id: int, transport, sink, *, device="auto", dtype="auto",
                  kv_bytes: int | None = None, host_kv_bytes: int | None = None, seed: int = 0,
                  tokenizers: dict | None = None, models=None, progress=None) -> EngineLoop:
@@ -106,7 +89,7 @@ def build_engine(config, placement, engine_id: int, transport, sink, *, device="
     kv = KVCache(num_blocks, block_bytes, host_blocks, dev)
     worker = Worker(kv)
     sched = EngineScheduler(BlockPool(num_blocks, block_bytes, host_blocks), engine_id=engine_id,
-                            **scheduler_options(config.scheduler, dev))
+                            **config.scheduler.engine_options(dev.type == "cpu"))
     routes, last_tokenizers = {}, {}
     for model, (replica, stage, route) in engine_routes(placement, engine_id).items():
         if models is not None and model not in models:

@@ -41,8 +41,11 @@ class Cluster:
         tp = layout.gpus_per_engine
         swap_Bps = settings.host_link_gbps * 1e9 / 8  # per GPU: each GPU swaps its own shard
         host_bytes = cl.host_memory_bytes
-        token_budget = layout.prefill_token_budget or sc.prefill_token_budget
-        budget = {"prefill_token_budget": token_budget} if token_budget else {}  # None: the scheduler's default
+        # The served engines' options (CPU engines pack prompts), with the layout's policy and
+        # its Sarathi chunk size where it sets one.
+        options = {**sc.engine_options(on_cpu=cl.device == "cpu"), "policy": layout.policy}
+        if layout.prefill_token_budget:
+            options["prefill_token_budget"] = layout.prefill_token_budget
         self.engines: list[SimEngine] = []
         for ep in placement.engines:
             # One pool per GPU of the TP group, all in lock-step: each GPU holds 1/tp of every
@@ -50,8 +53,7 @@ class Cluster:
             # per-token KV bytes (blocks are `block_bytes` on each GPU, as on a real worker).
             kv_bytes = max(0, layout.memory_bytes - ep.weight_bytes) // tp
             pool = BlockPool.from_bytes(kv_bytes, sc.block_bytes, host_bytes // tp)
-            scheduler = EngineScheduler(pool, max_batch_size=sc.max_batch_size, policy=layout.policy,
-                                        engine_id=ep.id, **budget)
+            scheduler = EngineScheduler(pool, engine_id=ep.id, **options)
             stages: dict[str, StageInfo] = {}
             for ref in ep.stages:
                 mp = placement.models[ref.model]

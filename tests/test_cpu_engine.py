@@ -12,7 +12,6 @@ from oracle_models import make_placement
 
 from paraflex.config import Config
 from paraflex.engine.attention import AttentionMetadata, paged_attention
-from paraflex.engine.engine_builder import scheduler_options
 from paraflex.engine.kv_cache import KVCache
 from paraflex.engine.sampling import SamplingParams
 from paraflex.runtime import LLMCluster
@@ -33,9 +32,9 @@ def _config(budget=None):
 
 def test_scheduler_options_pack_prompts_on_cpu_and_keep_the_paper_default_on_gpu():
     sc = _config().scheduler
-    assert scheduler_options(sc, torch.device("cpu"))["prefill_max_requests"] == 8
-    assert "prefill_max_requests" not in scheduler_options(sc, torch.device("cuda"))
-    budgeted = scheduler_options(_config(budget=64).scheduler, torch.device("cuda"))
+    assert sc.engine_options(on_cpu=True)["prefill_max_requests"] == 8
+    assert "prefill_max_requests" not in sc.engine_options(on_cpu=False)
+    budgeted = _config(budget=64).scheduler.engine_options(on_cpu=False)
     assert budgeted["prefill_token_budget"] == 64 and budgeted["prefill_max_requests"] == 8
 
 

@@ -92,3 +92,25 @@ def test_bad_system_and_ablation_combinations(config):
         _layout(config, "nope")
     with pytest.raises(UserError, match="ablations of --system paraflex"):
         _layout(config, "sarathi", no_sharding=True)
+
+
+def test_simulated_engines_batch_prompts_as_served_engines_do(config):
+    """CPU engines pack waiting prompts (as engine_builder's served engines do); GPU engines
+    keep the paper's one prompt per prefill batch unless the config sets a budget."""
+    from paraflex.config import Config
+    from paraflex.simulator.runner import simulate
+
+    cpu = Config.from_dict({
+        "cluster": {"num_engines": 1, "device": "cpu", "memory_gb": 1},
+        "models": [{"name": "a", "arch": "tiny-2l"}],
+        "scheduler": {"max_batch_size": 8, "block_bytes": 4096},
+        "workload": {"arrival": "poisson", "num_requests": 60, "seed": 1},
+    })
+    res = simulate(cpu, SimSettings(system="paraflex", rate=2000.0))
+    assert all(e.scheduler.prefill_max_requests == 8 for e in res.engines)
+    assert res.summary["finished"] == res.summary["requests"]
+    assert res.metrics.prefill_batches < res.summary["requests"]  # a burst shares prefill batches
+    gpu = _layout(config, "paraflex")
+    gpu_res = simulate(config, SimSettings(system="paraflex", rate=1.0), layout=gpu,
+                       requests=[])
+    assert all(e.scheduler.prefill_max_requests == 1 for e in gpu_res.engines)

@@ -28,8 +28,10 @@ class FixedCost:
 
 
 def _config(engines, policy="full-batch-first", gbps=8.0, latency_us=1000.0):
+    # A GPU device: its engines keep the paper's one prompt per prefill batch (CPU engines pack
+    # prompts); stage times come from FixedCost, not the device.
     return Config.from_dict({
-        "cluster": {"num_engines": engines, "device": "cpu", "memory_gb": 1, "interconnect_gbps": gbps,
+        "cluster": {"num_engines": engines, "device": "a100-80g", "memory_gb": 1, "interconnect_gbps": gbps,
                     "interconnect_latency_us": latency_us},
         "models": [{"name": "m", "arch": "tiny-2l"}],
         "scheduler": {"max_batch_size": 32, "policy": policy},
