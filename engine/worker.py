@@ -18,10 +18,12 @@ from paraflex.engine.model import Stage
 from paraflex.errors import ParaflexError
 
 
-# On CPU, batches of at most this many new tokens run on ONE intra-op thread: a batch-1
-# decode step of SmolLM2 takes 42-47 ms on one thread and 46-57 ms on two on the 2-core VM
-# (memory-bound matrix-vector products plus ~1,000 small ops that each pay a thread hand-off),
-# while a batch-32 step gains from two (245-267 ms vs 319-345 ms).
+# On CPU with plain `torch.mm` weights (no oneDNN packing: e.g. bfloat16), batches of at most
+# this many new tokens run on ONE intra-op thread: a batch-1 decode step of SmolLM2 took 42-47 ms
+# on one thread and 46-57 ms on two on the 2-core VM (memory-bound matrix-vector products plus
+# ~1,000 small ops that each pay a thread hand-off), while a batch-32 step gained from two.
+# Packed (oneDNN) weights run every batch on all threads: batch 1 is level (38-40 ms on two vs
+# 41-43 ms for `torch.mm` on one, 47-48 ms packed on one) and batches of 2-4 gain 1.4-1.6x.
 SERIAL_MAX_TOKENS = 4
 
 
@@ -67,7 +69,8 @@ class Worker:
             view.shape[2], self.device,
         )
         if self.device.type == "cpu" and self.max_threads > 1:
-            threads = 1 if batch.num_tokens <= SERIAL_MAX_TOKENS else self.max_threads
+            serial = not stage.packed and batch.num_tokens <= SERIAL_MAX_TOKENS
+            threads = 1 if serial else self.max_threads
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         out = stage.forward(inputs, meta, view)

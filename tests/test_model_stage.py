@@ -7,6 +7,7 @@ from oracle_models import VOCAB, build_llama, build_qwen2
 from paraflex.catalog import arch_from_hf_config
 from paraflex.engine.attention import AttentionMetadata
 from paraflex.engine.model import Stage
+from paraflex.engine.model.linear import Linear, onednn_packing_available
 from paraflex.engine.model.rope import inv_frequencies
 from paraflex.engine.weights import load_stage_weights
 from paraflex.errors import UserError
@@ -31,6 +32,7 @@ def _run(arch, stages, inputs, query_lens, context_lens, kv, tables, tpb):
 
 @pytest.mark.parametrize("builder,cuts", [
     (build_llama, [(0, 3)]),
+    (lambda d: build_llama(d, tie_word_embeddings=True), [(0, 3)]),
     (build_llama, [(0, 1), (1, 3)]),
     (build_qwen2, [(0, 2), (2, 3), (3, 5)]),
 ])
@@ -101,3 +103,31 @@ def test_bfloat16_stages_track_float32(tmp_path):
     assert torch.allclose(outs[torch.float32], ref, atol=1e-4)
     err = (outs[torch.bfloat16] - ref).abs().max() / ref.abs().max()
     assert err < 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 32, 300])
+def test_linear_layouts_compute_x_times_w_transposed(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 40, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(rows, 40, generator=g).to(dtype)
+    plain, biased = Linear(w), Linear(w, b)
+    packed = onednn_packing_available(x.device, dtype)
+    assert (plain.packed is not None) == packed and (plain.weight_t is None) == packed
+    assert dtype == torch.float32 or not packed  # only float32 CPU weights are packed
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    torch.testing.assert_close(plain(x), torch.nn.functional.linear(x, w), **tol)
+    torch.testing.assert_close(biased(x), torch.nn.functional.linear(x, w, b), **tol)
+    assert biased.nbytes == (96 * 40 + 96) * w.element_size()
+
+
+def test_tied_table_is_counted_twice_only_beside_a_packed_head(tmp_path):
+    build_llama(tmp_path, num_layers=2, tie_word_embeddings=True)
+    arch = arch_from_hf_config(str(tmp_path))
+    assert arch.tie_embeddings
+    f32 = Stage(arch, 0, 2, load_stage_weights(str(tmp_path), arch, 0, 2, source_kind="hf"))
+    bf16 = Stage(arch, 0, 2, load_stage_weights(str(tmp_path), arch, 0, 2, torch.bfloat16, source_kind="hf"))
+    table = arch.embedding_bytes()
+    assert f32.packed == onednn_packing_available(torch.device("cpu"), torch.float32)
+    assert f32.weight_bytes() == arch.stage_weight_bytes(0, 2, True, True) + (table if f32.packed else 0)
+    assert not bf16.packed and bf16.weight_bytes() * 2 == arch.stage_weight_bytes(0, 2, True, True)

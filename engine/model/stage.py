@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from paraflex.engine.attention import AttentionMetadata
 from paraflex.engine.model.layers import DecoderLayer, rms_norm
+from paraflex.engine.model.linear import Linear
 from paraflex.engine.model.rope import Rotary
 
 
@@ -46,33 +47,36 @@ class Stage:
         ]
         self.embed = weights.get("model.embed_tokens.weight") if self.first else None
         self.norm = weights["model.norm.weight"] if self.last else None
-        # LM head stored transposed ([hidden, vocab]) like the layers' projections (one-row
-        # products stream it ~1.7x faster); a tied table is stored once: the embedding
-        # lookup reads rows of the transposed copy's view.
-        self.lm_head_t = None
+        # The LM head multiplies like the layers' projections (`Linear`). A tied table is also
+        # the embedding: kept once where the head's layout is the transposed table (the
+        # embedding reads rows of its view); a packed head needs the table beside it.
+        self.lm_head, self.head_is_embed = None, False
         if self.last:
             head = weights.get("lm_head.weight")
             tied = head is None
-            self.lm_head_t = (weights["model.embed_tokens.weight"] if tied else head).t().contiguous()
-            if tied and self.first:
-                self.embed = self.lm_head_t.t()
-        ref = self.embed if self.embed is not None else self.layers[0].qkv_t if self.layers else self.norm
-        self.dtype = ref.dtype
+            self.lm_head = Linear(weights["model.embed_tokens.weight"] if tied else head)
+            if tied and self.first and self.lm_head.weight_t is not None:
+                self.embed, self.head_is_embed = self.lm_head.weight_t.t(), True
+        ref = self.embed if self.embed is not None else self.norm
+        self.dtype = ref.dtype if ref is not None else self.layers[0].input_norm.dtype
         self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.rope_scaling, self.device)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the projections use oneDNN-packed weights (see `Linear`)."""
+        linears = [layer.qkv for layer in self.layers] + ([self.lm_head] if self.lm_head else [])
+        return any(lin.packed is not None for lin in linears)
 
     @property
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
 
     def weight_bytes(self) -> int:
-        """Bytes of the distinct weight tensors this stage holds (tied tables counted once)."""
-        seen, total = set(), 0
-        ts = [t for layer in self.layers for t in layer.tensors()]
-        ts += [t for t in (self.embed, self.norm, self.lm_head_t) if t is not None]
-        for t in ts:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
+        """Bytes of the weights this stage holds (a table shared by embedding and head counted once)."""
+        total = sum(layer.weight_bytes() for layer in self.layers)
+        total += sum(t.numel() * t.element_size() for t in (self.embed, self.norm) if t is not None)
+        if self.lm_head is not None and not self.head_is_embed:
+            total += self.lm_head.nbytes
         return total
 
     @torch.inference_mode()
@@ -86,4 +90,4 @@ class Stage:
         if not self.last:
             return x
         x = rms_norm(x[meta.last_token_index], self.norm, self.arch.rms_norm_eps)
-        return torch.mm(x, self.lm_head_t).float()
+        return self.lm_head(x).float()
