@@ -12,7 +12,12 @@ Pool layout seen here (one model's view, see `paraflex.engine.kv_cache`):
 unused slack bytes. Batched prefill (any number of new tokens per request, including chunks
 after cached context) and decode (one new token per request) are the same code path.
 
-How the context is read (the hot loop of CPU decoding): the pool is seen as a flat table of
+CPU float32 decode batches (one new token per request) go to the compiled kernel of
+`paraflex.engine.native_attention`, which writes the new keys/values and attends over each
+request's blocks where they lie (no copy of the context); where it cannot be built, and for
+every other batch, the torch code below runs.
+
+How the torch path reads the context: the pool is seen as a flat table of
 *rows* of ``row`` elements, where ``row`` is the largest divisor of head_dim that also divides
 the block stride (head_dim itself for power-of-two blocks), so one key or value vector of one
 head is ``head_dim // row`` consecutive rows. For every layer, ONE `index_select` over that
@@ -33,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from paraflex.engine import native_attention
+
 
 @dataclass
 class AttentionMetadata:
@@ -49,6 +56,8 @@ class AttentionMetadata:
     num_seqs: int
     max_query: int
     last_token_index: torch.Tensor  # [B] packed index of the last new token of every request
+    block_table: torch.Tensor  # [L, B, max blocks] int64, physical blocks of every request per layer
+    context_lens: torch.Tensor  # [B] int64, tokens in KV after this step
     _rows: dict = field(default_factory=dict, repr=False)  # pool geometry -> (read rows, write rows)
 
     @classmethod
@@ -113,6 +122,8 @@ class AttentionMetadata:
             num_seqs=num_seqs,
             max_query=max_q,
             last_token_index=(starts + q_lens - 1).to(dev),
+            block_table=bt.to(dev),
+            context_lens=c_lens.to(dev),
         )
 
     def rows(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -154,6 +165,8 @@ def paged_attention(
     Writes k/v into the pool, returns the attention output [T, Hq * D]."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
+    if meta.query_index is None and native_attention.usable(q, kv):
+        return native_attention.decode_attention(q, k, v, kv, meta.block_table[layer], meta.context_lens, scale)
     table, read, write, row = meta.rows(kv)
     new = torch.stack((k, v)).to(kv.dtype)  # [2, T, Hkv, D]
     table.index_copy_(0, write[layer], new.view(-1, row))
