@@ -5,7 +5,9 @@ with `load_config(path)`. The result holds resolved `ModelArch`es (built-in name
 ``config.json`` or GGUF header), the cluster, planner, scheduler and workload settings. Every
 mistake raises `ConfigError(path, reason)` with the field path (``models[2].rate``) and the
 fix. `Config.to_dict()` gives a plain dict that `Config.from_dict` reads back unchanged (saved
-next to results). The full key reference is docs/config.md.
+next to results). The full key reference is docs/config.md. The `workload:` section's
+dataclass and parser live in paraflex/workload_config.py (`WorkloadConfig` is re-exported
+here); the typed, path-aware field reader shared by all sections is paraflex/config_fields.py.
 
 Units: humans write GiB (``memory_gb``, 2**30 bytes), Gbit/s, microseconds and milliseconds;
 the dataclasses keep those numbers and offer byte/second accessors.
@@ -21,11 +23,12 @@ from dataclasses import dataclass, field
 
 from paraflex import catalog
 from paraflex.catalog import ModelArch
+from paraflex.config_fields import _kind, _resolve, _Section
 from paraflex.errors import ConfigError, UserError
+from paraflex.workload_config import WorkloadConfig, _parse_workload
 
 GIB = 2**30
 POLICIES = ("full-batch-first", "prefill-first", "sarathi")
-ARRIVALS = ("poisson", "lognormal", "trace")
 _DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _MS_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?:ms)?$")
 _STAGE_TIME_RE = re.compile(r"^(x|/)\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)$", re.IGNORECASE)
@@ -125,32 +128,6 @@ class SchedulerConfig:
 
 
 @dataclass
-class WorkloadConfig:
-    arrival: str = "poisson"
-    cv: float = 2.0  # lognormal inter-arrival coefficient of variation
-    trace: str | None = None  # CSV arrived_at,num_prefill_tokens,num_decode_tokens
-    rate: float | None = None  # total req/s, split over models by their relative rates
-    zipf_alpha: float | None = None  # overrides model rates: Zipf popularity in listed order
-    duration_s: float | None = None
-    num_requests: int | None = None
-    seed: int = 0
-    prompt_scale: float = 1.0
-    output_scale: float = 1.0
-
-    def model_shares(self, models: list[ModelConfig]) -> list[float]:
-        """Fraction of the total request rate going to each model, in list order (sums to 1).
-
-        With `zipf_alpha` the model at list position k (0-based) gets weight 1/(k+1)^alpha;
-        the loader already wrote these shares into each `ModelConfig.rate`."""
-        if self.zipf_alpha is not None:
-            weights = [1.0 / (rank + 1) ** self.zipf_alpha for rank in range(len(models))]
-        else:
-            weights = [m.rate for m in models]
-        total = sum(weights)
-        return [w / total for w in weights]
-
-
-@dataclass
 class Config:
     cluster: ClusterConfig
     models: list[ModelConfig]
@@ -234,91 +211,6 @@ def load_config(path: str) -> Config:
     else:
         raise UserError(f"config {path}: unknown extension {ext!r}; use .yaml, .yml or .json")
     return _parse_config(data, path, os.path.dirname(os.path.abspath(path)))
-
-
-class _Section:
-    """Typed, path-aware access to one mapping of the config; rejects unknown keys."""
-
-    def __init__(self, data, path: str, allowed: tuple[str, ...]):
-        if not isinstance(data, dict):
-            raise ConfigError(path or "<top>", f"expected a mapping of keys, got {_kind(data)}")
-        unknown = [k for k in data if k not in allowed]
-        if unknown:
-            raise ConfigError(
-                _join(path, str(unknown[0])),
-                f"unknown key; allowed keys here: {', '.join(allowed)}",
-            )
-        self.data, self.path = data, path
-
-    def at(self, key: str) -> str:
-        return _join(self.path, key)
-
-    def has(self, key: str) -> bool:
-        return self.data.get(key) is not None
-
-    def str(self, key, default=None, required=False, choices=None) -> str | None:
-        v = self._get(key, default, required)
-        if v is None:
-            return v
-        if not isinstance(v, str):
-            raise ConfigError(self.at(key), f"expected a string, got {_kind(v)}")
-        if choices and v not in choices:
-            raise ConfigError(self.at(key), f"{v!r} is not one of: {', '.join(choices)}")
-        return v
-
-    def bool(self, key, default) -> bool:
-        v = self._get(key, default, False)
-        if not isinstance(v, bool):
-            raise ConfigError(self.at(key), f"expected true or false, got {_kind(v)}")
-        return v
-
-    def int(self, key, default=None, required=False, minimum=None) -> int | None:
-        v = self._get(key, default, required)
-        if v is None:
-            return v
-        if isinstance(v, bool) or not isinstance(v, int):
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-            else:
-                raise ConfigError(self.at(key), f"expected an integer, got {_kind(v)}")
-        if minimum is not None and v < minimum:
-            raise ConfigError(self.at(key), f"must be >= {minimum}, got {v}")
-        return v
-
-    def num(self, key, default=None, required=False, positive=False, nonneg=False) -> float | None:
-        v = self._get(key, default, required)
-        if v is None:
-            return v
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(self.at(key), f"expected a number, got {_kind(v)}")
-        v = float(v)
-        if not math.isfinite(v):
-            raise ConfigError(self.at(key), "must be a finite number")
-        if positive and v <= 0:
-            raise ConfigError(self.at(key), f"must be > 0, got {v:g}")
-        if nonneg and v < 0:
-            raise ConfigError(self.at(key), f"must be >= 0, got {v:g}")
-        return v
-
-    def _get(self, key, default, required):
-        v = self.data.get(key)
-        if v is None:
-            if required:
-                raise ConfigError(self.at(key), "missing required key")
-            return default
-        return v
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _kind(v) -> str:
-    if v is None:
-        return "nothing"
-    return {dict: "a mapping", list: "a list", str: f"the string {v!r}", bool: f"{v}"}.get(
-        type(v), f"{type(v).__name__} {v!r}"
-    )
 
 
 def _parse_config(data, source: str, base_dir: str) -> Config:
@@ -525,32 +417,3 @@ def _parse_scheduler(raw) -> SchedulerConfig:
         policy=s.str("policy", "full-batch-first", choices=POLICIES),
         prefill_token_budget=s.int("prefill_token_budget", None, minimum=1),
     )
-
-
-def _parse_workload(raw, base_dir: str) -> WorkloadConfig:
-    s = _Section(raw, "workload", tuple(WorkloadConfig.__dataclass_fields__))
-    arrival = s.str("arrival", "poisson", choices=ARRIVALS)
-    trace = s.str("trace")
-    if trace is not None:
-        trace = _resolve(trace, base_dir)
-        if not os.path.isfile(trace):
-            raise ConfigError("workload.trace", f"{trace} does not exist")
-    elif arrival == "trace":
-        raise ConfigError("workload.trace", "arrival: trace needs a CSV path (arrived_at,num_prefill_tokens,num_decode_tokens)")
-    return WorkloadConfig(
-        arrival=arrival,
-        cv=s.num("cv", 2.0, positive=True),
-        trace=trace,
-        rate=s.num("rate", positive=True),
-        zipf_alpha=s.num("zipf_alpha", positive=True),
-        duration_s=s.num("duration_s", positive=True),
-        num_requests=s.int("num_requests", minimum=1),
-        seed=s.int("seed", 0, minimum=0),
-        prompt_scale=s.num("prompt_scale", 1.0, positive=True),
-        output_scale=s.num("output_scale", 1.0, positive=True),
-    )
-
-
-def _resolve(path: str, base_dir: str) -> str:
-    path = os.path.expanduser(path)
-    return path if os.path.isabs(path) else os.path.normpath(os.path.join(base_dir, path))
