@@ -49,14 +49,15 @@ static inline float hsum(v8f v) {
 
 /* scores[g * n + t] = scale * q_g . k_t for the group's query heads g0 .. g0+gb-1 */
 static inline __attribute__((always_inline)) void scores_of(const job_t *j, const int64_t *table, int64_t n, int h, const float *q, int g0, int gb,
-                      float *sc, int prefetch) {
+                      float *sc, int prefetch, const float *after) {
     const int D = j->head_dim, H = j->kv_heads, tpb = j->tokens_per_block;
     for (int64_t t0 = 0, blk = 0; t0 < n; t0 += tpb, blk++) {
         const float *k = j->pool + table[blk] * j->block_stride + (int64_t)h * D;
         const int64_t end = n - t0 < tpb ? n - t0 : tpb;
-        /* prefetch the next block's keys and values one slot per slot of this block: the
-           blocks lie anywhere in the pool, so the hardware's stream prefetcher stops at each */
-        const float *next = t0 + tpb < n ? j->pool + table[blk + 1] * j->block_stride + (int64_t)h * D : NULL;
+        /* prefetch the next block's keys and values one slot per slot of this block (the
+           blocks lie anywhere in the pool, so the hardware's stream prefetcher stops at each);
+           after the last block, the first block of the thread's next (request, head) pair */
+        const float *next = t0 + tpb < n ? j->pool + table[blk + 1] * j->block_stride + (int64_t)h * D : after;
         for (int64_t s = 0; s < end; s++, k += (int64_t)H * D) {
             if (next && prefetch) {
                 const float *pk = next + s * (int64_t)H * D;
@@ -122,12 +123,17 @@ static void *run(void *arg) {
         const float *q = j->q + (b * H * G + (int64_t)h * G) * D;
         float *out = j->out + (b * H * G + (int64_t)h * G) * D;
         float *sc = j->scores;
+        const float *after = NULL;
+        if (pair + 1 < j->last) {
+            const int64_t nb = (pair + 1) / H;
+            after = j->pool + j->block_table[nb * j->max_blocks] * j->block_stride + ((pair + 1) % H) * D;
+        }
         for (int g0 = 0; g0 < G; g0 += GB) {
             switch (G - g0 < GB ? G - g0 : GB) {
-                case 4: scores_of(j, table, n, h, q, g0, 4, sc, g0 == 0); break;
-                case 3: scores_of(j, table, n, h, q, g0, 3, sc, g0 == 0); break;
-                case 2: scores_of(j, table, n, h, q, g0, 2, sc, g0 == 0); break;
-                default: scores_of(j, table, n, h, q, g0, 1, sc, g0 == 0);
+                case 4: scores_of(j, table, n, h, q, g0, 4, sc, g0 == 0, after); break;
+                case 3: scores_of(j, table, n, h, q, g0, 3, sc, g0 == 0, after); break;
+                case 2: scores_of(j, table, n, h, q, g0, 2, sc, g0 == 0, after); break;
+                default: scores_of(j, table, n, h, q, g0, 1, sc, g0 == 0, after);
             }
         }
         for (int g = 0; g < G; g++) {
