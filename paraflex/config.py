@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from paraflex import catalog
 from paraflex.catalog import ModelArch
-from paraflex.config_fields import _kind, _resolve, _Section
+from paraflex.config_fields import Section, resolve_path, value_kind
 from paraflex.errors import ConfigError, UserError
 from paraflex.workload_config import WorkloadConfig, _parse_workload
 
@@ -216,7 +216,7 @@ def load_config(path: str) -> Config:
 def _parse_config(data, source: str, base_dir: str) -> Config:
     if data is None:
         raise ConfigError("", f"{source} is empty; it needs at least `cluster:` and `models:`")
-    top = _Section(data, "", ("name", "cluster", "models", "planner", "scheduler", "workload"))
+    top = Section(data, "", ("name", "cluster", "models", "planner", "scheduler", "workload"))
     if not top.has("cluster"):
         raise ConfigError("cluster", "missing required section (num_engines, device, tp, memory_gb, ...)")
     cluster = _parse_cluster(data["cluster"], base_dir)
@@ -244,7 +244,7 @@ def _parse_config(data, source: str, base_dir: str) -> Config:
 def _parse_cluster(raw, base_dir: str) -> ClusterConfig:
     from paraflex.devices import get_device
 
-    s = _Section(raw, "cluster", tuple(ClusterConfig.__dataclass_fields__))
+    s = Section(raw, "cluster", tuple(ClusterConfig.__dataclass_fields__))
     try:
         spec = get_device(s.str("device", "cpu"))
     except UserError as exc:
@@ -260,7 +260,7 @@ def _parse_cluster(raw, base_dir: str) -> ClusterConfig:
         )
     profile_dir = s.str("profile_dir")
     if profile_dir is not None:
-        profile_dir = _resolve(profile_dir, base_dir)
+        profile_dir = resolve_path(profile_dir, base_dir)
         if not os.path.isdir(profile_dir):
             raise ConfigError("cluster.profile_dir", f"{profile_dir} is not a directory")
     return ClusterConfig(
@@ -280,7 +280,7 @@ _MODEL_KEYS = ("name", "arch", "hf", "gguf", "rate", "slo_ttft_ms", "slo_tbt_ms"
 
 
 def _parse_model(raw, path: str, base_dir: str) -> ModelConfig:
-    s = _Section(raw, path, _MODEL_KEYS)
+    s = Section(raw, path, _MODEL_KEYS)
     given = [k for k in ("arch", "hf", "gguf") if s.has(k)]
     if len(given) != 1:
         raise ConfigError(
@@ -312,7 +312,7 @@ def _parse_model(raw, path: str, base_dir: str) -> ModelConfig:
     )
 
 
-def _resolve_arch(s: _Section, kind: str, base_dir: str):
+def _resolve_arch(s: Section, kind: str, base_dir: str):
     value = s.data[kind]
     if kind == "arch" and isinstance(value, dict):  # resolved numbers (from to_dict)
         arch = _arch_from_mapping(value, s.at("arch"))
@@ -324,13 +324,13 @@ def _resolve_arch(s: _Section, kind: str, base_dir: str):
     if kind == "arch":
         return catalog.get_arch(text), text.lower(), "builtin"
     if kind == "hf":
-        folder = _resolve(text, base_dir)
+        folder = resolve_path(text, base_dir)
         return catalog.arch_from_hf_config(folder), folder, "hf"
     if text.lower() == "smollm2-135m":
         # The package GGUF's header equals the built-in entry (tests check it); reading the
         # header costs ~5 s of token-list parsing, so the built-in numbers are used here.
         return catalog.get_arch("smollm2-135m"), catalog.smollm2_gguf_path(), "gguf"
-    path = _resolve(text, base_dir)
+    path = resolve_path(text, base_dir)
     return catalog.arch_from_gguf(path), path, "gguf"
 
 
@@ -376,7 +376,7 @@ def _check_models(models: list[ModelConfig], cluster: ClusterConfig) -> None:
 
 
 def _parse_planner(raw) -> PlannerConfig:
-    s = _Section(raw, "planner", tuple(PlannerConfig.__dataclass_fields__))
+    s = Section(raw, "planner", tuple(PlannerConfig.__dataclass_fields__))
     return PlannerConfig(
         target_stage_time=_parse_stage_time(s.data.get("target_stage_time", "auto")),
         kappa_gb=s.num("kappa_gb", 0.1, nonneg=True),
@@ -388,7 +388,7 @@ def _parse_stage_time(ts) -> str | float:
     """T_s: "auto", "xK" / "/K" (kept as text), or milliseconds (a number, "50", "50ms")."""
     path = "planner.target_stage_time"
     if isinstance(ts, bool) or not isinstance(ts, (str, int, float)):
-        raise ConfigError(path, f"expected auto, milliseconds, 'x2' or '/2', got {_kind(ts)}")
+        raise ConfigError(path, f"expected auto, milliseconds, 'x2' or '/2', got {value_kind(ts)}")
     if isinstance(ts, str):
         ts = ts.strip().lower()
         ms = _MS_RE.match(ts)
@@ -407,7 +407,7 @@ def _parse_stage_time(ts) -> str | float:
 
 
 def _parse_scheduler(raw) -> SchedulerConfig:
-    s = _Section(raw, "scheduler", tuple(SchedulerConfig.__dataclass_fields__))
+    s = Section(raw, "scheduler", tuple(SchedulerConfig.__dataclass_fields__))
     block = s.int("block_bytes", 32768, minimum=1)
     if block & (block - 1):
         raise ConfigError("scheduler.block_bytes", f"{block} is not a power of two (e.g. 32768)")

@@ -1,8 +1,8 @@
 """Typed, path-aware reading of one mapping of a config file (shared by the section parsers).
 
 Place in the data flow: `paraflex.config` and `paraflex.workload_config` wrap each raw YAML/JSON
-mapping in a `_Section`, which rejects unknown keys and reads every value with its type, range
-and field path (``models[2].rate``), raising `ConfigError` with the fix; `_resolve` makes file
+mapping in a `Section`, which rejects unknown keys and reads every value with its type, range
+and field path (``models[2].rate``), raising `ConfigError` with the fix; `resolve_path` makes file
 paths in the config relative to the config file's folder.
 """
 
@@ -14,22 +14,22 @@ import os
 from paraflex.errors import ConfigError
 
 
-class _Section:
+class Section:
     """Typed, path-aware access to one mapping of the config; rejects unknown keys."""
 
     def __init__(self, data, path: str, allowed: tuple[str, ...]):
         if not isinstance(data, dict):
-            raise ConfigError(path or "<top>", f"expected a mapping of keys, got {_kind(data)}")
+            raise ConfigError(path or "<top>", f"expected a mapping of keys, got {value_kind(data)}")
         unknown = [k for k in data if k not in allowed]
         if unknown:
             raise ConfigError(
-                _join(path, str(unknown[0])),
+                join_path(path, str(unknown[0])),
                 f"unknown key; allowed keys here: {', '.join(allowed)}",
             )
         self.data, self.path = data, path
 
     def at(self, key: str) -> str:
-        return _join(self.path, key)
+        return join_path(self.path, key)
 
     def has(self, key: str) -> bool:
         return self.data.get(key) is not None
@@ -39,7 +39,7 @@ class _Section:
         if v is None:
             return v
         if not isinstance(v, str):
-            raise ConfigError(self.at(key), f"expected a string, got {_kind(v)}")
+            raise ConfigError(self.at(key), f"expected a string, got {value_kind(v)}")
         if choices and v not in choices:
             raise ConfigError(self.at(key), f"{v!r} is not one of: {', '.join(choices)}")
         return v
@@ -47,7 +47,7 @@ class _Section:
     def bool(self, key, default) -> bool:
         v = self._get(key, default, False)
         if not isinstance(v, bool):
-            raise ConfigError(self.at(key), f"expected true or false, got {_kind(v)}")
+            raise ConfigError(self.at(key), f"expected true or false, got {value_kind(v)}")
         return v
 
     def int(self, key, default=None, required=False, minimum=None) -> int | None:
@@ -58,7 +58,7 @@ class _Section:
             if isinstance(v, float) and v.is_integer():
                 v = int(v)
             else:
-                raise ConfigError(self.at(key), f"expected an integer, got {_kind(v)}")
+                raise ConfigError(self.at(key), f"expected an integer, got {value_kind(v)}")
         if minimum is not None and v < minimum:
             raise ConfigError(self.at(key), f"must be >= {minimum}, got {v}")
         return v
@@ -68,7 +68,7 @@ class _Section:
         if v is None:
             return v
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(self.at(key), f"expected a number, got {_kind(v)}")
+            raise ConfigError(self.at(key), f"expected a number, got {value_kind(v)}")
         v = float(v)
         if not math.isfinite(v):
             raise ConfigError(self.at(key), "must be a finite number")
@@ -87,11 +87,11 @@ class _Section:
         return v
 
 
-def _join(path: str, key: str) -> str:
+def join_path(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _kind(v) -> str:
+def value_kind(v) -> str:
     if v is None:
         return "nothing"
     return {dict: "a mapping", list: "a list", str: f"the string {v!r}", bool: f"{v}"}.get(
@@ -99,6 +99,6 @@ def _kind(v) -> str:
     )
 
 
-def _resolve(path: str, base_dir: str) -> str:
+def resolve_path(path: str, base_dir: str) -> str:
     path = os.path.expanduser(path)
     return path if os.path.isabs(path) else os.path.normpath(os.path.join(base_dir, path))

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from paraflex.config_fields import _resolve, _Section
+from paraflex.config_fields import Section, resolve_path
 from paraflex.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -48,11 +48,11 @@ class WorkloadConfig:
 
 
 def _parse_workload(raw, base_dir: str) -> WorkloadConfig:
-    s = _Section(raw, "workload", tuple(WorkloadConfig.__dataclass_fields__))
+    s = Section(raw, "workload", tuple(WorkloadConfig.__dataclass_fields__))
     arrival = s.str("arrival", "poisson", choices=ARRIVALS)
     trace = s.str("trace")
     if trace is not None:
-        trace = _resolve(trace, base_dir)
+        trace = resolve_path(trace, base_dir)
         if not os.path.isfile(trace):
             raise ConfigError("workload.trace", f"{trace} does not exist")
     elif arrival == "trace":
