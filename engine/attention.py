@@ -48,16 +48,15 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] absolute position of every new token (packed batch order)
     write_block: torch.Tensor  # [L, T] physical block of every new token, per stage layer
     write_offset: torch.Tensor  # [T] slot inside the block
-    read_block: torch.Tensor  # [L, B, K] physical block of every context slot, per layer
-    read_offset: torch.Tensor  # [K] slot inside the block
-    mask: torch.Tensor  # [B, 1, Q, K] bool: query may attend key
-    bias: torch.Tensor | None  # [B, 1, 1, K] float 0/-inf of a decode batch; None if nothing is masked
     query_index: torch.Tensor | None  # [T] index into the padded [B*Q] rows; None if Q == 1
     num_seqs: int
     max_query: int
     last_token_index: torch.Tensor  # [B] packed index of the last new token of every request
     block_table: torch.Tensor  # [L, B, max blocks] int64, physical blocks of every request per layer
     context_lens: torch.Tensor  # [B] int64, tokens in KV after this step
+    query_lens: torch.Tensor  # [B] int64 (on the CPU), new tokens of every request
+    tokens_per_block: int
+    _context: list = field(default_factory=list, repr=False)  # [ContextIndex] once built
     _rows: dict = field(default_factory=dict, repr=False)  # pool geometry -> (read rows, write rows)
 
     @classmethod
@@ -98,33 +97,28 @@ class AttentionMetadata:
         within = torch.arange(int(q_lens.sum())) - starts[seq_of_token]
         positions = (c_lens - q_lens)[seq_of_token] + within
         write_block = bt[:, seq_of_token, positions // tokens_per_block]
-        key_pos = torch.arange(max_k)
-        read_block = bt[:, :, key_pos // tokens_per_block]
-        q_pos = (c_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]  # [B, Q]
-        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
-            key_pos[None, None, :] < c_lens[:, None, None]
-        )
-        mask[:, :, 0] = True  # padded query rows attend something (results are discarded)
-        bias = None
-        if max_q == 1 and min(context_lens) < max_k:
-            bias = torch.zeros(num_seqs, 1, 1, max_k).masked_fill_(~mask[:, None], float("-inf"))
         query_index = None if max_q == 1 else seq_of_token * max_q + within
         dev = torch.device(device)
         return cls(
             positions=positions.to(dev),
             write_block=write_block.to(dev),
             write_offset=(positions % tokens_per_block).to(dev),
-            read_block=read_block.to(dev),
-            read_offset=(key_pos % tokens_per_block).to(dev),
-            mask=mask[:, None].to(dev),
-            bias=None if bias is None else bias.to(dev),
             query_index=None if query_index is None else query_index.to(dev),
             num_seqs=num_seqs,
             max_query=max_q,
             last_token_index=(starts + q_lens - 1).to(dev),
             block_table=bt.to(dev),
             context_lens=c_lens.to(dev),
+            query_lens=q_lens,
+            tokens_per_block=tokens_per_block,
         )
+
+    def context(self) -> "ContextIndex":
+        """Where every context slot of the batch lies and who may attend it: built on first use
+        (the torch path needs it; the compiled CPU decode kernel walks the block table itself)."""
+        if not self._context:
+            self._context.append(ContextIndex.build(self))
+        return self._context[0]
 
     def rows(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """(row table of the pool view `kv`, read rows [L, 2*B*H*K*r], write rows [L, 2*T*H*r],
@@ -138,11 +132,12 @@ class AttentionMetadata:
         if cached is None:
             per_vec = head_dim // row
             dev = kv.device
+            ctx = self.context()
             # row of element 0 of (block, k/v, slot, head): block*stride/row + ((kv*tpb + slot)*H + head)*per_vec
             kvh = (torch.arange(2, device=dev)[:, None] * tpb * heads + torch.arange(heads, device=dev)[None, :])
             sub = torch.arange(per_vec, device=dev)
-            layers = self.read_block.shape[0]
-            base = self.read_block * (stride // row) + (self.read_offset * heads * per_vec)  # [L, B, K]
+            layers = ctx.read_block.shape[0]
+            base = ctx.read_block * (stride // row) + (ctx.read_offset * heads * per_vec)  # [L, B, K]
             read = (base[:, None, :, None, :, None] + (kvh * per_vec)[None, :, None, :, None, None]
                     + sub).reshape(layers, -1)  # [L, 2, B, H, K, per_vec]
             wbase = self.write_block * (stride // row) + self.write_offset * heads * per_vec  # [L, T]
@@ -150,6 +145,38 @@ class AttentionMetadata:
                      + sub).reshape(layers, -1)  # [L, 2, T, H, per_vec]
             cached = self._rows[key] = (read, write)
         return table, cached[0], cached[1], row
+
+
+@dataclass
+class ContextIndex:
+    """The context side of `AttentionMetadata` (torch path only)."""
+
+    read_block: torch.Tensor  # [L, B, K] physical block of every context slot, per layer
+    read_offset: torch.Tensor  # [K] slot inside the block
+    mask: torch.Tensor  # [B, 1, Q, K] bool: query may attend key
+    bias: torch.Tensor | None  # [B, 1, 1, K] float 0/-inf of a decode batch; None if nothing is masked
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata) -> "ContextIndex":
+        bt, tpb, dev = meta.block_table.cpu(), meta.tokens_per_block, meta.block_table.device
+        c_lens, q_lens = meta.context_lens.cpu(), meta.query_lens
+        max_q, max_k = meta.max_query, int(c_lens.max())
+        key_pos = torch.arange(max_k)
+        read_block = bt[:, :, key_pos // tpb]
+        q_pos = (c_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]  # [B, Q]
+        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
+            key_pos[None, None, :] < c_lens[:, None, None]
+        )
+        mask[:, :, 0] = True  # padded query rows attend something (results are discarded)
+        bias = None
+        if max_q == 1 and int(c_lens.min()) < max_k:
+            bias = torch.zeros(meta.num_seqs, 1, 1, max_k).masked_fill_(~mask[:, None], float("-inf"))
+        return cls(
+            read_block=read_block.to(dev),
+            read_offset=(key_pos % tpb).to(dev),
+            mask=mask[:, None].to(dev),
+            bias=None if bias is None else bias.to(dev),
+        )
 
 
 def paged_attention(
@@ -170,20 +197,21 @@ def paged_attention(
     table, read, write, row = meta.rows(kv)
     new = torch.stack((k, v)).to(kv.dtype)  # [2, T, Hkv, D]
     table.index_copy_(0, write[layer], new.view(-1, row))
-    b, max_q, max_k = meta.num_seqs, meta.max_query, meta.read_block.shape[2]
+    context = meta.context()
+    b, max_q, max_k = meta.num_seqs, meta.max_query, context.read_block.shape[2]
     ctx = table.index_select(0, read[layer]).view(2, b, kv_heads, max_k, head_dim).to(q.dtype)
     keys, values = ctx[0], ctx[1]  # [B, Hkv, K, D]
     if meta.query_index is None:  # decode: one query per request, grouped by kv head
         qg = q.view(b, kv_heads, num_heads // kv_heads, head_dim)
         scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, K]
-        if meta.bias is not None:
-            scores = scores + meta.bias
+        if context.bias is not None:
+            scores = scores + context.bias
         out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, Hkv, G, D]
         return out.reshape(b, num_heads * head_dim)
     qp = q.new_zeros(b * max_q, num_heads, head_dim)
     qp[meta.query_index] = q
     out = F.scaled_dot_product_attention(
-        qp.view(b, max_q, num_heads, head_dim).transpose(1, 2), keys, values, attn_mask=meta.mask,
+        qp.view(b, max_q, num_heads, head_dim).transpose(1, 2), keys, values, attn_mask=context.mask,
         scale=scale, enable_gqa=num_heads != kv_heads,
     )  # [B, Hq, Q, D]
     return out.transpose(1, 2).reshape(b * max_q, num_heads * head_dim)[meta.query_index]

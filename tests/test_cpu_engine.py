@@ -2,6 +2,7 @@
 decode attention path (grouped-query matmuls over the row-gathered context)."""
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from oracle_models import make_placement
 
 from paraflex.config import Config
+from paraflex.engine import native_attention
 from paraflex.engine.attention import AttentionMetadata, paged_attention
 from paraflex.engine.kv_cache import KVCache
 from paraflex.engine.sampling import SamplingParams
@@ -96,8 +98,12 @@ def test_decode_batch_of_uneven_contexts_matches_contiguous_attention(contexts, 
                         torch.cat([ks[i][:-1] for i in prefix]), torch.cat([vs[i][:-1] for i in prefix]),
                         kv, 0, meta0, d ** -0.5)
     meta = AttentionMetadata.build([1] * len(contexts), contexts, [tables], tpb)
-    assert meta.query_index is None and (meta.bias is None) == (len(set(contexts)) == 1)
+    assert meta.query_index is None and (meta.context().bias is None) == (len(set(contexts)) == 1)
     q = torch.randn(len(contexts), hq, d, generator=g)
-    out = paged_attention(q, torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs]), kv, 0, meta, d ** -0.5)
     ref = torch.cat([_decode_reference(q[i:i + 1], ks[i], vs[i]) for i in range(len(contexts))])
+    k_new, v_new = torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs])
+    with mock.patch.object(native_attention, "usable", lambda *_: False):  # the torch path's row table
+        out = paged_attention(q, k_new, v_new, kv, 0, meta, d ** -0.5)
     assert torch.allclose(out, ref, atol=1e-5)
+    if native_attention.load() is not None:  # and the compiled kernel over the same blocks
+        assert torch.allclose(paged_attention(q, k_new, v_new, kv, 0, meta, d ** -0.5), ref, atol=1e-5)

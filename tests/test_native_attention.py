@@ -17,10 +17,11 @@ pytestmark = pytest.mark.skipif(native_attention.load() is None, reason="no C co
 
 
 def _decode_case(g, contexts, kv_heads, group, head_dim, tpb, num_layers=2):
-    cache = KVCache(num_blocks=400, block_bytes=tpb * 2 * kv_heads * head_dim * 4 + 20)
+    num_blocks = num_layers * sum(-(-n // tpb) for n in contexts) + 8  # the tables use all but 8 blocks
+    cache = KVCache(num_blocks=num_blocks, block_bytes=tpb * 2 * kv_heads * head_dim * 4 + 20)
     kv = cache.model_view(kv_heads, head_dim, torch.float32)
     kv.copy_(torch.randn(kv.shape, generator=g))  # old contents everywhere, as in a used pool
-    free = torch.randperm(400, generator=g).tolist()
+    free = torch.randperm(num_blocks, generator=g).tolist()
     tables = [[[free.pop() for _ in range(-(-n // tpb))] for n in contexts] for _ in range(num_layers)]
     meta = AttentionMetadata.build([1] * len(contexts), contexts, tables, tpb)
     b = len(contexts)
