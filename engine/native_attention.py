@@ -1,4 +1,4 @@
-"""The compiled CPU decode-attention kernel (engine/csrc/paged_decode_attention.c): build, load, call.
+"""The compiled CPU decode-attention kernel (csrc/paged_decode_attention.c): build, load, call.
 
 Place in the data flow: `paged_attention` (engine/attention.py) calls `decode_attention` for a
 float32 decode batch on CPU; the kernel stores the new keys/values in the pool and attends over
@@ -68,7 +68,7 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("PARAFLEX_NATIVE_ATTENTION", "1") == "0":
         return None
     try:
-        source = resources.files("paraflex.engine").joinpath("csrc", SOURCE).read_bytes()
+        source = resources.files("paraflex.csrc").joinpath(SOURCE).read_bytes()
         capability = torch.backends.cpu.get_cpu_capability()
         lib = ctypes.CDLL(_build(source, capability))
     except (OSError, RuntimeError) as exc:

@@ -1,7 +1,7 @@
 /* Paged decode attention on CPU, float32: one query token per request, reading the request's
  * keys and values where they lie in the block pool (no gather into a contiguous copy).
  *
- * Place in the data flow: paraflex/engine/native_attention.py compiles this file once per
+ * Place in the data flow: engine/native_attention.py (paraflex.engine) compiles this file once per
  * machine (cc -O3 -shared), loads it with ctypes and calls `pf_paged_decode_attention` from
  * `paged_attention` for every layer of a CPU decode batch. The function first stores each
  * request's new key/value vectors into their slots (the last position of its context), then,
