@@ -52,6 +52,12 @@ def choose_dtype(device: torch.device, dtype: str | torch.dtype | None = "auto")
     return chosen
 
 
+def model_dtype(arch, device: torch.device, dtype: str | torch.dtype | None = "auto") -> torch.dtype:
+    """The dtype a model's stages run in: float32 for a model configured with 4-byte weights
+    when `dtype` is auto, else `choose_dtype`."""
+    return torch.float32 if dtype in (None, "auto") and arch.dtype_bytes == 4 else choose_dtype(device, dtype)
+
+
 def engine_routes(placement, engine_id: int) -> dict[str, tuple[int, int, list[int]]]:
     """model -> (replica, stage, engine ids of that replica's stages) for the engine's stages."""
     out = {}
@@ -95,7 +101,7 @@ def build_engine(config, placement, engine_id: int, transport, sink, *, device="
         if models is not None and model not in models:
             continue
         mc = config.model(model)
-        dt = torch.float32 if dtype in (None, "auto") and mc.arch.dtype_bytes == 4 else choose_dtype(dev, dtype)
+        dt = model_dtype(mc.arch, dev, dtype)
         a, b = placement.models[model].stages[stage]
         if progress:
             progress(f"engine {engine_id}: loading {model} stage {stage} (layers {a}-{b - 1}) on {dev} as {dt}")

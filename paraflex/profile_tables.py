@@ -3,7 +3,8 @@
 Place in the data flow: `paraflex.costmodel.CostModel(profile_dir=...)` asks this module for
 the measured time of the linear and elementwise ops of one transformer layer at a token
 count; when no table matches the model shape, device or TP degree, the cost model falls back
-to its roofline. ``bench/costmodel_fidelity.py`` reads the same tables to score the roofline.
+to its roofline. ``bench/costmodel_fidelity.py`` reads the same tables to score the roofline;
+`paraflex profile` writes them for the device at hand (`write_mlp_csv`).
 
 Layout (as in ``shared/data/profiles``)::
 
@@ -73,6 +74,26 @@ class OpTable:
 
     def layer_time(self, num_tokens: float) -> float:
         return sum(self.op_time(op, num_tokens) for op in LAYER_OPS if op in self.times)
+
+
+STATS = ("min", "max", "mean", "median", "std")
+SHAPE_COLUMNS = ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size", "use_gated_mlp",
+                 "num_tokens", "num_tensor_parallel_workers")
+
+
+def table_path(root: str, device_folder: str, model: str) -> str:
+    """Where the table of `model` ("<org>/<name>") measured on `device_folder` lives under root."""
+    return os.path.join(root, "compute", device_folder, *model.split("/"), "mlp.csv")
+
+
+def write_mlp_csv(path: str, rows: list[dict]) -> None:
+    """Rows of ``time_stats.<op>.<stat>`` (ms) and shape columns, in Vidur's column order."""
+    columns = [f"time_stats.{op}.{stat}" for op in ALL_OPS for stat in STATS] + list(SHAPE_COLUMNS)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def _bool(text: str) -> bool:

@@ -1,0 +1,110 @@
+"""`paraflex profile`: measure the torch engine's per-layer op times on this machine and write
+them as Vidur ``mlp.csv`` tables that the cost model reads (`cluster.profile_dir`).
+
+Thin edge over `paraflex.engine.op_profiler`: loads the config, checks that the device at hand
+is the kind the config names, profiles every distinct model shape once (progress on stderr),
+writes ``DIR/compute/<cluster.device>/paraflex/<model>/mlp.csv`` plus ``DIR/profile.json``
+(machine, torch, threads, dtypes, token counts) and says how to use them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+
+from paraflex.config import load_config
+from paraflex.errors import UserError
+
+NAME = "profile"
+HELP = "Measure per-layer op times of the config's models on this machine (cost-model tables)."
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config", nargs="?", help="cluster/model config (YAML or JSON)")
+    parser.add_argument("-o", "--output", default="profiles", help="directory to write (default: %(default)s)")
+    parser.add_argument("--models", help="comma-separated model names of the config (default: all)")
+    parser.add_argument("--tokens", default=None,
+                        help="comma-separated token counts (default: 1,2,4,...,4096)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per op and token count (default: %(default)s)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if visible), cpu, cuda, cuda:1")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+
+
+def _tokens(text: str | None) -> tuple[int, ...]:
+    from paraflex.engine.op_profiler import DEFAULT_TOKENS
+
+    if text is None:
+        return DEFAULT_TOKENS
+    try:
+        values = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+    except ValueError:
+        raise UserError(f"--tokens: {text!r} is not a comma-separated list of integers, e.g. 1,8,64") from None
+    if not values or values[0] < 1:
+        raise UserError("--tokens: give token counts >= 1, e.g. 1,8,64")
+    return values
+
+
+def run(args) -> int:
+    if not args.config:
+        raise UserError("missing CONFIG: usage `paraflex profile CONFIG -o DIR`")
+    if args.repeats < 1:
+        raise UserError("--repeats must be >= 1")
+    config = load_config(args.config)
+    tokens = _tokens(args.tokens)
+    names = [m.name for m in config.models]
+    if args.models:
+        wanted = [n.strip() for n in args.models.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in names]
+        if unknown:
+            raise UserError(f"--models: {unknown[0]!r} is not a model of the config; choose from {', '.join(names)}")
+        names = wanted
+
+    import torch
+
+    from paraflex.engine.engine_builder import choose_device, model_dtype
+    from paraflex.engine.op_profiler import profile_layer_ops
+    from paraflex.profile_tables import shape_of, table_path, write_mlp_csv
+
+    device = choose_device(args.device)
+    wants_cpu = config.cluster.device == "cpu"
+    if wants_cpu != (device.type == "cpu"):
+        raise UserError(
+            f"cluster.device is {config.cluster.device!r} but the device at hand is {device}: profile on the "
+            f"machine the config describes ({'--device cpu' if wants_cpu else 'a CUDA GPU'})"
+        )
+    if config.cluster.tp != 1:
+        print(f"warning: tables are measured at TP 1; the cost model uses them only for TP 1, not this "
+              f"config's tp={config.cluster.tp}", file=sys.stderr)
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    progress = None if args.quiet else (lambda line: print(f"[profile] {line}", file=sys.stderr, flush=True))
+    if progress:
+        progress(f"{hardware} ({device}), torch {torch.__version__}, {torch.get_num_threads()} threads; "
+                 f"tokens {','.join(map(str, tokens))}, {args.repeats} repeats")
+    done: dict = {}  # (shape, dtype) -> model whose table covers it
+    written = []
+    for name in names:
+        arch = config.model(name).arch
+        if not arch.gated_mlp or getattr(arch, "linear_bias", False):
+            raise UserError(f"model {name!r}: only Llama-family decoders (RMSNorm, SwiGLU) run on the torch engine")
+        dtype = model_dtype(arch, device)
+        key = (shape_of(arch), arch.vocab_size, dtype)
+        if key in done:
+            if progress:
+                progress(f"{name}: same shape and dtype as {done[key]}, its table covers it")
+            continue
+        rows = profile_layer_ops(arch, device, dtype, tokens, repeats=args.repeats, progress=progress)
+        path = table_path(args.output, config.cluster.device, f"paraflex/{name}")
+        write_mlp_csv(path, rows)
+        done[key] = name
+        written.append({"model": name, "table": os.path.relpath(path, args.output), "dtype": str(dtype).split(".")[-1]})
+    meta = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cluster_device": config.cluster.device, "hardware": hardware, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "tokens": list(tokens), "repeats": args.repeats, "tables": written}
+    with open(os.path.join(args.output, "profile.json"), "w", encoding="utf-8") as fh:
+        json.dump(meta, fh, indent=2)
+    print(f"wrote {len(written)} table(s) under {args.output}; to use them, set `cluster.profile_dir: "
+          f"{os.path.abspath(args.output)}` in the config (plan and simulate then use the measured op times)")
+    return 0
