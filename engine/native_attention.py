@@ -5,9 +5,10 @@ float32 decode batch on CPU; the kernel stores the new keys/values in the pool a
 each request's context where its blocks lie, instead of copying the whole context of the batch
 into one tensor per layer (the torch path's cost on CPU). The C file is compiled once per machine
 with the system C compiler into a cache directory ($PARAFLEX_CACHE_DIR, default
-~/.cache/paraflex) keyed by the source's hash and the CPU's vector capability, then loaded
-with ctypes (which releases the GIL during the call). No compiler, a failed build, or
-PARAFLEX_NATIVE_ATTENTION=0 leaves the torch path in place (one log line says why).
+~/.cache/paraflex, or a per-user temp folder when home is not writable) keyed by the source and
+the compiler flags (by the CPU's vector capability), then loaded with ctypes (which releases
+the GIL during the call). No compiler, a failed build, or PARAFLEX_NATIVE_ATTENTION=0 leaves
+the torch path in place (one log line says why).
 """
 
 from __future__ import annotations
@@ -32,7 +33,16 @@ _tried = False
 
 
 def _cache_dir() -> str:
-    return os.environ.get("PARAFLEX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "paraflex")
+    """$PARAFLEX_CACHE_DIR, else ~/.cache/paraflex, else (home not writable) a per-user temp folder."""
+    chosen = os.environ.get("PARAFLEX_CACHE_DIR")
+    if chosen:
+        return chosen
+    home = os.path.join(os.path.expanduser("~"), ".cache", "paraflex")
+    try:
+        os.makedirs(home, exist_ok=True)
+    except OSError:
+        return os.path.join(tempfile.gettempdir(), f"paraflex-cache-{os.getuid()}")
+    return home if os.access(home, os.W_OK) else os.path.join(tempfile.gettempdir(), f"paraflex-cache-{os.getuid()}")
 
 
 def _build(source: bytes, capability: str) -> str:
