@@ -26,7 +26,9 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = "paged_decode_attention.c"
-_BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffast-math"]
+# Not -ffast-math: a shared object built with it switches the loading process to flush-to-zero.
+_BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fno-trapping-math",
+               "-fno-signed-zeros", "-fassociative-math", "-ffp-contract=fast"]
 _FLAGS = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx512f", "-mavx512vl", "-mfma"]}
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -61,7 +63,7 @@ def _build(source: bytes, capability: str) -> str:
         with open(src, "wb") as fh:
             fh.write(source)
         out = os.path.join(tmp, "lib.so")
-        cmd = [compiler, *flags, src, "-o", out, "-lm"]
+        cmd = [compiler, *flags, src, "-o", out]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")

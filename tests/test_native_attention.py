@@ -4,6 +4,7 @@ import logging
 import os
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -104,3 +105,25 @@ def test_switched_off_by_environment(fresh_loader, monkeypatch):
     monkeypatch.setenv("PARAFLEX_NATIVE_ATTENTION", "0")
     assert native_attention.load() is None
     assert not os.listdir(fresh_loader)
+
+
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """The library is built without -ffast-math, whose start-up code would set flush-to-zero for
+    the whole process (and silently change every float op of torch and numpy after the load)."""
+    assert native_attention.load() is not None
+    tiny = torch.tensor(1e-38, dtype=torch.float32) * 1e-3
+    assert tiny.item() != 0.0
+    assert float(np.float32(1e-38) * np.float32(1e-3)) != 0.0
+
+
+@pytest.mark.parametrize("context", [1, 2, 37, 300])
+def test_softmax_of_extreme_scores_matches_torch(context):
+    """Scores spread over 200 units (exp underflows for most keys) still give torch's weights."""
+    g = torch.Generator().manual_seed(context)
+    kv, meta, q, k, v = _decode_case(g, [context], 1, 2, 16, 8, num_layers=1)
+    q = q * 60  # scale 0.25: scores of order +-200
+    kv_torch = kv.clone()
+    out = paged_attention(q, k, v, kv, 0, meta, 0.25)
+    with mock.patch.object(native_attention, "usable", lambda *_: False):
+        ref = paged_attention(q, k, v, kv_torch, 0, meta, 0.25)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
