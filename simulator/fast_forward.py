@@ -174,6 +174,14 @@ class DecodeFastForward:
             todo.extend(self.routes_on[eng.id])
         if horizon <= enough:
             return horizon
+        # most refusals: another replica on the route has an event due before `enough`
+        for eng in route:
+            for key in self.routes_on[eng.id]:
+                times = route_pending[key]
+                if times and key != ours and counts(key[0])[key[1]]:
+                    h = min(times)
+                    if h <= enough:
+                        return h
         seen_routes = {ours}
         seen_engines = set(on_route)
         engines = cluster.engines

@@ -78,12 +78,7 @@ class SimEngine:
             arch, layers, cost = info.arch, info.num_layers, self.cost
             full = cost.decode_time(arch, layers, batch_size, batch_size, first=info.first, last=info.last)
             rest = full - layers * cost.attention_decode_time(arch, batch_size, batch_size)
-            attention = cost.attention_decode_fn(arch, batch_size)
-
-            def fn(ctx):
-                return rest + layers * attention(ctx)
-
-            self._decode_cache[key] = fn
+            fn = self._decode_cache[key] = cost.attention_decode_fn(arch, batch_size, rest, layers)
         return fn
 
     def mixed_time(self, info: StageInfo, prefill_tokens: int, num_seqs: int, batch_size: int, total_context: int) -> float:

@@ -43,6 +43,7 @@ def test_swap_time_is_blocks_over_bandwidth():
 def test_attention_decode_fn_is_bit_identical(device, model, tp, b, ctx):
     """The replay's per-context attention function gives exactly the cost model's floats."""
     cost, arch = CostModel(device, tp=tp), get_arch(model)
-    fn = cost.attention_decode_fn(arch, b)
+    fn, step = cost.attention_decode_fn(arch, b), cost.attention_decode_fn(arch, b, 0.0123, 7)
     for c in ctx:
         assert fn(b + c) == cost.attention_decode_time(arch, b, b + c)
+        assert step(b + c) == 0.0123 + 7 * cost.attention_decode_time(arch, b, b + c)
