@@ -33,13 +33,11 @@ class BulkAdvance:
         if not st.is_first or batch.kind != DECODE:
             raise ProtocolError(f"advance_first_decode: {batch.batch_id} is not a first-stage decode batch")
         reqs = [self._bulk_member(sr.req_id, RUNNING) for sr in batch.requests]
-        grow = self.pool.grow
-        for _ in range(k - 1):  # complete batch i, receive its tokens, form batch i + 1
-            for req in reqs:
-                req.context_len += 1
-                alloc = req.alloc
-                if req.context_len + 1 > alloc.blocks_per_layer * alloc.tokens_per_block:
-                    grow(alloc, req.context_len + 1)
+        # cycle i < k - 1 completes batch i (context + 1), receives its tokens and forms batch
+        # i + 1, growing each member (in batch order) to cover its context + 1
+        self._grow_in_order(reqs, 2, k - 1)
+        for req in reqs:
+            req.context_len += k - 1
         self.decisions += k - 1
         self._batch_seq += k - 1
         q = st.decode_q
@@ -57,19 +55,33 @@ class BulkAdvance:
         if st.is_first:
             raise ProtocolError(f"advance_later_decode: {model} stage {stage} is a first stage")
         reqs = [self._bulk_member(rid, BLOCKED) for rid in req_ids]
-        grow = self.pool.grow
-        for _ in range(k):
-            for req in reqs:
-                alloc = req.alloc
-                if req.context_len + 1 > alloc.blocks_per_layer * alloc.tokens_per_block:
-                    grow(alloc, req.context_len + 1)
-            for req in reqs:
-                req.context_len += 1
+        self._grow_in_order(reqs, 1, k)  # cycle i: each member covers its context + 1, then runs
+        for req in reqs:
+            req.context_len += k
         if st.is_last:
             for req in reqs:
                 req.generated += k
         self._seq += k
         self.decisions += k
+
+    def _grow_in_order(self, reqs: list[StageRequest], offset: int, cycles: int) -> None:
+        """The KV growth of `cycles` cycles in which cycle i takes every member, in order, to
+        cover context_len + i + offset tokens: the same `grow` calls (same targets, same
+        order: by cycle, then member) as doing the cycles one by one, without visiting the
+        cycles where nobody crosses a block boundary."""
+        grows = []
+        for j, req in enumerate(reqs):
+            alloc, c = req.alloc, req.context_len
+            tpb = alloc.tokens_per_block
+            i = max(0, alloc.blocks_per_layer * tpb - c - offset + 1)  # first cycle needing a block
+            while i < cycles:
+                target = c + i + offset
+                grows.append((i, j, target))
+                i = max(i + 1, -(-target // tpb) * tpb - c - offset + 1)
+        grows.sort()
+        grow = self.pool.grow
+        for _, j, target in grows:
+            grow(reqs[j].alloc, target)
 
     def _check_bulk(self, model: str, stage: int, k: int) -> ResidentStage:
         if k < 1:

@@ -132,6 +132,25 @@ class CostModel:
         # Decode attention is a batched GEMV: it runs at the memory roofline.
         return max(flops / (d.peak_flops * d.matmul_eff), (kv_bytes + io_bytes) / (d.mem_bandwidth * d.mem_eff)) + d.kernel_overhead
 
+    def attention_decode_fn(self, arch, batch_size: int, plus: float = 0.0, times: int = 1):
+        """`plus + times * attention_decode_time(arch, batch_size, ctx)` as a function of ctx
+        alone: the same float operations in the same order, with the terms that do not
+        depend on ctx computed once (the simulator's decode step is `rest + layers x
+        attention`, evaluated once per replayed step; tests check bit-for-bit equality)."""
+        d, t, e = self.device, self.tp, arch.dtype_bytes
+        kvpt = arch.kv_bytes_per_token_per_layer()
+        io_bytes = batch_size * (2 * arch.q_size + 2 * arch.kv_size) / t * e
+        heads, head_dim = arch.num_heads, arch.head_dim
+        flop_rate = d.peak_flops * d.matmul_eff
+        byte_rate = d.mem_bandwidth * d.mem_eff
+        overhead = d.kernel_overhead
+
+        def attention(total_context):
+            return plus + times * (max(4.0 * total_context * heads / t * head_dim / flop_rate,
+                                       (total_context * kvpt / t + io_bytes) / byte_rate) + overhead)
+
+        return attention
+
     def allreduce_time(self, nbytes: float) -> float:
         """Ring all-reduce of nbytes over the TP group (0 when tp == 1)."""
         t = self.tp

@@ -139,16 +139,34 @@ class DecodeFastForward:
         for eng in route:
             if (eng is not first and eng.busy) or eng.scheduler.has_swapped:
                 return 0, t
+        # no cycle ends before its first stage does: stop looking once the horizon is that near
+        first_end = t + first.decode_time(first.stages[sb.model], len(sb.requests), sum(sr.context_len for sr in sb.requests))
+        ours = (sb.model, replica)
+        if self._event_before(route, ours, first_end):
+            return 0, t
         if len(route) == 1:  # its engine decides once per cycle, with its other queues waiting
             budget = first.scheduler.repeatable_decisions(sb) + 1
         elif any(eng.scheduler.has_ready_work() for eng in route):
             return 0, t  # an idle stage would run that work between two of this batch's steps
         else:
             budget = _UNBOUNDED
-        # no cycle ends before its first stage does: stop looking once the horizon is that near
-        first_end = t + first.decode_time(first.stages[sb.model], len(sb.requests), sum(sr.context_len for sr in sb.requests))
-        horizon = self._horizon(route, (sb.model, replica), t, first_end)
+        horizon = self._horizon(route, ours, t, first_end)
         return (budget, horizon) if horizon > first_end else (0, t)
+
+    def _event_before(self, route, ours: tuple[str, int], when: float) -> bool:
+        """True if an event already on the heap reaches the route by `when`: one pending at
+        its engines, or one of another replica touching it (most refusals; `_horizon` does
+        the full search)."""
+        counts = self.cluster.dispatcher.outstanding
+        route_pending = self.cluster.route_pending
+        for eng in route:
+            if eng.pending and min(eng.pending) <= when:
+                return True
+            for key in self.routes_on[eng.id]:
+                times = route_pending[key]
+                if times and key != ours and counts(key[0])[key[1]] and min(times) <= when:
+                    return True
+        return False
 
     def _horizon(self, route, ours: tuple[str, int], t: float, enough: float) -> float:
         """A time before which no event can reach the route's engines (t: none can be shown;

@@ -18,6 +18,7 @@ summary, `request_rows()` into the per-request CSV (output.py). Definitions:
 from __future__ import annotations
 
 from array import array
+from operator import sub
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,25 +98,50 @@ class MetricsStore:
 
     def tokens(self, recs: list[RequestRecord], t: float) -> None:
         """One token for each of `recs` at `t`."""
-        self.token_steps(recs, (t,))
+        tbt = self.tbt
+        for rec in recs:
+            k = rec.tokens
+            if k == 0:
+                rec.first_token = t
+            else:
+                gap = t - rec.last_token
+                tbt[rec.model].append(gap)
+                if gap > rec.max_tbt:
+                    rec.max_tbt = gap
+            if t <= rec.arrival + rec.ttft_slo + k * rec.tbt_slo:
+                rec.on_time += 1
+            rec.last_token = t
+            rec.tokens = k + 1
 
     def token_steps(self, recs: list[RequestRecord], times) -> None:
-        """For each time in order: one token for each of `recs` (the fast-forward's replay)."""
+        """For each time in order: one token for each of `recs` (the fast-forward's replay).
+        Request by request: the TBT arrays only feed percentiles, so their order is free."""
         tbt = self.tbt
-        for t in times:
-            for rec in recs:
-                k = rec.tokens
-                if k == 0:
-                    rec.first_token = t
-                else:
-                    gap = t - rec.last_token
-                    tbt[rec.model].append(gap)
-                    if gap > rec.max_tbt:
-                        rec.max_tbt = gap
-                if t <= rec.arrival + rec.ttft_slo + k * rec.tbt_slo:
+        n = len(times)
+        for rec in recs:
+            k = rec.tokens
+            i = 0
+            if k == 0:
+                rec.first_token = times[0]
+                if times[0] <= rec.arrival + rec.ttft_slo + 0 * rec.tbt_slo:
                     rec.on_time += 1
-                rec.last_token = t
-                rec.tokens = k + 1
+                k = i = 1
+            if i < n:
+                prev = [rec.last_token if i == 0 else times[0], *times[i:n - 1]]
+                gaps = list(map(sub, times[i:], prev))
+                tbt[rec.model].extend(gaps)
+                worst = max(gaps)
+                if worst > rec.max_tbt:
+                    rec.max_tbt = worst
+                # token k + j is due at arrival + TTFT + (k + j) x TBT; deadlines and times both
+                # rise, so if the last token meets the first deadline all do
+                a, ttft, slo = rec.arrival, rec.ttft_slo, rec.tbt_slo
+                if times[n - 1] <= a + ttft + k * slo:
+                    rec.on_time += n - i
+                else:
+                    rec.on_time += sum(1 for j in range(i, n) if times[j] <= a + ttft + (k + j - i) * slo)
+            rec.last_token = times[n - 1]
+            rec.tokens += n
 
     def finish(self, rec: RequestRecord, t: float) -> None:
         rec.finish = t

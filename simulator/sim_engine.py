@@ -66,25 +66,20 @@ class SimEngine:
         """CostModel.decode_time, computed as (everything but attention, cached per batch
         size) + layers x attention(context): the same sum, without redoing the linear part
         for every context length (tests check equality with the cost model)."""
-        return self._decode_rest(info, batch_size) + info.num_layers * self.cost.attention_decode_time(
-            info.arch, batch_size, total_context)
+        return self.decode_time_fn(info, batch_size)(total_context)
 
     def decode_time_fn(self, info: StageInfo, batch_size: int):
-        """`decode_time(info, batch_size, ctx)` as a function of ctx alone (the same sum), for
-        the fast-forward's replay loop."""
-        rest, layers, arch = self._decode_rest(info, batch_size), info.num_layers, info.arch
-        attention = self.cost.attention_decode_time
-        return lambda ctx: rest + layers * attention(arch, batch_size, ctx)
-
-    def _decode_rest(self, info: StageInfo, batch_size: int) -> float:
+        """`decode_time(info, batch_size, ctx)` as a function of ctx alone, built once per
+        (model, batch size): the step-by-step path and the fast-forward's replay loop both
+        evaluate it, so their times are the same floats."""
         key = (info.model, batch_size)
-        rest = self._decode_cache.get(key)
-        if rest is None:
-            arch, layers = info.arch, info.num_layers
-            full = self.cost.decode_time(arch, layers, batch_size, batch_size, first=info.first, last=info.last)
-            rest = full - layers * self.cost.attention_decode_time(arch, batch_size, batch_size)
-            self._decode_cache[key] = rest
-        return rest
+        fn = self._decode_cache.get(key)
+        if fn is None:
+            arch, layers, cost = info.arch, info.num_layers, self.cost
+            full = cost.decode_time(arch, layers, batch_size, batch_size, first=info.first, last=info.last)
+            rest = full - layers * cost.attention_decode_time(arch, batch_size, batch_size)
+            fn = self._decode_cache[key] = cost.attention_decode_fn(arch, batch_size, rest, layers)
+        return fn
 
     def mixed_time(self, info: StageInfo, prefill_tokens: int, num_seqs: int, batch_size: int, total_context: int) -> float:
         """A Sarathi batch: prompt chunks and decodes share one pass through the weights, so

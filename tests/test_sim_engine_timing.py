@@ -35,3 +35,15 @@ def test_swap_time_is_blocks_over_bandwidth():
     eng = SimEngine(0, None, _Pool(), None, {}, 32e9)
     assert eng.swap_time(1000) == pytest.approx(1000 * 32768 / 32e9)
     assert eng.swap_time(0) == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(device=st.sampled_from(["a100-80g", "h100-80g", "cpu"]), model=st.sampled_from(["llama-2-70b", "phi-2", "tiny-4l"]),
+       tp=st.sampled_from([1, 2, 8]), b=st.integers(1, 256), ctx=st.lists(st.integers(0, 2_000_000), min_size=1, max_size=5))
+def test_attention_decode_fn_is_bit_identical(device, model, tp, b, ctx):
+    """The replay's per-context attention function gives exactly the cost model's floats."""
+    cost, arch = CostModel(device, tp=tp), get_arch(model)
+    fn, step = cost.attention_decode_fn(arch, b), cost.attention_decode_fn(arch, b, 0.0123, 7)
+    for c in ctx:
+        assert fn(b + c) == cost.attention_decode_time(arch, b, b + c)
+        assert step(b + c) == 0.0123 + 7 * cost.attention_decode_time(arch, b, b + c)

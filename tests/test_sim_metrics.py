@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paraflex.simulator.metrics import MetricsStore, ModelSLO
 
@@ -52,3 +54,31 @@ def test_tokens_deadlines_throughput_and_tbt():
     assert s["e2e_median_s"] == pytest.approx(np.median([0.9, 2.0]))
     rows = list(m.request_rows())
     assert rows[0][0] == "id" and rows[1][-1] == 2 and rows[2][-1] == 2
+
+
+@settings(max_examples=80, deadline=None)
+@given(arrival=st.floats(0, 5), ttft=st.floats(0.01, 2), tbt=st.floats(0.001, 0.5),
+       before=st.integers(0, 3), gaps=st.lists(st.floats(0, 0.6), min_size=1, max_size=40), recs=st.integers(1, 3))
+def test_token_steps_equal_one_token_at_a_time(arrival, ttft, tbt, before, gaps, recs):
+    """The replay's bulk recording leaves the same records and the same TBT multiset as
+    recording its token times one by one (the on-time shortcut included)."""
+    stores = [MetricsStore({"x": ModelSLO(ttft, tbt)}, 1, 1) for _ in range(2)]
+    t = arrival
+    earlier, times = [], []
+    for _ in range(before):
+        t += 0.05
+        earlier.append(t)
+    for g in gaps:
+        t += g
+        times.append(t)
+    for m in stores:
+        rs = [m.add_request(i, "x", arrival, 1, 100) for i in range(recs)]
+        for e in earlier:
+            m.tokens(rs, e)
+    stores[0].token_steps(list(stores[0].requests.values()), times)
+    for x in times:
+        stores[1].tokens(list(stores[1].requests.values()), x)
+    fields = ("first_token", "last_token", "tokens", "on_time", "max_tbt")
+    for a, b in zip(stores[0].requests.values(), stores[1].requests.values()):
+        assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+    assert sorted(stores[0].tbt["x"]) == sorted(stores[1].tbt["x"])

@@ -26,6 +26,9 @@ class FixedCost:
     def attention_decode_time(self, arch, batch_size, total_context):
         return 0.0
 
+    def attention_decode_fn(self, arch, batch_size, plus=0.0, times=1):
+        return lambda total_context: plus
+
 
 def _config(engines, policy="full-batch-first", gbps=8.0, latency_us=1000.0):
     # A GPU device: its engines keep the paper's one prompt per prefill batch (CPU engines pack
