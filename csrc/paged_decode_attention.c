@@ -139,6 +139,7 @@ int pf_paged_decode_attention(const float *q, const float *k_new, const float *v
                               int kv_heads, int group, int head_dim, const int64_t *block_table,
                               int64_t max_blocks, const int64_t *context_lens, int64_t num_seqs,
                               float scale, float *out, int num_threads) {
+    if (num_seqs <= 0) return 0;
     const int64_t vec = (int64_t)kv_heads * head_dim;
     int64_t max_ctx = 1;
     for (int64_t b = 0; b < num_seqs; b++) {
