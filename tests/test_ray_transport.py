@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from paraflex.engine.transport import Envelope
 from paraflex.engine.transport_ray import GroupSpec, RayTransport, start_store
 from paraflex.engine.transport_wire import arrival_key, decode_phase1, encode_phase1
-from paraflex.engine.transport_slots import PACK_BYTES, SlotTable, pack, slot_views
+from paraflex.engine.transport_slots import SlotTable, pack, slot_views
 
 # ----------------------------------------------------------------------------- phase-1 wire
 
@@ -289,25 +289,6 @@ def test_batches_to_the_next_stage_go_into_preposted_slots(pair):
     (env,) = _drain(ts[1], 1)
     _check(env)
     assert ts[0]._groups[("a", 0)].next_slot == 1 and ts[1]._slots.pending() == (0, 0)
-
-
-def test_small_slot_transfers_send_data_before_phase1_large_ones_after(pair, monkeypatch):
-    """Decode-sized data goes first (it lands while the phase-1 call travels); prefill-sized
-    data goes after phase 1 (writing it would hold the call back). Both arrive intact."""
-    ts, _ = pair
-    order: list[tuple[str, int]] = []
-    group = ts[0]._groups[("a", 0)]
-    send_slots, phase1 = group.send_slots, ts[0]._phase1
-    monkeypatch.setattr(group, "send_slots", lambda tensors, dst, first: (
-        order.append(("data", sum(t.nbytes for t in tensors))), send_slots(tensors, dst, first))[1])
-    monkeypatch.setattr(ts[0], "_phase1", lambda dst, payload: (
-        order.append(("phase1", decode_phase1(payload)[0].meta["batch"])), phase1(dst, payload))[1])
-    small, large = _batch("a", 1, rows=2), _batch("a", 2, rows=PACK_BYTES // 8)  # 8 x fp32 + bf16
-    _send_all_and_check(ts, [small])
-    _send_all_and_check(ts, [large])
-    assert [what for what, _ in order] == ["data", "phase1", "phase1", "data"]
-    assert order[1:3] == [("phase1", 1), ("phase1", 2)]
-    assert order[0][1] <= PACK_BYTES < order[3][1]
 
 
 def test_phase1_before_slot_data_holds_later_metadata_of_the_model(pair):
