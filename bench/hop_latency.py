@@ -29,7 +29,8 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from paraflex.engine.transport import Envelope  # noqa: E402
-from paraflex.engine.transport_ray import GroupSpec, RayTransport, encode_phase1, start_store  # noqa: E402
+from paraflex.engine.transport_ray import GroupSpec, RayTransport, start_store  # noqa: E402
+from paraflex.engine.transport_wire import encode_phase1  # noqa: E402
 from paraflex.engine.transport_slots import DEFAULT_SLOT_BYTES  # noqa: E402
 
 # name -> (rows, hidden): SmolLM2-135M width (576), fp32 as served on CPU.

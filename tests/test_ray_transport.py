@@ -15,14 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paraflex.engine.transport import Envelope
-from paraflex.engine.transport_ray import (
-    GroupSpec,
-    RayTransport,
-    arrival_key,
-    decode_phase1,
-    encode_phase1,
-    start_store,
-)
+from paraflex.engine.transport_ray import GroupSpec, RayTransport, start_store
+from paraflex.engine.transport_wire import arrival_key, decode_phase1, encode_phase1
 from paraflex.engine.transport_slots import SlotTable, pack, slot_views
 
 # ----------------------------------------------------------------------------- phase-1 wire
