@@ -1,0 +1,130 @@
+"""CPU decode step of SmolLM2-135M (fp32): the engine's fast paths against its plain-torch peers,
+in the same run.
+
+Place in the project: a benchmark (not a test) for the CPU engine's two compiled/packed paths:
+
+1. attention: the compiled decode kernel (csrc/paged_decode_attention.c, reading KV blocks in
+   place) vs the torch path (one row `index_select` of the context per layer + grouped matmuls),
+   all 30 layers of a decode batch over scattered blocks;
+2. projections: oneDNN-packed `Linear` vs `torch.mm` over [in, out] weights, all projections of
+   the 30 layers plus the LM head, with each layer's own weights (cold caches, as in a step);
+3. the whole `Stage.forward` of a decode step with both fast paths vs with neither.
+
+Prints, per batch size, the least wall time of --repeat runs of each contender (interleaved),
+the ratio (peer / ours: > 1 means ours is faster), and the machine and its load.
+
+Usage: python bench/cpu_decode_step.py [--batches 1 8 32] [--context 192] [--threads 2] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from unittest import mock
+
+import torch
+
+from paraflex.catalog import arch_from_gguf, smollm2_gguf_path
+from paraflex.engine import native_attention
+from paraflex.engine.attention import AttentionMetadata, paged_attention
+from paraflex.engine.kv_cache import KVCache
+from paraflex.engine.model import Stage
+from paraflex.engine.model import linear as linear_module
+from paraflex.engine.weights import load_stage_weights
+
+
+def least_pair(ours, peer, repeat: int) -> tuple[float, float]:
+    """Least wall time of each, the two run alternately (so load changes hit both)."""
+    ours(), peer()
+    best = [float("inf"), float("inf")]
+    for _ in range(repeat):
+        for i, fn in enumerate((ours, peer)):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0], best[1]
+
+
+def torch_attention(fn):
+    """`fn` with the compiled kernel switched off (the torch path)."""
+    def run():
+        with mock.patch.object(native_attention, "usable", lambda *_: False):
+            fn()
+    return run
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--context", type=int, default=192, help="tokens of context per request (default 192)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if native_attention.load() is None:
+        print("the compiled kernel cannot be built here (see the warning above); nothing to compare")
+        return 1
+    print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} torch={torch.__version__} "
+          f"threads={args.threads} capability={torch.backends.cpu.get_cpu_capability()} "
+          f"loadavg={os.getloadavg()[0]:.1f}")
+    path = smollm2_gguf_path()
+    arch = arch_from_gguf(path, "smollm2-135m")
+    weights = load_stage_weights(path, arch, 0, arch.num_layers, torch.float32, "cpu", "gguf")
+    fast = Stage(arch, 0, arch.num_layers, weights)
+    with mock.patch.object(linear_module, "onednn_packing_available", lambda *_: False):
+        plain = Stage(arch, 0, arch.num_layers, weights)
+    layers, ctx = arch.num_layers, args.context
+    tpb = 32768 // (2 * arch.num_kv_heads * arch.head_dim * 4)
+    per = -(-ctx // tpb)
+    num_blocks = layers * max(args.batches) * per + 1
+    kv_cache = KVCache(num_blocks, 32768)
+    kv = kv_cache.model_view(arch.num_kv_heads, arch.head_dim, torch.float32)
+    torch.nn.init.normal_(kv)
+    print(f"model: SmolLM2-135M fp32, {layers} layers, context {ctx} per request, {tpb} tokens per block; "
+          f"least of {args.repeat} runs, contenders interleaved\n")
+    print(f"{'batch':>5} {'what':<12} {'ours ms':>9} {'peer ms':>9} {'peer/ours':>10}")
+    for b in args.batches:
+        perm = torch.randperm(num_blocks - 1)[: layers * b * per] + 1  # scattered blocks, as in a used pool
+        tables = perm.view(layers, b, per).tolist()
+        q = torch.randn(b, arch.num_heads, arch.head_dim)
+        k, v = torch.randn(b, arch.num_kv_heads, arch.head_dim), torch.randn(b, arch.num_kv_heads, arch.head_dim)
+        ids = torch.randint(0, arch.vocab_size, (b,))
+
+        def meta():
+            return AttentionMetadata.build([1] * b, [ctx] * b, tables, tpb)
+
+        def attention():
+            m = meta()
+            for layer in range(layers):
+                paged_attention(q, k, v, kv, layer, m, arch.head_dim ** -0.5)
+
+        def projections(stage):
+            x = torch.randn(b, arch.hidden_size)
+            act = torch.randn(b, arch.intermediate_size)
+            attn = torch.randn(b, arch.num_heads * arch.head_dim)
+            for layer in stage.layers:
+                layer.qkv(x), layer.o_proj(attn), layer.gate_up(x), layer.down(act)
+            stage.lm_head(x)
+
+        def step(stage):
+            with torch.inference_mode():
+                stage.forward(ids, meta(), kv)
+
+        rows = [
+            ("attention", *least_pair(attention, torch_attention(attention), args.repeat)),
+            ("projections", *least_pair(lambda: projections(fast), lambda: projections(plain), args.repeat)),
+            ("step", *least_pair(lambda: step(fast), torch_attention(lambda: step(plain)), args.repeat)),
+        ]
+        for what, t_ours, t_peer in rows:
+            print(f"{b:>5} {what:<12} {t_ours * 1e3:9.1f} {t_peer * 1e3:9.1f} {t_peer / t_ours:9.2f}x")
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
+    print("attention peer: the torch path (row index_select + grouped matmuls); projections peer: torch.mm over "
+          "[in, out] weights; step peer: both (the engine before this work)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
