@@ -9,6 +9,16 @@ and prints requests per wall-second (whole run, and the event loop alone, withou
 the engines), requests per CPU-second of the whole run (steadier than wall time on a shared
 machine), events per request, and the wall-time growth from N to 2N (2.0x = linear cost).
 
+The work itself is not linear in the request count: output lengths are log-normal and arrivals
+bursty (CV 12.3), so a longer run can draw a different mix. The table therefore also gives the
+output tokens per request, the share of them that belong to multi-stage (pipeline) replicas
+(llama-2-70b's 3-stage pipeline in the base case: its decode steps are never replayed, and its
+stage events stop the replays of the one-stage replicas on its engines), events per output
+token, and CPU microseconds per event (the per-event cost: flat if the cost is linear in the
+events). `--seed` draws another workload; `--without MODEL[,MODEL]` drops those models'
+requests from it (the rest unchanged): `--without llama-2-70b` measures the base case without
+its pipeline, the bound a replay of interleaved pipelines could approach.
+
 Peers, measured in the same run:
 - per case: the same simulation with the decode fast-forward off (`fast_forward=False`: every
   decode step through the event loop and the scheduler; results are identical, the table
@@ -16,7 +26,8 @@ Peers, measured in the same run:
 - on the first case: a naive event loop that keeps a plain list (wake-ups included) and sorts
   it before every pop (the textbook O(n log n)-per-event loop a heap replaces).
 
-    python bench/sim_speed.py [--requests 100] [--engines 1,2,8] [--rates 0.5,2] [--repeat 1]
+    python bench/sim_speed.py [--requests 100] [--engines 1,2,8] [--rates 0.5,2] [--repeat 1] [--seed 0]
+                              [--without MODEL,...]
 """
 
 from __future__ import annotations
@@ -30,8 +41,9 @@ import time
 
 from paraflex.config import load_config
 from paraflex.simulator.event_loop import EventLoop
-from paraflex.simulator.runner import SimSettings, simulate
+from paraflex.simulator.runner import SimSettings, simulate, workload_of
 from paraflex.simulator.systems import build_system
+from paraflex.simulator.workload import WorkloadModel, generate
 
 RUN_ONLY = ("wall_s", "setup_wall_s", "sim_requests_per_wall_s", "events", "fast_forward_cycles")
 
@@ -64,17 +76,41 @@ def _config(path: str, engines: int, n: int, rate_per_engine: float):
     return cfg, rate_per_engine * engines
 
 
-def _run(cfg, rate, layout, fast_forward=True, loop=None, repeat=1):
+def _requests(cfg, rate, seed, without):
+    """The workload `simulate` generates for `cfg`, minus the requests of the models `without`
+    (None when there are none to drop: `simulate` generates it itself)."""
+    if not without:
+        return None
+    wl = workload_of(cfg)
+    models = [WorkloadModel(m.name, m.arch.max_context, s) for m, s in zip(cfg.models, wl.model_shares(cfg.models))]
+    reqs, _ = generate(models, wl, rate, seed)
+    return [r for r in reqs if r.model not in without]
+
+
+def _run(cfg, rate, layout, fast_forward=True, loop=None, repeat=1, seed=0, without=()):
     """(event-loop wall s, whole-run wall s, whole-run CPU s, result): each the least of
     `repeat` identical runs (other jobs on a shared machine only ever add time)."""
     best = None
     for _ in range(repeat):
         t0, c0 = time.perf_counter(), time.process_time()
-        res = simulate(cfg, SimSettings(rate=rate, seed=0, fast_forward=fast_forward), layout=layout, loop=loop)
+        reqs = _requests(cfg, rate, seed, without)
+        res = simulate(cfg, SimSettings(rate=rate, seed=seed, fast_forward=fast_forward), layout=layout, loop=loop,
+                       requests=reqs)
         whole, cpu = time.perf_counter() - t0, time.process_time() - c0
         now = (whole - res.summary["setup_wall_s"], whole, cpu)
         best = now if best is None else tuple(map(min, best, now))
     return (*best, res)
+
+
+def _work(res, layout) -> tuple[int, float]:
+    """(output tokens, share of them served by multi-stage replicas) of one run."""
+    piped = {name for name, mp in layout.placement.models.items() if mp.num_stages > 1}
+    total = pipe = 0
+    for r in res.metrics.requests.values():
+        total += r.output_len
+        if r.model in piped:
+            pipe += r.output_len
+    return total, pipe / total if total else 0.0
 
 
 def _same(a, b) -> bool:
@@ -90,11 +126,19 @@ def main() -> int:
     ap.add_argument("--rates", default="0.5,2", help="requests/s per engine, comma-separated")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each simulation this many times and report the least times (steadier on a shared machine)")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed (another seed draws another request mix)")
+    ap.add_argument("--without", default="", help="comma-separated models whose requests are dropped from the workload")
     args = ap.parse_args()
+    without = {m for m in args.without.split(",") if m}
+    names = [m.name for m in load_config(args.config).models]
+    unknown = sorted(without - set(names))
+    if unknown:
+        ap.error(f"--without: no model {unknown[0]!r} in {args.config}; its models: {', '.join(names)}")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"machine: {platform.machine()} {os.cpu_count()} cores (shared, load average {load:.1f} at start), "
-          f"python {platform.python_version()}; times: least of {args.repeat} run(s)")
-    print(f"{'req/s/eng':>9} {'engines':>7} {'GPUs':>5} {'requests':>8} {'events':>7} {'ev/req':>6} {'run s':>6} "
+          f"python {platform.python_version()}; times: least of {args.repeat} run(s); seed {args.seed}"
+          + (f"; without {', '.join(sorted(without))}" if without else ""))
+    print(f"{'req/s/eng':>9} {'engines':>7} {'GPUs':>5} {'requests':>8} {'events':>7} {'ev/req':>6} {'tok/req':>7} {'pipe%':>5} {'ev/tok':>6} {'us/ev':>5} {'run s':>6} "
           f"{'req/run-s':>9} {'whole s':>7} {'req/whole-s':>11} {'req/cpu-s':>9} {'growth':>6} | {'step-by-step':>12} "
           f"{'ev/req':>6} {'req/whole-s':>11} {'req/cpu-s':>9} {'speed-up':>8} {'cpu':>6} {'same':>4}")
     sort_peer = None
@@ -105,17 +149,21 @@ def main() -> int:
             first = None
             for mult in (1, 2):
                 cfg_n, _ = _config(args.config, e, mult * args.requests, rpe)
-                w, whole, cpu, res = _run(cfg_n, rate, layout, repeat=args.repeat)
-                pw, pwhole, pcpu, peer = _run(cfg_n, rate, layout, fast_forward=False, repeat=args.repeat)
+                w, whole, cpu, res = _run(cfg_n, rate, layout, repeat=args.repeat, seed=args.seed, without=without)
+                pw, pwhole, pcpu, peer = _run(cfg_n, rate, layout, fast_forward=False, repeat=args.repeat, seed=args.seed,
+                                          without=without)
+                tokens, pipe = _work(res, layout)
                 n, ev, pev = res.summary["requests"], res.summary["events"], peer.summary["events"]
                 growth = f"{w / first:.2f}x" if first else ""
                 first = first or w
-                print(f"{rpe:>9g} {e:>7} {e * cfg.cluster.tp:>5} {n:>8} {ev:>7} {ev / n:>6.0f} {w:>6.2f} {n / w:>9.0f} "
+                print(f"{rpe:>9g} {e:>7} {e * cfg.cluster.tp:>5} {n:>8} {ev:>7} {ev / n:>6.0f} {tokens / n:>7.0f} {100 * pipe:>5.1f} "
+                      f"{ev / tokens:>6.3f} {1e6 * cpu / ev:>5.0f} {w:>6.2f} {n / w:>9.0f} "
                       f"{whole:>7.2f} {n / whole:>11.0f} {n / cpu:>9.0f} {growth:>6} | {pwhole:>11.2f}s {pev / n:>6.0f} "
                       f"{n / pwhole:>11.0f} {n / pcpu:>9.0f} {pwhole / whole:>7.2f}x {pcpu / cpu:>5.2f}x "
                       f"{'yes' if _same(res, peer) else 'NO':>4}")
                 if sort_peer is None:
-                    sw, _, _, _ = _run(cfg_n, rate, layout, fast_forward=False, loop=SortingEventLoop())
+                    sw, _, _, _ = _run(cfg_n, rate, layout, fast_forward=False, loop=SortingEventLoop(), seed=args.seed,
+                                      without=without)
                     sort_peer = (rpe, e, n, pw, sw)
     rpe, e, n, heap_w, sort_w = sort_peer
     print(f"\nloop peer ({e} engine(s), {rpe:g} req/s per engine, {n} requests, same run, fast-forward off): heap loop "
