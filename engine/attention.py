@@ -54,6 +54,7 @@ class AttentionMetadata:
     last_token_index: torch.Tensor  # [B] packed index of the last new token of every request
     block_table: torch.Tensor  # [L, B, max blocks] int64, physical blocks of every request per layer
     context_lens: torch.Tensor  # [B] int64, tokens in KV after this step
+    total_context: int  # their sum
     query_lens: torch.Tensor  # [B] int64 (on the CPU), new tokens of every request
     tokens_per_block: int
     _context: list = field(default_factory=list, repr=False)  # [ContextIndex] once built
@@ -109,6 +110,7 @@ class AttentionMetadata:
             last_token_index=(starts + q_lens - 1).to(dev),
             block_table=bt.to(dev),
             context_lens=c_lens.to(dev),
+            total_context=sum(context_lens),
             query_lens=q_lens,
             tokens_per_block=tokens_per_block,
         )
@@ -193,7 +195,8 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if meta.query_index is None and native_attention.usable(q, kv):
-        return native_attention.decode_attention(q, k, v, kv, meta.block_table[layer], meta.context_lens, scale)
+        return native_attention.decode_attention(q, k, v, kv, meta.block_table[layer], meta.context_lens, scale,
+                                                 meta.total_context)
     table, read, write, row = meta.rows(kv)
     new = torch.stack((k, v)).to(kv.dtype)  # [2, T, Hkv, D]
     table.index_copy_(0, write[layer], new.view(-1, row))
