@@ -19,13 +19,17 @@ from paraflex.engine.model import Stage
 from paraflex.errors import ParaflexError
 
 
-# On CPU with plain `torch.mm` weights (no oneDNN packing: e.g. bfloat16), batches of at most
-# this many new tokens run on ONE intra-op thread: a batch-1 decode step of SmolLM2 took 42-47 ms
-# on one thread and 46-57 ms on two on the 2-core VM (memory-bound matrix-vector products plus
-# ~1,000 small ops that each pay a thread hand-off), while a batch-32 step gained from two.
-# Packed (oneDNN) weights run every batch on all threads: batch 1 is level (38-40 ms on two vs
-# 41-43 ms for `torch.mm` on one, 47-48 ms packed on one) and batches of 2-4 gain 1.4-1.6x.
+# On CPU, small batches run on ONE intra-op thread, leaving the other cores to the gateway,
+# tokenizer and transport threads of the process. With plain `torch.mm` weights (no oneDNN
+# packing: e.g. bfloat16) that is every batch of at most 4 new tokens: a batch-1 decode step of
+# SmolLM2 took 42-47 ms on one thread and 46-57 ms on two on the 2-core VM (memory-bound
+# matrix-vector products plus ~1,000 small ops that each pay a thread hand-off). With packed
+# weights, batches of 2-4 gain 1.4-1.6x from a second thread, so only single-token batches stay
+# on one: bare, a packed batch-1 step is level on two threads (38-48 ms) with one (47-55 ms),
+# but served over HTTP on two threads the gateway's per-token work lands on the engine's
+# second core and the token took 73-92 ms (11.6 tok/s) instead of ~55 ms.
 SERIAL_MAX_TOKENS = 4
+SERIAL_MAX_TOKENS_PACKED = 1
 
 
 class Worker:
@@ -72,7 +76,7 @@ class Worker:
             view.shape[2], self.device,
         )
         if self.device.type == "cpu" and self.max_threads > 1:
-            serial = not stage.packed and batch.num_tokens <= SERIAL_MAX_TOKENS
+            serial = batch.num_tokens <= (SERIAL_MAX_TOKENS_PACKED if stage.packed else SERIAL_MAX_TOKENS)
             threads = 1 if serial else self.max_threads
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
