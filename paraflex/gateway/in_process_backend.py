@@ -13,10 +13,19 @@ production with the same protocol.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from typing import AsyncIterator
 
 from paraflex.gateway.backend import BackendMetrics, ModelCard, Output
+
+
+# The engine thread releases the GIL inside every torch op and needs it back between ops; with
+# the gateway's thread streaming tokens in the same process, CPython's default 5 ms switch
+# interval lets the gateway keep the GIL that long while the engine waits. At 0.5 ms, SmolLM2
+# served at batch 32 on the 2-core VM: 113-114 tok/s (TPOT 208-211 ms) vs 94-103 (268-304 ms),
+# two interleaved pairs of runs (`bench/serve_load.py --peer-batches 32`).
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class _QueueSink:
@@ -40,6 +49,7 @@ class InProcessBackend:
                        for m in cluster.models()]
         self._live: dict[str, str] = {}  # request id -> model, for requests this backend streams
         self._lock = threading.Lock()
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         cluster.start()
 
     @classmethod
