@@ -17,6 +17,13 @@ from paraflex.engine.model.linear import Linear
 from paraflex.engine.model.rope import apply_rotary
 
 
+def unsupported_reason(arch) -> str | None:
+    """Why `DecoderLayer` cannot run `arch` (None when it can: a Llama-family decoder)."""
+    if getattr(arch, "linear_bias", False) or not getattr(arch, "gated_mlp", True):
+        return f"{arch.name}: only Llama-family decoders (RMSNorm, SwiGLU) run on the torch engine"
+    return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 like the reference implementation, cast back."""
     xf = x.float()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from paraflex.engine.attention import AttentionMetadata
-from paraflex.engine.model.layers import DecoderLayer, rms_norm
+from paraflex.engine.model.layers import DecoderLayer, rms_norm, unsupported_reason
 from paraflex.engine.model.linear import Linear
 from paraflex.engine.model.rope import Rotary
 
@@ -28,10 +28,9 @@ class Stage:
         weights: dict[str, torch.Tensor],
         device: torch.device | str = "cpu",
     ) -> None:
-        if getattr(arch, "linear_bias", False) or not getattr(arch, "gated_mlp", True):
-            raise NotImplementedError(
-                f"{arch.name}: only Llama-family decoders (RMSNorm, SwiGLU) run on the torch engine"
-            )
+        reason = unsupported_reason(arch)
+        if reason:
+            raise NotImplementedError(reason)
         self.arch = arch
         self.layer_start, self.layer_end = layer_start, layer_end
         self.first = layer_start == 0

@@ -65,6 +65,7 @@ def run(args) -> int:
     import torch
 
     from paraflex.engine.engine_builder import choose_device, model_dtype
+    from paraflex.engine.model.layers import unsupported_reason
     from paraflex.engine.op_profiler import profile_layer_ops
     from paraflex.profile_tables import shape_of, table_path, write_mlp_csv
 
@@ -87,8 +88,9 @@ def run(args) -> int:
     written = []
     for name in names:
         arch = config.model(name).arch
-        if not arch.gated_mlp or getattr(arch, "linear_bias", False):
-            raise UserError(f"model {name!r}: only Llama-family decoders (RMSNorm, SwiGLU) run on the torch engine")
+        reason = unsupported_reason(arch)
+        if reason:
+            raise UserError(f"model {name!r}: {reason}")
         dtype = model_dtype(arch, device)
         key = (shape_of(arch), arch.vocab_size, dtype)
         if key in done:
