@@ -125,18 +125,13 @@ class CostModel:
 
     def attention_decode_time(self, arch, batch_size: int, total_context: float) -> float:
         """One new token for each of batch_size requests whose contexts sum to total_context."""
-        d, t, e = self.device, self.tp, arch.dtype_bytes
-        kv_bytes = total_context * arch.kv_bytes_per_token_per_layer() / t
-        io_bytes = batch_size * (2 * arch.q_size + 2 * arch.kv_size) / t * e
-        flops = 4.0 * total_context * arch.num_heads / t * arch.head_dim
-        # Decode attention is a batched GEMV: it runs at the memory roofline.
-        return max(flops / (d.peak_flops * d.matmul_eff), (kv_bytes + io_bytes) / (d.mem_bandwidth * d.mem_eff)) + d.kernel_overhead
+        return self.attention_decode_fn(arch, batch_size)(total_context)
 
     def attention_decode_fn(self, arch, batch_size: int, plus: float = 0.0, times: int = 1):
         """`plus + times * attention_decode_time(arch, batch_size, ctx)` as a function of ctx
-        alone: the same float operations in the same order, with the terms that do not
-        depend on ctx computed once (the simulator's decode step is `rest + layers x
-        attention`, evaluated once per replayed step; tests check bit-for-bit equality)."""
+        alone, the terms that do not depend on ctx computed once (the simulator's decode step
+        is `rest + layers x attention`, evaluated once per replayed step). Decode attention is
+        a batched GEMV: it runs at the memory roofline."""
         d, t, e = self.device, self.tp, arch.dtype_bytes
         kvpt = arch.kv_bytes_per_token_per_layer()
         io_bytes = batch_size * (2 * arch.q_size + 2 * arch.kv_size) / t * e
