@@ -23,7 +23,7 @@ the block stride (head_dim itself for power-of-two blocks), so one key or value 
 head is ``head_dim // row`` consecutive rows. For every layer, ONE `index_select` over that
 table copies the whole context of the batch straight into the ``[2, B, kv_heads, K, head_dim]``
 layout the matmuls want: one memcpy per row, no per-element indexing and no second copy. The
-row numbers of all layers are computed once per step (`AttentionMetadata.read_rows`) and shared
+row numbers of all layers are computed once per step (`AttentionMetadata.rows`) and shared
 by the layers. Decode (one query per request) multiplies by the grouped queries directly
 (``[B, kv_heads, group, D] @ K^T``, masked softmax, ``@ V``): the same operations in the same
 order as `transformers`' eager attention. Prompts use `scaled_dot_product_attention` (its

@@ -42,9 +42,10 @@ def _cache_dir() -> str:
     home = os.path.join(os.path.expanduser("~"), ".cache", "paraflex")
     try:
         os.makedirs(home, exist_ok=True)
+        writable = os.access(home, os.W_OK)
     except OSError:
-        return os.path.join(tempfile.gettempdir(), f"paraflex-cache-{os.getuid()}")
-    return home if os.access(home, os.W_OK) else os.path.join(tempfile.gettempdir(), f"paraflex-cache-{os.getuid()}")
+        writable = False
+    return home if writable else os.path.join(tempfile.gettempdir(), f"paraflex-cache-{os.getuid()}")
 
 
 def _build(source: bytes, capability: str) -> str:
@@ -95,7 +96,8 @@ def load() -> ctypes.CDLL | None:
 
 
 def usable(q: torch.Tensor, kv: torch.Tensor) -> bool:
-    """Whether this decode batch can take the kernel: float32 on CPU, head_dim a multiple of the kernel's vector width (8), kernel loaded."""
+    """Whether this decode batch can take the kernel: float32 on CPU, head_dim a multiple of the
+    kernel's vector width (8), kernel loaded."""
     return (q.device.type == "cpu" and q.dtype == torch.float32 and kv.dtype == torch.float32
             and q.shape[-1] % 8 == 0 and load() is not None)
 

@@ -32,7 +32,6 @@ def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """weight [out, in] (checkpoint layout), bias [out] or None."""
-        self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = None
         self.weight_t = None
