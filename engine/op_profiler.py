@@ -51,7 +51,7 @@ def profile_layer_ops(arch, device: torch.device, dtype: torch.dtype, tokens=DEF
     """One row per token count: ``time_stats.<op>.<stat>`` in milliseconds for every op of
     `ALL_OPS`, plus Vidur's shape columns (TP 1)."""
     w = random_stage_weights(f"profile/{arch.name}", arch, 0, 1, dtype, device)
-    layer = DecoderLayer(arch, 0, {k[len("model.layers.0."):]: v for k, v in w.items() if k.startswith("model.layers.0.")})
+    layer = DecoderLayer.from_checkpoint(arch, 0, 0, w)
     table = w["model.embed_tokens.weight"]
     rotary = Rotary(arch.head_dim, arch.rope_theta, arch.rope_scaling, device)
     now = _timer(device)

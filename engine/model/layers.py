@@ -59,6 +59,13 @@ class DecoderLayer:
         self.gate_up = Linear(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
         self.down = Linear(w["mlp.down_proj.weight"])
 
+    @classmethod
+    def from_checkpoint(cls, arch, index: int, layer: int, weights: dict[str, torch.Tensor]) -> "DecoderLayer":
+        """Layer `layer` of the model (HF tensor names ``model.layers.<layer>.*`` in `weights`),
+        as layer `index` of its stage."""
+        prefix = f"model.layers.{layer}."
+        return cls(arch, index, {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
+
     def weight_bytes(self) -> int:
         norms = sum(t.numel() * t.element_size() for t in (self.input_norm, self.post_norm))
         return norms + sum(p.nbytes for p in (self.qkv, self.o_proj, self.gate_up, self.down))

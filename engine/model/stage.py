@@ -36,14 +36,8 @@ class Stage:
         self.first = layer_start == 0
         self.last = layer_end == arch.num_layers
         self.device = torch.device(device)
-        self.layers = [
-            DecoderLayer(
-                arch, i - layer_start,
-                {k[len(f"model.layers.{i}."):]: v for k, v in weights.items()
-                 if k.startswith(f"model.layers.{i}.")},
-            )
-            for i in range(layer_start, layer_end)
-        ]
+        self.layers = [DecoderLayer.from_checkpoint(arch, i - layer_start, i, weights)
+                       for i in range(layer_start, layer_end)]
         self.embed = weights.get("model.embed_tokens.weight") if self.first else None
         self.norm = weights["model.norm.weight"] if self.last else None
         # The LM head multiplies like the layers' projections (`Linear`). A tied table is also
