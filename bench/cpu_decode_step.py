@@ -1,14 +1,16 @@
 """CPU decode step of SmolLM2-135M (fp32): the engine's fast paths against its plain-torch peers,
 in the same run.
 
-Place in the project: a benchmark (not a test) for the CPU engine's two compiled/packed paths:
+Place in the project: a benchmark (not a test) for the CPU engine's compiled/packed paths:
 
 1. attention: the compiled decode kernel (csrc/paged_decode_attention.c, reading KV blocks in
    place) vs the torch path (one row `index_select` of the context per layer + grouped matmuls),
    all 30 layers of a decode batch over scattered blocks;
 2. projections: oneDNN-packed `Linear` vs `torch.mm` over [in, out] weights, all projections of
    the 30 layers plus the LM head, with each layer's own weights (cold caches, as in a step);
-3. the whole `Stage.forward` of a decode step with both fast paths vs with neither.
+3. layer ops: the compiled elementwise ops (csrc/decoder_layer_ops.c: residual add + RMSNorm
+   twice, the rotation of queries and keys, SiLU(gate) * up) vs their torch formulas, all 30 layers;
+4. the whole `Stage.forward` of a decode step with all fast paths vs with none.
 
 Prints, per batch size, the least wall time of --repeat runs of each contender (interleaved),
 the ratio (peer / ours: > 1 means ours is faster), and the machine and its load.
@@ -28,10 +30,11 @@ from unittest import mock
 import torch
 
 from paraflex.catalog import arch_from_gguf, smollm2_gguf_path
-from paraflex.engine import native_attention
+from paraflex.engine import native_attention, native_ops
 from paraflex.engine.attention import AttentionMetadata, paged_attention
 from paraflex.engine.kv_cache import KVCache
 from paraflex.engine.model import Stage
+from paraflex.engine.model import layer_ops
 from paraflex.engine.model import linear as linear_module
 from paraflex.engine.weights import load_stage_weights
 
@@ -49,9 +52,17 @@ def least_pair(ours, peer, repeat: int) -> tuple[float, float]:
 
 
 def torch_attention(fn):
-    """`fn` with the compiled kernel switched off (the torch path)."""
+    """`fn` with the compiled attention kernel switched off (the torch path)."""
     def run():
         with mock.patch.object(native_attention, "usable", lambda *_: False):
+            fn()
+    return run
+
+
+def torch_ops(fn):
+    """`fn` with the compiled layer ops switched off (their torch formulas)."""
+    def run():
+        with mock.patch.object(native_ops, "applies", lambda *_: False):
             fn()
     return run
 
@@ -64,8 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if native_attention.load() is None:
-        print("the compiled kernel cannot be built here (see the warning above); nothing to compare")
+    if native_attention.load() is None or native_ops.LIBRARY.load() is None:
+        print("the compiled kernels cannot be built here (see the warning above); nothing to compare")
         return 1
     print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} torch={torch.__version__} "
           f"threads={args.threads} capability={torch.backends.cpu.get_cpu_capability()} "
@@ -109,6 +120,18 @@ def main(argv=None) -> int:
                 layer.qkv(x), layer.o_proj(attn), layer.gate_up(x), layer.down(act)
             stage.lm_head(x)
 
+        def glue():
+            stream, x = torch.randn(b, arch.hidden_size), torch.randn(b, arch.hidden_size)
+            qkv = torch.randn(b, (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim)
+            gate_up = torch.randn(b, 2 * arch.intermediate_size)
+            cos, sin = fast.rotary.cos_sin(torch.full((b,), ctx - 1), torch.float32)
+            with torch.inference_mode():
+                for layer in fast.layers:
+                    layer_ops.add_rms_norm(stream, x, layer.input_norm, layer.eps)
+                    layer_ops.rotate_queries_keys(qkv, arch.num_heads + arch.num_kv_heads, arch.head_dim, cos, sin)
+                    layer_ops.add_rms_norm(stream, x, layer.post_norm, layer.eps)
+                    layer_ops.silu_mul(gate_up)
+
         def step(stage):
             with torch.inference_mode():
                 stage.forward(ids, meta(), kv)
@@ -116,13 +139,14 @@ def main(argv=None) -> int:
         rows = [
             ("attention", *least_pair(attention, torch_attention(attention), args.repeat)),
             ("projections", *least_pair(lambda: projections(fast), lambda: projections(plain), args.repeat)),
-            ("step", *least_pair(lambda: step(fast), torch_attention(lambda: step(plain)), args.repeat)),
+            ("layer ops", *least_pair(glue, torch_ops(glue), args.repeat)),
+            ("step", *least_pair(lambda: step(fast), torch_ops(torch_attention(lambda: step(plain))), args.repeat)),
         ]
         for what, t_ours, t_peer in rows:
             print(f"{b:>5} {what:<12} {t_ours * 1e3:9.1f} {t_peer * 1e3:9.1f} {t_peer / t_ours:9.2f}x")
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     print("attention peer: the torch path (row index_select + grouped matmuls); projections peer: torch.mm over "
-          "[in, out] weights; step peer: both (the engine before this work)")
+          "[in, out] weights; layer ops peer: their torch formulas; step peer: all three (the plain-torch engine)")
     return 0
 
 

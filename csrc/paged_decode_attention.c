@@ -16,9 +16,9 @@
  * (the vector width; the caller checks).
  */
 #include <pthread.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "vec_math.h"
 
 typedef struct {
     const float *q;             /* [B, kv_heads * group, head_dim] */
@@ -34,11 +34,6 @@ typedef struct {
     float *scores;              /* scratch: query heads * max context */
 } job_t;
 
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline v8f load8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
-
 static inline float dot(const float *a, const float *b, int n) {
     v8f even = {0}, odd = {0};
     int c = 0;
@@ -51,29 +46,6 @@ static inline float dot(const float *a, const float *b, int n) {
     float s = 0;
     for (int i = 0; i < 8; i++) s += even[i];
     return s;
-}
-
-/* e^x for x <= 0 (scores minus their maximum), without libm: 2^(x log2 e) split into an integer
-   power of two (exponent bits) and 2^f, |f| <= 1/2, by its degree-7 Taylor polynomial (relative
-   error < 1e-8). Branch-free, so the loop calling it vectorises without -ffast-math (whose
-   start-up code would switch the whole process to flush-to-zero). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float y = x * 1.44269504088896341f;
-    const float n = __builtin_floorf(y + 0.5f);
-    const float f = (y - n) * 0.693147180559945309f;
-    float p = 1.98412698412698413e-4f;
-    p = p * f + 1.38888888888888889e-3f;
-    p = p * f + 8.33333333333333333e-3f;
-    p = p * f + 4.16666666666666667e-2f;
-    p = p * f + 1.66666666666666667e-1f;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 /* Prefetch one slot's keys and values (all kv heads: `row` floats each). */
@@ -107,7 +79,7 @@ static void attend(const job_t *j, int64_t b, float *sc) {
     for (int hq = 0; hq < HQ; hq++) {
         float *s = sc + hq * n, m = s[0], sum = 0;
         for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
-        for (int64_t t = 0; t < n; t++) s[t] = exp_nonpositive(s[t] - m);
+        for (int64_t t = 0; t < n; t++) s[t] = exp_clamped(s[t] - m);
         for (int64_t t = 0; t < n; t++) sum += s[t];
         const float inv = 1.0f / sum;
         for (int64_t t = 0; t < n; t++) s[t] *= inv;

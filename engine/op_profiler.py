@@ -8,10 +8,12 @@ measured times instead of its roofline for the linear and elementwise ops of a l
 
 The ops are the engine's own code on random weights of the model's shape and dtype (one
 decoder layer plus the embedding table): `emb` the embedding lookup, `input_layernorm` /
-`post_attention_layernorm` the RMSNorm, `attn_pre_proj` the fused Q|K|V `Linear`, `attn_rope`
-the one-pass rotation of queries and keys, `attn_post_proj` the O `Linear`, `mlp_up_proj` the
-fused gate|up `Linear`, `mlp_act` SiLU(gate) * up, `mlp_down_proj` the down `Linear`, `add` one
-residual add. Each is run `warmup` times, then timed `repeats` times (synchronised on CUDA).
+`post_attention_layernorm` the residual add with the RMSNorm after it (the engine fuses them),
+`attn_pre_proj` the fused Q|K|V `Linear`, `attn_rope` the rotation of queries and keys,
+`attn_post_proj` the O `Linear`, `mlp_up_proj` the fused gate|up `Linear`, `mlp_act` SiLU(gate)
+* up, `mlp_down_proj` the down `Linear`, `add` one residual add as a separate op (the engine
+runs one per stage; the cost model's two per layer over-count by that much where the norms
+include them). Each is run `warmup` times, then timed `repeats` times (synchronised on CUDA).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from paraflex.engine.model.layers import DecoderLayer, rms_norm
-from paraflex.engine.model.rope import Rotary, apply_rotary
+from paraflex.engine.model.layer_ops import add_rms_norm, rotate_queries_keys, silu_mul
+from paraflex.engine.model.layers import DecoderLayer
+from paraflex.engine.model.rope import Rotary
 from paraflex.engine.weights.random_init import random_stage_weights
 from paraflex.profile_tables import ALL_OPS
 
@@ -62,24 +65,21 @@ def profile_layer_ops(arch, device: torch.device, dtype: torch.dtype, tokens=DEF
         ids = torch.randint(0, arch.vocab_size, (n,), device=device, generator=g)
         x = torch.randn(n, arch.hidden_size, device=device, generator=g).to(dtype)
         attn = torch.randn(n, arch.num_heads * arch.head_dim, device=device, generator=g).to(dtype)
+        stream = torch.randn(n, arch.hidden_size, device=device, generator=g).to(dtype)
         gate_up = torch.randn(n, 2 * arch.intermediate_size, device=device, generator=g).to(dtype)
         act = torch.randn(n, arch.intermediate_size, device=device, generator=g).to(dtype)
-        qk = torch.randn(n, heads, arch.head_dim, device=device, generator=g).to(dtype)
+        qkv = torch.randn(n, (heads + arch.num_kv_heads) * arch.head_dim, device=device, generator=g).to(dtype)
         cos, sin = rotary.cos_sin(torch.arange(n, device=device), dtype)
-
-        def swiglu():
-            gate, up = gate_up.chunk(2, dim=-1)
-            return F.silu(gate).mul_(up)
 
         ops = {
             "emb": lambda: F.embedding(ids, table),
-            "input_layernorm": lambda: rms_norm(x, layer.input_norm, layer.eps),
+            "input_layernorm": lambda: add_rms_norm(stream, x, layer.input_norm, layer.eps),
             "attn_pre_proj": lambda: layer.qkv(x),
-            "attn_rope": lambda: apply_rotary(qk, cos, sin),
+            "attn_rope": lambda: rotate_queries_keys(qkv, heads, arch.head_dim, cos, sin),
             "attn_post_proj": lambda: layer.o_proj(attn),
-            "post_attention_layernorm": lambda: rms_norm(x, layer.post_norm, layer.eps),
+            "post_attention_layernorm": lambda: add_rms_norm(stream, x, layer.post_norm, layer.eps),
             "mlp_up_proj": lambda: layer.gate_up(x),
-            "mlp_act": swiglu,
+            "mlp_act": lambda: silu_mul(gate_up),
             "mlp_down_proj": lambda: layer.down(act),
             "add": lambda: x + x,
         }

@@ -75,10 +75,10 @@ def test_decode_batches_take_the_kernel_and_prompts_do_not(monkeypatch):
 
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
-    monkeypatch.setattr(native_attention, "_lib", None)
-    monkeypatch.setattr(native_attention, "_tried", False)
     monkeypatch.setenv("PARAFLEX_CACHE_DIR", str(tmp_path))
-    return tmp_path
+    native_attention.LIBRARY.forget()
+    yield tmp_path
+    native_attention.LIBRARY.forget()  # the next test loads from the usual cache again
 
 
 def test_kernel_is_built_once_per_cache_dir(fresh_loader):
@@ -87,14 +87,14 @@ def test_kernel_is_built_once_per_cache_dir(fresh_loader):
     built = [os.path.join(d, f) for d, _, fs in os.walk(fresh_loader) for f in fs]
     assert len(built) == 1 and built[0].endswith(".so")
     stamp = os.stat(built[0]).st_mtime_ns
-    native_attention._tried = False
+    native_attention.LIBRARY.forget()
     assert native_attention.load() is not None
     assert os.stat(built[0]).st_mtime_ns == stamp  # loaded from the cache, not compiled again
 
 
 def test_no_compiler_leaves_the_torch_path_with_one_warning(fresh_loader, monkeypatch, caplog):
     monkeypatch.setenv("CC", "/bin/false")
-    with caplog.at_level(logging.WARNING, logger=native_attention.__name__):
+    with caplog.at_level(logging.WARNING, logger="paraflex.engine.native_build"):
         assert native_attention.load() is None
         assert native_attention.load() is None
     assert [r.getMessage() for r in caplog.records if "torch path" in r.getMessage()] != []

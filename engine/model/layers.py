@@ -2,7 +2,8 @@
 QKV bias (Qwen2), SwiGLU MLP.
 
 Place in the data flow: `Stage` owns a list of `DecoderLayer`s, one per layer of its range,
-and calls them in order on the packed tokens of a batch. Projections are fused at load time
+and calls them in order on the packed tokens of a batch, passing each layer's MLP output to the
+next (whose first norm adds it to the residual stream). Projections are fused at load time
 (Q|K|V and gate|up) so each layer is four matmuls, each a `Linear` (engine/model/linear.py:
 oneDNN-packed weights on CPU, transposed weights for `torch.mm` elsewhere).
 """
@@ -10,11 +11,10 @@ oneDNN-packed weights on CPU, transposed weights for `torch.mm` elsewhere).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from paraflex.engine.attention import AttentionMetadata, paged_attention
+from paraflex.engine.model.layer_ops import add_rms_norm, rms_norm, rotate_queries_keys, silu_mul
 from paraflex.engine.model.linear import Linear
-from paraflex.engine.model.rope import apply_rotary
 
 
 def unsupported_reason(arch) -> str | None:
@@ -22,13 +22,6 @@ def unsupported_reason(arch) -> str | None:
     if getattr(arch, "linear_bias", False) or not getattr(arch, "gated_mlp", True):
         return f"{arch.name}: only Llama-family decoders (RMSNorm, SwiGLU) run on the torch engine"
     return None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 like the reference implementation, cast back."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 class DecoderLayer:
@@ -70,16 +63,23 @@ class DecoderLayer:
         norms = sum(t.numel() * t.element_size() for t in (self.input_norm, self.post_norm))
         return norms + sum(p.nbytes for p in (self.qkv, self.o_proj, self.gate_up, self.down))
 
-    def forward(self, x, cos, sin, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = rms_norm(x, self.input_norm, self.eps)
+    def forward(self, x, cos, sin, kv: torch.Tensor, meta: AttentionMetadata,
+                mlp_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream entering the layer is `x`, or `x` + `mlp_out` (the previous
+        layer's MLP output, added here together with the norm). Returns (stream after the
+        attention block, this layer's MLP output): the caller adds them (or passes them on)."""
+        if mlp_out is None:
+            h = rms_norm(x, self.input_norm, self.eps)
+        else:
+            h = add_rms_norm(mlp_out, x, self.input_norm, self.eps)
+            x = mlp_out
         qkv = self.qkv(h)
-        t, qk_size = x.shape[0], self.q_size + self.kv_size
+        t = x.shape[0]
         # queries and keys are adjacent columns: one rotation for both
-        qk = apply_rotary(qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = rotate_queries_keys(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv, self.index, meta, self.scale)
-        x = x + self.o_proj(attn)
-        h = rms_norm(x, self.post_norm, self.eps)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate).mul_(up))
+        stream = self.o_proj(attn)
+        h = add_rms_norm(stream, x, self.post_norm, self.eps)
+        return stream, self.down(silu_mul(self.gate_up(h)))

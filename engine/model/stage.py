@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from paraflex.engine.attention import AttentionMetadata
-from paraflex.engine.model.layers import DecoderLayer, rms_norm, unsupported_reason
+from paraflex.engine.model.layer_ops import rms_norm
+from paraflex.engine.model.layers import DecoderLayer, unsupported_reason
 from paraflex.engine.model.linear import Linear
 from paraflex.engine.model.rope import Rotary
 
@@ -78,9 +79,12 @@ class Stage:
         or, on the last stage, float32 logits [B, vocab] of each request's last new token."""
         x = F.embedding(inputs, self.embed) if self.first else inputs.to(self.dtype)
         cos, sin = self.rotary.cos_sin(meta.positions, self.dtype)
+        mlp_out = None
         for layer in self.layers:
-            x = layer.forward(x, cos, sin, kv, meta)
+            x, mlp_out = layer.forward(x, cos, sin, kv, meta, mlp_out)
         if not self.last:
-            return x
-        x = rms_norm(x[meta.last_token_index], self.norm, self.arch.rms_norm_eps)
+            return mlp_out.add_(x) if mlp_out is not None else x
+        rows = meta.last_token_index
+        x = x[rows] + mlp_out[rows] if mlp_out is not None else x[rows]
+        x = rms_norm(x, self.norm, self.arch.rms_norm_eps)
         return self.lm_head(x).float()

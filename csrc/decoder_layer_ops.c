@@ -1,0 +1,78 @@
+/* The elementwise work of a decoder layer on CPU, float32: RMSNorm (with the residual add
+ * fused in), the rotary embedding of queries and keys (in place), and SiLU(gate) * up.
+ *
+ * Place in the data flow: engine/native_ops.py compiles this file once per machine (through
+ * engine/native_build.py, with -ffp-contract=off so that no multiply-add is fused: the rotation
+ * gives the torch path's bits) and `engine/model/layer_ops.py` calls it from every layer of a
+ * CPU float32 stage, one call where the torch path runs 3-8 small ops. Rows are contiguous.
+ * The torch path's arithmetic is kept: RMSNorm is w * (x * (1 / sqrt(mean(x^2) + eps))) (only the
+ * order of the sum of squares differs), SiLU is g / (1 + e^-g) with the exponential of
+ * vec_math.h.
+ */
+#include <math.h>
+
+#include "vec_math.h"
+
+static float inv_rms(const float *x, int64_t n, float eps) {
+    v8f acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8f v = load8(x + i);
+        acc += v * v;
+    }
+    float s = 0;
+    for (int k = 0; k < 8; k++) s += acc[k];
+    for (; i < n; i++) s += x[i] * x[i];
+    return 1.0f / sqrtf(s / (float)n + eps);
+}
+
+/* out[r] = w * (x[r] * inv_rms(x[r])) for rows r of n floats. */
+void pf_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++, x += n, out += n) {
+        const float inv = inv_rms(x, n, eps);
+        for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+    }
+}
+
+/* stream[r] += x[r] (the residual stream after the add), then out[r] = RMSNorm(stream[r]). */
+void pf_add_rms_norm(float *stream, const float *x, const float *w, float *out, int64_t rows, int64_t n,
+                     float eps) {
+    for (int64_t r = 0; r < rows; r++, stream += n, x += n, out += n) {
+        for (int64_t i = 0; i < n; i++) stream[i] += x[i];
+        const float inv = inv_rms(stream, n, eps);
+        for (int64_t i = 0; i < n; i++) out[i] = w[i] * (stream[i] * inv);
+    }
+}
+
+/* Rotate the first `heads` heads of each row in place: with half = head_dim / 2,
+   y[i] = x[i] cos[i] + x[i + half] ssin[i] and y[i + half] = x[i + half] cos[i + half] +
+   x[i] ssin[i + half], where ssin is the sine with its first half negated (Rotary.cos_sin).
+   x row t starts at x + t * row_stride; cos/ssin are [tokens, head_dim]. */
+void pf_rotary(float *x, int64_t tokens, int64_t row_stride, int heads, int head_dim, const float *cos,
+               const float *ssin) {
+    const int half = head_dim / 2;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * head_dim, *s = ssin + t * head_dim;
+        for (int h = 0; h < heads; h++) {
+            float *p = x + t * row_stride + (int64_t)h * head_dim;
+            for (int i = 0; i < half; i++) {
+                const float a = p[i], b = p[i + half];
+                const float lo = a * c[i] + b * s[i];
+                const float hi = b * c[i + half] + a * s[i + half];
+                p[i] = lo;
+                p[i + half] = hi;
+            }
+        }
+    }
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i], silu(g) = g / (1 + e^-g). */
+void pf_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; r++, gate_up += 2 * inter, out += inter) {
+        const float *up = gate_up + inter;
+        for (int64_t i = 0; i < inter; i++) {
+            const float g = gate_up[i];
+            out[i] = g / (1.0f + exp_clamped(-g)) * up[i];
+        }
+    }
+}

@@ -1,0 +1,111 @@
+"""Build and load the engine's compiled CPU kernels (the C files of paraflex.csrc).
+
+Place in the data flow: `native_attention` and `native_ops` each own one `NativeLibrary`; the
+first call that needs a kernel loads it: the C file and the headers beside it are compiled once
+per machine with the system C compiler into a cache directory ($PARAFLEX_CACHE_DIR, default
+~/.cache/paraflex, or a per-user temp folder when home is not writable), keyed by the sources and
+the compiler flags (by the CPU's vector capability), then loaded with ctypes. No compiler, a
+failed build, or the library's switch variable set to 0 leaves the torch path in place (one
+log line says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+# Not -ffast-math: a shared object built with it switches the loading process to flush-to-zero.
+BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fno-trapping-math",
+              "-fno-signed-zeros", "-fassociative-math"]
+CAPABILITY_FLAGS = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx512f", "-mavx512vl", "-mfma"]}
+
+
+def cache_dir() -> str:
+    """$PARAFLEX_CACHE_DIR, else ~/.cache/paraflex, else (home not writable) a per-user temp folder."""
+    chosen = os.environ.get("PARAFLEX_CACHE_DIR")
+    if chosen:
+        return chosen
+    home = os.path.join(os.path.expanduser("~"), ".cache", "paraflex")
+    try:
+        os.makedirs(home, exist_ok=True)
+        writable = os.access(home, os.W_OK)
+    except OSError:
+        writable = False
+    return home if writable else os.path.join(tempfile.gettempdir(), f"paraflex-cache-{os.getuid()}")
+
+
+def build(source: str, extra_flags: list[str]) -> str:
+    """Path of the shared library for csrc/`source`, compiled if not cached for these sources,
+    flags and CPU capability."""
+    package = resources.files("paraflex.csrc")
+    files = {source: package.joinpath(source).read_bytes()}
+    files.update({f.name: f.read_bytes() for f in package.iterdir() if f.name.endswith(".h")})
+    flags = [*BASE_FLAGS, *extra_flags, *CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + files[name])
+    stem = source.rsplit(".", 1)[0]
+    target = os.path.join(cache_dir(), "native", f"{stem}-{digest.hexdigest()[:16]}.so")
+    if os.path.exists(target):
+        return target
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
+        for name, text in files.items():
+            with open(os.path.join(tmp, name), "wb") as fh:
+                fh.write(text)
+        out = os.path.join(tmp, "lib.so")
+        cmd = [compiler, *flags, os.path.join(tmp, source), "-o", out, "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(out, target)  # atomic: engines building at once all end with one whole file
+    return target
+
+
+class NativeLibrary:
+    """One C file of paraflex.csrc, compiled and loaded on first use (or None, logged once).
+
+    `switch`: environment variable that turns it off when set to 0. `declare(lib)` sets the
+    functions' ctypes signatures. `hold_gil`: load with ctypes.PyDLL (the GIL stays held during
+    calls: right for calls of microseconds, where releasing and taking it back costs more and can
+    hand the interpreter to another thread); else ctypes.CDLL (released: long kernels)."""
+
+    def __init__(self, source: str, switch: str, what: str, declare: Callable[[ctypes.CDLL], None], *,
+                 extra_flags: tuple[str, ...] = (), hold_gil: bool = False) -> None:
+        self.source, self.switch, self.what = source, switch, what
+        self.declare, self.extra_flags, self.hold_gil = declare, list(extra_flags), hold_gil
+        self.lib: ctypes.CDLL | None = None
+        self.tried = False
+
+    def load(self) -> ctypes.CDLL | None:
+        if self.tried:
+            return self.lib
+        self.tried = True
+        if os.environ.get(self.switch, "1") == "0":
+            return None
+        try:
+            path = build(self.source, self.extra_flags)
+            lib = ctypes.PyDLL(path) if self.hold_gil else ctypes.CDLL(path)
+        except (OSError, RuntimeError) as exc:
+            log.warning("%s unavailable (%s); using the torch path", self.what, exc)
+            return None
+        self.declare(lib)
+        self.lib = lib
+        return lib
+
+    def forget(self) -> None:
+        """Load again on the next call (tests of the build rules)."""
+        self.lib, self.tried = None, False
