@@ -12,11 +12,14 @@
  *
  * Pool layout (one model's view): block b starts at pool + b * block_stride; keys of slot s,
  * head h at + (s * kv_heads + h) * head_dim, values at + v_offset + (s * kv_heads + h) * head_dim.
- * Work is split over `num_threads` POSIX threads by requests. head_dim must be a multiple of 8
+ * Work is split over `num_threads` threads by requests (OpenMP, built with -fopenmp where the
+ * compiler has it; else one thread). head_dim must be a multiple of 8
  * (the vector width; the caller checks).
  */
-#include <pthread.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "vec_math.h"
 
@@ -30,8 +33,6 @@ typedef struct {
     const int64_t *context_lens; /* [B] */
     float scale;
     float *out;                 /* [B, kv_heads * group, head_dim] */
-    int64_t first, last;        /* requests [first, last) of this thread */
-    float *scores;              /* scratch: query heads * max context */
 } job_t;
 
 static inline float dot(const float *a, const float *b, int n) {
@@ -99,10 +100,14 @@ static void attend(const job_t *j, int64_t b, float *sc) {
     }
 }
 
-static void *run(void *arg) {
-    const job_t *j = (const job_t *)arg;
-    for (int64_t b = j->first; b < j->last; b++) attend(j, b, j->scores);
-    return NULL;
+/* Requests are taken one at a time from a shared counter, so a thread that is descheduled
+   holds up at most the request it is on; the others take the rest. */
+static void run_requests(const job_t *j, int64_t num_seqs, int64_t *next, float *scores) {
+    for (;;) {
+        const int64_t b = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (b >= num_seqs) return;
+        attend(j, b, scores);
+    }
 }
 
 /* Returns 0, or -1 when scratch memory cannot be had. k_new/v_new: [B, kv_heads, head_dim]. */
@@ -123,29 +128,20 @@ int pf_paged_decode_attention(const float *q, const float *k_new, const float *v
     }
     if (num_threads < 1) num_threads = 1;
     if (num_threads > num_seqs) num_threads = (int)num_seqs;
-    job_t jobs[64];
-    pthread_t threads[64];
-    if (num_threads > 64) num_threads = 64;
     const size_t per_thread = (size_t)kv_heads * (size_t)group * (size_t)max_ctx;
     float *scratch = malloc(sizeof(float) * per_thread * (size_t)num_threads);
     if (!scratch) return -1;
-    for (int i = 0; i < num_threads; i++) {
-        job_t *j = &jobs[i];
-        j->q = q; j->pool = pool; j->block_stride = block_stride; j->v_offset = v_offset;
-        j->tokens_per_block = tokens_per_block; j->kv_heads = kv_heads; j->group = group;
-        j->head_dim = head_dim; j->block_table = block_table; j->max_blocks = max_blocks;
-        j->context_lens = context_lens; j->scale = scale; j->out = out;
-        j->first = num_seqs * i / num_threads; j->last = num_seqs * (i + 1) / num_threads;
-        j->scores = scratch + per_thread * (size_t)i;
-    }
-    int started = 1;  /* thread 0's share runs on the calling thread */
-    for (int i = 1; i < num_threads; i++) {
-        if (pthread_create(&threads[i], NULL, run, &jobs[i]) != 0) break;
-        started++;
-    }
-    for (int i = started; i < num_threads; i++) run(&jobs[i]);  /* could not start: run here */
-    run(&jobs[0]);
-    for (int i = 1; i < started; i++) pthread_join(threads[i], NULL);
+    const job_t job = {q, pool, block_stride, v_offset, tokens_per_block, kv_heads, group, head_dim,
+                       block_table, max_blocks, context_lens, scale, out};
+    int64_t next = 0;
+#ifdef _OPENMP
+    /* torch's own OpenMP runtime (libgomp.so.1 is loaded once per process): its worker threads,
+       already spinning after the previous op, take the requests; no threads are started here */
+#pragma omp parallel num_threads(num_threads)
+    run_requests(&job, num_seqs, &next, scratch + per_thread * (size_t)omp_get_thread_num());
+#else
+    run_requests(&job, num_seqs, &next, scratch);
+#endif
     free(scratch);
     return 0;
 }

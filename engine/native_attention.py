@@ -25,7 +25,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 LIBRARY = NativeLibrary("paged_decode_attention.c", "PARAFLEX_NATIVE_ATTENTION", "compiled CPU attention",
-                        _declare, extra_flags=("-ffp-contract=fast",))
+                        _declare, extra_flags=("-ffp-contract=fast",), optional_flags=("-fopenmp",))
 
 
 def load() -> ctypes.CDLL | None:
@@ -41,10 +41,8 @@ def usable(q: torch.Tensor, kv: torch.Tensor) -> bool:
 
 
 # Context tokens (summed over the batch) per kernel thread: below this a second thread costs more
-# than it saves. SmolLM2, 30 layers, 2-core VM: batch 8 x 192 tokens took 10.7 ms on one thread
-# and 17.4 ms on two (thread start-up, and torch's OpenMP workers still spinning on the other
-# core after the previous op); batch 32 x 192 took 49.6 ms on one and 42.2 ms on two.
-TOKENS_PER_THREAD = 4096
+# than it saves (the kernel runs on torch's OpenMP workers, so no thread start-up).
+TOKENS_PER_THREAD = 1024
 
 
 def decode_attention(q, k, v, kv, block_table, context_lens, scale: float, total_context: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 # Not -ffast-math: a shared object built with it switches the loading process to flush-to-zero.
-BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fno-trapping-math",
+BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
               "-fno-signed-zeros", "-fassociative-math"]
 CAPABILITY_FLAGS = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx512f", "-mavx512vl", "-mfma"]}
 
@@ -79,14 +79,17 @@ class NativeLibrary:
     """One C file of paraflex.csrc, compiled and loaded on first use (or None, logged once).
 
     `switch`: environment variable that turns it off when set to 0. `declare(lib)` sets the
-    functions' ctypes signatures. `hold_gil`: load with ctypes.PyDLL (the GIL stays held during
+    functions' ctypes signatures. `optional_flags` are tried first and dropped if the build fails
+    with them (-fopenmp where the compiler lacks OpenMP: the kernel then runs on one thread). `hold_gil`: load with ctypes.PyDLL (the GIL stays held during
     calls: right for calls of microseconds, where releasing and taking it back costs more and can
     hand the interpreter to another thread); else ctypes.CDLL (released: long kernels)."""
 
     def __init__(self, source: str, switch: str, what: str, declare: Callable[[ctypes.CDLL], None], *,
-                 extra_flags: tuple[str, ...] = (), hold_gil: bool = False) -> None:
+                 extra_flags: tuple[str, ...] = (), optional_flags: tuple[str, ...] = (),
+                 hold_gil: bool = False) -> None:
         self.source, self.switch, self.what = source, switch, what
         self.declare, self.extra_flags, self.hold_gil = declare, list(extra_flags), hold_gil
+        self.optional_flags = list(optional_flags)
         self.lib: ctypes.CDLL | None = None
         self.tried = False
 
@@ -97,7 +100,13 @@ class NativeLibrary:
         if os.environ.get(self.switch, "1") == "0":
             return None
         try:
-            path = build(self.source, self.extra_flags)
+            try:
+                path = build(self.source, self.extra_flags + self.optional_flags)
+            except RuntimeError as exc:
+                if not self.optional_flags:
+                    raise
+                log.info("%s: building without %s (%s)", self.what, " ".join(self.optional_flags), exc)
+                path = build(self.source, self.extra_flags)
             lib = ctypes.PyDLL(path) if self.hold_gil else ctypes.CDLL(path)
         except (OSError, RuntimeError) as exc:
             log.warning("%s unavailable (%s); using the torch path", self.what, exc)
