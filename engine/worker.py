@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from paraflex.engine import native_attention
+from paraflex.engine import native_attention, native_ops
 from paraflex.engine.attention import AttentionMetadata
 from paraflex.engine.kv_cache import KVCache
 from paraflex.engine.model import Stage
@@ -40,7 +40,8 @@ class Worker:
         self.stages: dict[str, Stage] = {}
         self._views: dict[str, torch.Tensor] = {}
         if self.device.type == "cpu":
-            native_attention.load()  # build/load the decode kernel now, not in the first request's step
+            native_attention.load()  # build/load the kernels now, not in the first request's step
+            native_ops.LIBRARY.load()
 
     def add_stage(self, model: str, stage: Stage) -> None:
         self.stages[model] = stage
