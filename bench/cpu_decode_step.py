@@ -6,8 +6,9 @@ Place in the project: a benchmark (not a test) for the CPU engine's compiled/pac
 1. attention: the compiled decode kernel (csrc/paged_decode_attention.c, reading KV blocks in
    place) vs the torch path (one row `index_select` of the context per layer + grouped matmuls),
    all 30 layers of a decode batch over scattered blocks;
-2. projections: oneDNN-packed `Linear` vs `torch.mm` over [in, out] weights, all projections of
-   the 30 layers plus the LM head, with each layer's own weights (cold caches, as in a step);
+2. projections: the compiled panel kernel (csrc/linear_f32.c) vs oneDNN's packed kernel and vs
+   `torch.mm` over [in, out] weights, all projections of the 30 layers plus the LM head, with
+   each layer's own weights (cold caches, as in a step);
 3. layer ops: the compiled elementwise ops (csrc/decoder_layer_ops.c: residual add + RMSNorm
    twice, the rotation of queries and keys, SiLU(gate) * up) vs their torch formulas, all 30 layers;
 4. the whole `Stage.forward` of a decode step with all fast paths vs with none.
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if native_attention.load() is None or native_ops.LIBRARY.load() is None:
+    if any(lib.load() is None for lib in (native_attention.LIBRARY, native_ops.LIBRARY, linear_module.LIBRARY)):
         print("the compiled kernels cannot be built here (see the warning above); nothing to compare")
         return 1
     print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} torch={torch.__version__} "
@@ -85,8 +86,10 @@ def main(argv=None) -> int:
     arch = arch_from_gguf(path, "smollm2-135m")
     weights = load_stage_weights(path, arch, 0, arch.num_layers, torch.float32, "cpu", "gguf")
     fast = Stage(arch, 0, arch.num_layers, weights)
-    with mock.patch.object(linear_module, "onednn_packing_available", lambda *_: False):
-        plain = Stage(arch, 0, arch.num_layers, weights)
+    with mock.patch.object(linear_module, "native_available", lambda *_: False):
+        onednn = Stage(arch, 0, arch.num_layers, weights)
+        with mock.patch.object(linear_module, "onednn_packing_available", lambda *_: False):
+            plain = Stage(arch, 0, arch.num_layers, weights)
     layers, ctx = arch.num_layers, args.context
     tpb = 32768 // (2 * arch.num_kv_heads * arch.head_dim * 4)
     per = -(-ctx // tpb)
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
     torch.nn.init.normal_(kv)
     print(f"model: SmolLM2-135M fp32, {layers} layers, context {ctx} per request, {tpb} tokens per block; "
           f"least of {args.repeat} runs, contenders interleaved\n")
-    print(f"{'batch':>5} {'what':<12} {'ours ms':>9} {'peer ms':>9} {'peer/ours':>10}")
+    print(f"{'batch':>5} {'what':<14} {'ours ms':>9} {'peer ms':>9} {'peer/ours':>10}")
     for b in args.batches:
         perm = torch.randperm(num_blocks - 1)[: layers * b * per] + 1  # scattered blocks, as in a used pool
         tables = perm.view(layers, b, per).tolist()
@@ -138,15 +141,17 @@ def main(argv=None) -> int:
 
         rows = [
             ("attention", *least_pair(attention, torch_attention(attention), args.repeat)),
-            ("projections", *least_pair(lambda: projections(fast), lambda: projections(plain), args.repeat)),
+            ("proj vs oneDNN", *least_pair(lambda: projections(fast), lambda: projections(onednn), args.repeat)),
+            ("proj vs mm", *least_pair(lambda: projections(fast), lambda: projections(plain), args.repeat)),
             ("layer ops", *least_pair(glue, torch_ops(glue), args.repeat)),
             ("step", *least_pair(lambda: step(fast), torch_ops(torch_attention(lambda: step(plain))), args.repeat)),
         ]
         for what, t_ours, t_peer in rows:
-            print(f"{b:>5} {what:<12} {t_ours * 1e3:9.1f} {t_peer * 1e3:9.1f} {t_peer / t_ours:9.2f}x")
+            print(f"{b:>5} {what:<14} {t_ours * 1e3:9.1f} {t_peer * 1e3:9.1f} {t_peer / t_ours:9.2f}x")
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
-    print("attention peer: the torch path (row index_select + grouped matmuls); projections peer: torch.mm over "
-          "[in, out] weights; layer ops peer: their torch formulas; step peer: all three (the plain-torch engine)")
+    print("attention peer: the torch path (row index_select + grouped matmuls); projection peers: oneDNN's packed "
+          "kernel, torch.mm over [in, out] weights; layer ops peer: their torch formulas; step peer: all of them off "
+          "(the plain-torch engine)")
     return 0
 
 

@@ -1,5 +1,8 @@
 """Stage model vs transformers: cutting a model into stages computes the same logits."""
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 from oracle_models import VOCAB, build_llama, build_qwen2
@@ -7,7 +10,8 @@ from oracle_models import VOCAB, build_llama, build_qwen2
 from paraflex.catalog import arch_from_hf_config
 from paraflex.engine.attention import AttentionMetadata
 from paraflex.engine.model import Stage
-from paraflex.engine.model.linear import Linear, onednn_packing_available
+from paraflex.engine.model import linear as linear_module
+from paraflex.engine.model.linear import Linear
 from paraflex.engine.model.rope import inv_frequencies
 from paraflex.engine.weights import load_stage_weights
 from paraflex.errors import UserError
@@ -105,29 +109,93 @@ def test_bfloat16_stages_track_float32(tmp_path):
     assert err < 0.1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 32, 300])
-def test_linear_layouts_compute_x_times_w_transposed(dtype, rows):
+def _layout(name):
+    """Build Linears in one layout: compiled panels (as on this machine), oneDNN, or plain mm."""
+    stack = contextlib.ExitStack()
+    if name != "panels":
+        stack.enter_context(mock.patch.object(linear_module, "native_available", lambda *_: False))
+    if name == "plain":
+        stack.enter_context(mock.patch.object(linear_module, "onednn_packing_available", lambda *_: False))
+    return stack
+
+
+def _needs_layout(layout):
+    if layout == "panels" and linear_module.LIBRARY.load() is None:
+        pytest.skip("no C compiler on this machine")
+    if layout == "onednn" and not linear_module.onednn_packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("no oneDNN in this torch build")
+
+
+@pytest.mark.parametrize("layout", ["panels", "onednn", "plain"])
+@pytest.mark.parametrize("out_features,in_features", [(96, 40), (100, 7), (5, 33)])
+@pytest.mark.parametrize("rows", [1, 3, 7, 32, 300])
+def test_float32_layouts_compute_x_times_w_transposed(layout, out_features, in_features, rows):
+    """Every CPU layout, including panels cut mid-way (columns not a multiple of 16) and row
+    counts that leave partial 6-row tiles and 96-row blocks."""
+    _needs_layout(layout)
+    g = torch.Generator().manual_seed(rows + out_features)
+    w, b = torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    with _layout(layout):
+        plain, biased = Linear(w), Linear(w, b)
+    assert (plain.panels is not None, plain.packed is not None, plain.weight_t is not None) == (
+        layout == "panels", layout == "onednn", layout == "plain")
+    torch.testing.assert_close(plain(x), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(biased(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    if plain.holds_rows:
+        ids = torch.tensor([0, out_features - 1, out_features // 2, 0])
+        assert torch.equal(plain.rows(ids), w[ids])
+
+
+def test_compiled_projections_give_the_same_sums_on_any_number_of_threads():
+    _needs_layout("panels")
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(200, 64, generator=g), torch.randn(200, 64, generator=g)
+    lin = Linear(w)
+    previous = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(lin(x))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("rows", [1, 32])
+def test_bfloat16_weights_use_torch_mm(rows):
     g = torch.Generator().manual_seed(rows)
-    w, b = torch.randn(96, 40, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
-    x = torch.randn(rows, 40, generator=g).to(dtype)
+    w, b = torch.randn(96, 40, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(rows, 40, generator=g).bfloat16()
     plain, biased = Linear(w), Linear(w, b)
-    packed = onednn_packing_available(x.device, dtype)
-    assert (plain.packed is not None) == packed and (plain.weight_t is None) == packed
-    assert dtype == torch.float32 or not packed  # only float32 CPU weights are packed
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    assert plain.weight_t is not None and plain.panels is None and plain.packed is None
+    tol = {"rtol": 2e-2, "atol": 5e-2}
     torch.testing.assert_close(plain(x), torch.nn.functional.linear(x, w), **tol)
     torch.testing.assert_close(biased(x), torch.nn.functional.linear(x, w, b), **tol)
     assert biased.nbytes == (96 * 40 + 96) * w.element_size()
 
 
-def test_tied_table_is_counted_twice_only_beside_a_packed_head(tmp_path):
+@pytest.mark.parametrize("layout", ["panels", "onednn", "plain"])
+def test_tied_table_is_held_twice_only_beside_a_onednn_head(tmp_path, layout):
+    _needs_layout(layout)
     build_llama(tmp_path, num_layers=2, tie_word_embeddings=True)
     arch = arch_from_hf_config(str(tmp_path))
     assert arch.tie_embeddings
-    f32 = Stage(arch, 0, 2, load_stage_weights(str(tmp_path), arch, 0, 2, source_kind="hf"))
+    with _layout(layout):
+        f32 = Stage(arch, 0, 2, load_stage_weights(str(tmp_path), arch, 0, 2, source_kind="hf"))
     bf16 = Stage(arch, 0, 2, load_stage_weights(str(tmp_path), arch, 0, 2, torch.bfloat16, source_kind="hf"))
     table = arch.embedding_bytes()
-    assert f32.packed == onednn_packing_available(torch.device("cpu"), torch.float32)
-    assert f32.weight_bytes() == arch.stage_weight_bytes(0, 2, True, True) + (table if f32.packed else 0)
+    padding = (-arch.vocab_size % linear_module.PANEL) * arch.hidden_size * 4 if layout == "panels" else 0
+    assert f32.head_is_embed == (layout != "onednn")
+    assert f32.packed == (layout != "plain")
+    assert f32.weight_bytes() == arch.stage_weight_bytes(0, 2, True, True) + padding + (
+        table if layout == "onednn" else 0)
     assert not bf16.packed and bf16.weight_bytes() * 2 == arch.stage_weight_bytes(0, 2, True, True)
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    meta = AttentionMetadata.build([5], [5], [[[0, 1]]] * 2, 4)
+    kv = torch.zeros(4, 2, 4, arch.num_kv_heads, arch.head_dim)
+    with _layout("plain"):
+        reference = Stage(arch, 0, 2, load_stage_weights(str(tmp_path), arch, 0, 2, source_kind="hf"))
+    torch.testing.assert_close(f32.forward(ids, meta, kv), reference.forward(ids, meta, kv.clone()),
+                               rtol=1e-4, atol=1e-4)

@@ -42,24 +42,24 @@ class Stage:
         self.embed = weights.get("model.embed_tokens.weight") if self.first else None
         self.norm = weights["model.norm.weight"] if self.last else None
         # The LM head multiplies like the layers' projections (`Linear`). A tied table is also
-        # the embedding: kept once where the head's layout is the transposed table (the
-        # embedding reads rows of its view); a packed head needs the table beside it.
+        # the embedding: kept once where the head's layout can give rows back (the embedding
+        # reads them from the head); oneDNN's opaque layout needs the table beside it.
         self.lm_head, self.head_is_embed = None, False
         if self.last:
             head = weights.get("lm_head.weight")
             tied = head is None
             self.lm_head = Linear(weights["model.embed_tokens.weight"] if tied else head)
-            if tied and self.first and self.lm_head.weight_t is not None:
-                self.embed, self.head_is_embed = self.lm_head.weight_t.t(), True
+            if tied and self.first and self.lm_head.holds_rows:
+                self.embed, self.head_is_embed = None, True
         ref = self.embed if self.embed is not None else self.norm
         self.dtype = ref.dtype if ref is not None else self.layers[0].input_norm.dtype
         self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.rope_scaling, self.device)
 
     @property
     def packed(self) -> bool:
-        """Whether the projections use oneDNN-packed weights (see `Linear`)."""
+        """Whether the projections use a packed CPU layout (compiled panels or oneDNN; see `Linear`)."""
         linears = [layer.qkv for layer in self.layers] + ([self.lm_head] if self.lm_head else [])
-        return any(lin.packed is not None for lin in linears)
+        return any(lin.weight_t is None for lin in linears)
 
     @property
     def num_layers(self) -> int:
@@ -69,7 +69,7 @@ class Stage:
         """Bytes of the weights this stage holds (a table shared by embedding and head counted once)."""
         total = sum(layer.weight_bytes() for layer in self.layers)
         total += sum(t.numel() * t.element_size() for t in (self.embed, self.norm) if t is not None)
-        if self.lm_head is not None and not self.head_is_embed:
+        if self.lm_head is not None:  # with a tied table read through the head, this is the table
             total += self.lm_head.nbytes
         return total
 
@@ -77,7 +77,10 @@ class Stage:
     def forward(self, inputs: torch.Tensor, meta: AttentionMetadata, kv: torch.Tensor) -> torch.Tensor:
         """inputs: token ids [T] (first stage) or hidden states [T, H]. Returns hidden [T, H]
         or, on the last stage, float32 logits [B, vocab] of each request's last new token."""
-        x = F.embedding(inputs, self.embed) if self.first else inputs.to(self.dtype)
+        if not self.first:
+            x = inputs.to(self.dtype)
+        else:
+            x = self.lm_head.rows(inputs) if self.head_is_embed else F.embedding(inputs, self.embed)
         cos, sin = self.rotary.cos_sin(meta.positions, self.dtype)
         mlp_out = None
         for layer in self.layers:
