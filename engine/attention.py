@@ -80,7 +80,8 @@ class AttentionMetadata:
         if any(q <= 0 or q > c for q, c in zip(query_lens, context_lens)):
             raise ValueError("every request needs 1 <= new tokens <= context tokens")
         needs = [-(-c // tokens_per_block) for c in context_lens]
-        padded = []
+        pads = [[0] * (max_blocks - need) for need in needs]
+        flat: list[int] = []  # one flat list: torch.tensor reads it ~3x faster than nested rows
         for layer, tables in enumerate(block_tables):
             for i, blocks in enumerate(tables):
                 need = needs[i]
@@ -89,11 +90,15 @@ class AttentionMetadata:
                         f"block table of request {i} in stage layer {layer} has {len(blocks)} "
                         f"blocks, {need} needed for {context_lens[i]} tokens"
                     )
-                padded.append(list(blocks[:need]) + [0] * (max_blocks - need))
-        bt = torch.tensor(padded, dtype=torch.long).view(len(block_tables), num_seqs, max_blocks)
+                flat.extend(blocks[:need])
+                flat.extend(pads[i])
+        bt = torch.tensor(flat, dtype=torch.long).view(len(block_tables), num_seqs, max_blocks)
         q_lens = torch.tensor(query_lens, dtype=torch.long)
         c_lens = torch.tensor(context_lens, dtype=torch.long)
-        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
+        # (not torch.repeat_interleave: it goes parallel even for 32 elements, ~4 ms on two threads
+        # when the other core is busy, against ~20 us on one)
+        seq_of_token = (torch.arange(num_seqs) if max_q == 1 else
+                        torch.tensor([i for i, n in enumerate(query_lens) for _ in range(n)], dtype=torch.long))
         starts = torch.cumsum(q_lens, 0) - q_lens
         within = torch.arange(int(q_lens.sum())) - starts[seq_of_token]
         positions = (c_lens - q_lens)[seq_of_token] + within
