@@ -1,10 +1,12 @@
-/* The elementwise work of a decoder layer on CPU, float32: RMSNorm (with the residual add
- * fused in), the rotary embedding of queries and keys (in place), and SiLU(gate) * up.
+/* The per-row work around the projections on CPU, float32: RMSNorm (with the residual add fused
+ * in), the rotary embedding of queries and keys (in place), SiLU(gate) * up, and the greedy
+ * pick (argmax) over a last stage's logits.
  *
  * Place in the data flow: engine/native_ops.py compiles this file once per machine (through
  * engine/native_build.py, with -ffp-contract=off so that no multiply-add is fused: the rotation
  * gives the torch path's bits) and `engine/model/layer_ops.py` calls it from every layer of a
- * CPU float32 stage, one call where the torch path runs 3-8 small ops. Rows are contiguous.
+ * CPU float32 stage, one call where the torch path runs 3-8 small ops (the sampler calls the
+ * argmax: torch's goes parallel and stalls when the other core is busy). Rows are contiguous.
  * The torch path's arithmetic is kept: RMSNorm is w * (x * (1 / sqrt(mean(x^2) + eps))) (only the
  * order of the sum of squares differs), SiLU is g / (1 + e^-g) with the exponential of
  * vec_math.h.
@@ -74,5 +76,47 @@ void pf_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter) 
             const float g = gate_up[i];
             out[i] = g / (1.0f + exp_clamped(-g)) * up[i];
         }
+    }
+}
+
+/* out[r] = index of the first largest value of row r (of n floats), or of its first NaN (as
+   torch.argmax). Eight lanes each keep their best value and its index; ties go to the lower
+   index. */
+void pf_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    for (int64_t r = 0; r < rows; r++, x += n) {
+        int64_t best = 0;
+        int64_t i = 0;
+        if (n >= 8) {
+            v8f bv = load8(x);
+            v8i bi = {0, 1, 2, 3, 4, 5, 6, 7}, ci = bi;
+            const v8i step = {8, 8, 8, 8, 8, 8, 8, 8};
+            v8i nan = {0};
+            for (i = 8; i + 8 <= n; i += 8) {
+                const v8f v = load8(x + i);
+                ci += step;
+                const v8i gt = (v8i)(v > bv);
+                bv = (v8f)(((v8i)v & gt) | ((v8i)bv & ~gt));
+                bi = (ci & gt) | (bi & ~gt);
+                nan |= (v8i)(v != v);
+            }
+            nan |= (v8i)(load8(x) != load8(x));
+            int any_nan = 0;
+            for (int l = 0; l < 8; l++) any_nan |= nan[l];
+            if (any_nan) {
+                for (int64_t j = 0; j < n; j++)
+                    if (x[j] != x[j]) { best = j; break; }
+                out[r] = best;
+                continue;
+            }
+            best = bi[0];
+            for (int l = 1; l < 8; l++)
+                if (bv[l] > x[best] || (bv[l] == x[best] && bi[l] < best)) best = bi[l];
+        }
+        for (; i < n; i++) {
+            if (x[i] != x[i]) { best = i; break; }
+            if (x[i] > x[best]) best = i;
+        }
+        out[r] = best;
     }
 }

@@ -44,6 +44,11 @@ def cache_dir() -> str:
     return home if writable else os.path.join(tempfile.gettempdir(), f"paraflex-cache-{os.getuid()}")
 
 
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc or gcc on PATH (None: none)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def build(source: str, extra_flags: list[str]) -> str:
     """Path of the shared library for csrc/`source`, compiled if not cached for these sources,
     flags and CPU capability."""
@@ -58,8 +63,8 @@ def build(source: str, extra_flags: list[str]) -> str:
     target = os.path.join(cache_dir(), "native", f"{stem}-{digest.hexdigest()[:16]}.so")
     if os.path.exists(target):
         return target
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
@@ -67,7 +72,7 @@ def build(source: str, extra_flags: list[str]) -> str:
             with open(os.path.join(tmp, name), "wb") as fh:
                 fh.write(text)
         out = os.path.join(tmp, "lib.so")
-        cmd = [compiler, *flags, os.path.join(tmp, source), "-o", out, "-lm"]
+        cmd = [cc, *flags, os.path.join(tmp, source), "-o", out, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from paraflex.engine import native_ops
 from paraflex.errors import UserError
 
 
@@ -89,7 +90,10 @@ class Sampler:
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> SampleResult:
         """logits: float32 [B, vocab] (CPU or GPU); one new token per row."""
         logits = logits.float()
-        tokens = logits.argmax(-1).cpu()
+        if native_ops.applies(logits) and logits.is_contiguous():
+            tokens = native_ops.argmax_rows(logits)
+        else:
+            tokens = logits.argmax(-1).cpu()
         rows = [i for i, p in enumerate(params) if p.temperature > 0]
         if rows:
             sub = logits[rows]
