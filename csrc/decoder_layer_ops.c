@@ -28,21 +28,37 @@ static float inv_rms(const float *x, int64_t n, float eps) {
     return 1.0f / sqrtf(s / (float)n + eps);
 }
 
+/* Row loops go over `num_threads` OpenMP threads (torch's pool) when there are at least this many
+   floats (prompts); a decode batch's rows stay on the calling thread. */
+#define PARALLEL_MIN_FLOATS 65536
+#define ROWS_PARALLEL \
+    _Pragma("omp parallel for num_threads(num_threads) if(floats >= PARALLEL_MIN_FLOATS) schedule(static)")
+
 /* out[r] = w * (x[r] * inv_rms(x[r])) for rows r of n floats. */
-void pf_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps) {
-    for (int64_t r = 0; r < rows; r++, x += n, out += n) {
-        const float inv = inv_rms(x, n, eps);
-        for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+void pf_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps, int num_threads) {
+    (void)num_threads;
+    const int64_t floats = rows * n;
+    ROWS_PARALLEL
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *o = out + r * n;
+        const float inv = inv_rms(xr, n, eps);
+        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (xr[i] * inv);
     }
 }
 
 /* stream[r] += x[r] (the residual stream after the add), then out[r] = RMSNorm(stream[r]). */
 void pf_add_rms_norm(float *stream, const float *x, const float *w, float *out, int64_t rows, int64_t n,
-                     float eps) {
-    for (int64_t r = 0; r < rows; r++, stream += n, x += n, out += n) {
-        for (int64_t i = 0; i < n; i++) stream[i] += x[i];
-        const float inv = inv_rms(stream, n, eps);
-        for (int64_t i = 0; i < n; i++) out[i] = w[i] * (stream[i] * inv);
+                     float eps, int num_threads) {
+    (void)num_threads;
+    const int64_t floats = rows * n;
+    ROWS_PARALLEL
+    for (int64_t r = 0; r < rows; r++) {
+        float *sr = stream + r * n, *o = out + r * n;
+        const float *xr = x + r * n;
+        for (int64_t i = 0; i < n; i++) sr[i] += xr[i];
+        const float inv = inv_rms(sr, n, eps);
+        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (sr[i] * inv);
     }
 }
 
@@ -51,8 +67,11 @@ void pf_add_rms_norm(float *stream, const float *x, const float *w, float *out, 
    x[i] ssin[i + half], where ssin is the sine with its first half negated (Rotary.cos_sin).
    x row t starts at x + t * row_stride; cos/ssin are [tokens, head_dim]. */
 void pf_rotary(float *x, int64_t tokens, int64_t row_stride, int heads, int head_dim, const float *cos,
-               const float *ssin) {
+               const float *ssin, int num_threads) {
+    (void)num_threads;
     const int half = head_dim / 2;
+    const int64_t floats = tokens * heads * head_dim;
+    ROWS_PARALLEL
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + t * head_dim, *s = ssin + t * head_dim;
         for (int h = 0; h < heads; h++) {
@@ -69,12 +88,16 @@ void pf_rotary(float *x, int64_t tokens, int64_t row_stride, int heads, int head
 }
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i], silu(g) = g / (1 + e^-g). */
-void pf_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter) {
-    for (int64_t r = 0; r < rows; r++, gate_up += 2 * inter, out += inter) {
-        const float *up = gate_up + inter;
+void pf_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter, int num_threads) {
+    (void)num_threads;
+    const int64_t floats = rows * inter;
+    ROWS_PARALLEL
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
+        float *o = out + r * inter;
         for (int64_t i = 0; i < inter; i++) {
-            const float g = gate_up[i];
-            out[i] = g / (1.0f + exp_clamped(-g)) * up[i];
+            const float g = gate[i];
+            o[i] = g / (1.0f + exp_clamped(-g)) * up[i];
         }
     }
 }

@@ -20,10 +20,10 @@ from paraflex.engine.native_build import NativeLibrary
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-    lib.pf_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32]
-    lib.pf_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32]
-    lib.pf_rotary.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr]
-    lib.pf_silu_mul.argtypes = [ptr, ptr, i64, i64]
+    lib.pf_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, i32]
+    lib.pf_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+    lib.pf_rotary.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i32]
+    lib.pf_silu_mul.argtypes = [ptr, ptr, i64, i64, i32]
     lib.pf_argmax_rows.argtypes = [ptr, i64, i64, ptr]
     for fn in (lib.pf_rms_norm, lib.pf_add_rms_norm, lib.pf_rotary, lib.pf_silu_mul, lib.pf_argmax_rows):
         fn.restype = None
@@ -31,7 +31,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 # -ffp-contract=off: no fused multiply-adds, so the rotation rounds like the torch path
 LIBRARY = NativeLibrary("decoder_layer_ops.c", "PARAFLEX_NATIVE_OPS", "compiled CPU layer ops", _declare,
-                        extra_flags=("-ffp-contract=off",), hold_gil=True)
+                        extra_flags=("-ffp-contract=off",), optional_flags=("-fopenmp",), hold_gil=True)
 
 
 def applies(x: torch.Tensor) -> bool:
@@ -41,26 +41,27 @@ def applies(x: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
-    LIBRARY.lib.pf_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    LIBRARY.lib.pf_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+                            torch.get_num_threads())
     return out
 
 
 def add_rms_norm(stream: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(stream)
     LIBRARY.lib.pf_add_rms_norm(stream.data_ptr(), x.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                stream.shape[0], stream.shape[1], eps)
+                                stream.shape[0], stream.shape[1], eps, torch.get_num_threads())
     return out
 
 
 def rotary_(rows: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
     LIBRARY.lib.pf_rotary(rows.data_ptr(), rows.shape[0], rows.stride(0), heads, head_dim, cos.data_ptr(),
-                          signed_sin.data_ptr())
+                          signed_sin.data_ptr(), torch.get_num_threads())
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
-    LIBRARY.lib.pf_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+    LIBRARY.lib.pf_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads())
     return out
 
 

@@ -144,3 +144,25 @@ def test_greedy_sampling_takes_the_compiled_argmax():
         result = Sampler().sample(logits, ["a", "b", "c"], [SamplingParams(temperature=0.0)] * 3)
     assert calls == [1]
     assert list(result.token_ids) == logits.argmax(-1).tolist()
+
+
+def test_prompt_sized_rows_split_over_threads_give_the_same_results():
+    """Above 65,536 floats the row loops run on torch's threads: same values as one thread."""
+    g = torch.Generator().manual_seed(5)
+    stream, x, weight = torch.randn(300, 512, generator=g), torch.randn(300, 512, generator=g), torch.randn(512)
+    gate_up, qkv = torch.randn(300, 512, generator=g), torch.randn(300, 12 * 64, generator=g)
+    cos, sin = Rotary(64, 10000.0, None, "cpu").cos_sin(torch.arange(300), torch.float32)
+    previous = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            s, q = stream.clone(), qkv.clone()
+            results.append((layer_ops.add_rms_norm(s, x, weight, 1e-5), s, layer_ops.rms_norm(x, weight, 1e-5),
+                            layer_ops.silu_mul(gate_up), layer_ops.rotate_queries_keys(q, 12, 64, cos, sin)))
+    finally:
+        torch.set_num_threads(previous)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
+    with torch_path():
+        torch.testing.assert_close(results[0][3], layer_ops.silu_mul(gate_up), rtol=3e-6, atol=1e-6)
