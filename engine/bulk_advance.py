@@ -1,8 +1,9 @@
 """Bulk decode advance: k rounds of the driving protocol for one decode batch, in one call.
 
 Place in the data flow: a mixin of `EngineScheduler` (engine/scheduler.py) used only by the
-simulator's decode fast-forward (simulator/fast_forward.py), which proves first that the k
-cycles run undisturbed. Split out so that the fast path's state changes live in one file.
+simulator's decode fast-forward (simulator/fast_forward.py) and joint replay
+(simulator/joint_replay.py), which prove first that the cycles run undisturbed. Split out so
+that the fast paths' state changes live in one file.
 """
 
 from __future__ import annotations
@@ -63,6 +64,61 @@ class BulkAdvance:
                 req.generated += k
         self._seq += k
         self.decisions += k
+
+    # ------------------------------------------------------------------ joint replay
+    # simulator/joint_replay.py replays several decode batches interleaved on one engine (a
+    # pipeline stage and one-stage replicas); it computes every decision itself and applies
+    # the outcome with these calls: per batch its members' state, then the engine's KV growth
+    # in decision order and its counters. Together they leave the state the decisions one by
+    # one leave (tests/test_sim_joint_replay.py compares whole runs with the step-by-step path).
+    def replay_first_decode(self, model: str, req_ids: list[str], k: int, since: int, running: bool) -> None:
+        """First stage: the members (running in a batch just formed if `running`, else waiting
+        in the decode queue, of which they are the whole content) go through k cycles (formed,
+        completed, tokens back) and end waiting in the decode queue, which became non-empty at
+        decision `since`. KV growth: `replay_grows`."""
+        st = self._check_bulk(model, 0, k)
+        reqs = [self._bulk_member(rid, RUNNING if running else WAITING_DECODE) for rid in req_ids]
+        q = st.decode_q
+        if not running:
+            if len(q.items) != len(reqs):
+                raise ProtocolError(f"replay_first_decode: {model}'s decode queue on engine {self.engine_id} holds other requests")
+            q.pop_front(len(reqs))
+            for req in reqs:
+                req.transition(RUNNING)
+        for req in reqs:
+            req.context_len += k
+            req.generated += k
+            req.transition(BLOCKED)
+            req.transition(WAITING_DECODE)
+        for req in reqs:
+            q.push(req, since)
+
+    def replay_later_decode(self, model: str, stage: int, req_ids: list[str], k: int) -> None:
+        """Later stage: k batches of exactly `req_ids` (blocked here) arrive, run and complete;
+        the members end blocked, k tokens further on. KV growth: `replay_grows`; the received
+        batches and decisions: `replay_counters`."""
+        st = self._check_bulk(model, stage, k)
+        if st.is_first:
+            raise ProtocolError(f"replay_later_decode: {model} stage {stage} is a first stage")
+        reqs = [self._bulk_member(rid, BLOCKED) for rid in req_ids]
+        for req in reqs:
+            req.context_len += k
+            if st.is_last:
+                req.generated += k
+
+    def replay_grows(self, grows: list) -> None:
+        """The replayed decisions' KV growth: (allocation, target tokens) in decision order."""
+        grow = self.pool.grow
+        for alloc, target in grows:
+            grow(alloc, target)
+
+    def replay_counters(self, decisions: int, received: int, formed: int, promotions: int) -> None:
+        """After the replayed decisions: the decision count, batches received (later stages)
+        and formed (first stages), and starvation promotions among them."""
+        self.decisions = decisions
+        self._seq += received
+        self._batch_seq += formed
+        self.stats["starvation_promotions"] += promotions
 
     def _grow_in_order(self, reqs: list[StageRequest], offset: int, cycles: int) -> None:
         """The KV growth of `cycles` cycles in which cycle i takes every member, in order, to

@@ -18,7 +18,7 @@ from paraflex.engine.block_pool import BlockPool
 from paraflex.engine.dispatcher import Dispatcher
 from paraflex.engine.messages import DECODE
 from paraflex.engine.scheduler import EngineScheduler
-from paraflex.simulator.events import BatchArrivalEvent, EngineWakeupEvent, StageEndEvent, TokenArrivalEvent
+from paraflex.simulator.events import BatchArrivalEvent, EngineWakeupEvent, ReplayEndEvent, StageEndEvent, TokenArrivalEvent
 from paraflex.simulator.fast_forward import DecodeFastForward
 from paraflex.simulator.sim_engine import SimEngine, StageInfo
 
@@ -123,6 +123,8 @@ class Cluster:
             if t_next is not None:  # the batch's requests are back in the decode queue at t_next
                 t = t_next
                 sb = eng.scheduler.schedule(t)
+                if sb is None:  # (as step by step: nothing fits at t_next, the engine waits)
+                    return
         swapped = len(sb.swap_out) + len(sb.swap_in)
         if swapped:
             self.metrics.swap(len(sb.swap_out) * eng.block_bytes, len(sb.swap_in) * eng.block_bytes)
@@ -131,10 +133,12 @@ class Cluster:
         end = t + eng.swap_time(swapped) + run
         eng.pending.append(end)
         self.route_pending[(sb.model, eng.stages[sb.model].replica)].append(end)
-        self.loop.schedule(StageEndEvent(end, eng, sb, t, decodes, tokens))
+        eng.running = ev = StageEndEvent(end, eng, sb, t, decodes, tokens)
+        self.loop.schedule(ev)
 
     def stage_done(self, eng: SimEngine, sb, start: float, t: float, decodes: int, tokens: int) -> None:
         eng.busy = False
+        eng.running = None
         info = eng.stages[sb.model]
         eng.pending.remove(t)
         route_pending = self.route_pending[(sb.model, info.replica)]
@@ -154,6 +158,30 @@ class Cluster:
         if self.check:
             eng.scheduler.check()
         self._wake(eng, t)
+
+    def replay_done(self, eng: SimEngine, key: tuple[str, int], t: float) -> None:
+        """A stage the joint replay accounted for ends (events/replay_end.py): the engine is free."""
+        eng.busy = False
+        eng.pending.remove(t)
+        self.route_pending[key].remove(t)
+        self._wake(eng, t)
+
+    def hold(self, eng: SimEngine, key: tuple[str, int], end: float) -> None:
+        """The joint replay leaves `eng` executing a stage of `key` until `end` (already
+        accounted for): busy, with a `ReplayEndEvent` at `end`."""
+        eng.busy = True
+        eng.pending.append(end)
+        self.route_pending[key].append(end)
+        self.loop.schedule(ReplayEndEvent(end, eng, key))
+
+    def take_over(self, eng: SimEngine) -> None:
+        """The joint replay accounts for the stage `eng` executes: its StageEndEvent does nothing."""
+        ev = eng.running
+        eng.pending.remove(ev.time)
+        self.route_pending[(ev.batch.model, eng.stages[ev.batch.model].replica)].remove(ev.time)
+        ev.batch = None
+        eng.running = None
+        eng.busy = False
 
     def _emit_tokens(self, eng: SimEngine, info: StageInfo, done, t: float, route_pending: list) -> None:
         """Last stage: record the tokens, free finished requests on the middle stages (the
