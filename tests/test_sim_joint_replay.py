@@ -1,0 +1,130 @@
+"""The joint replay (simulator/joint_replay.py) gives exactly the results of the step-by-step
+event path: a 3-stage pipeline whose engines also hold one-stage replicas (the base case's
+llama-2-70b pattern), on random workloads (hypothesis) and on hand-made ones that force its
+corner cases (starvation promotions between the one-stage batches, a one-stage batch running
+when the pipeline's batch is formed, KV growth), with the replay checked to run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from test_sim_fast_forward import _assert_same
+
+from paraflex.config import Config, WorkloadConfig
+from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
+from paraflex.simulator.joint_replay import JointReplay
+from paraflex.simulator.runner import SimSettings, simulate
+from paraflex.simulator.systems import SystemLayout
+from paraflex.simulator.workload import SimRequest
+
+# name, arch, engines of its replicas (one route each: a pipeline if it has several engines)
+MODELS = [("p", "tiny-8l", [[0, 1, 2]]), ("a", "tiny-2l", [[0], [2], [3]]), ("b", "tiny-4l", [[1], [2]]),
+          ("d", "tiny-2l", [[1]])]
+
+
+def _config(memory_gb: float, max_batch: int, policy: str = "full-batch-first", workload=None) -> Config:
+    d = {
+        "cluster": {"num_engines": 4, "device": "cpu", "memory_gb": memory_gb, "host_memory_gb": 0.01},
+        "models": [{"name": n, "arch": a} for n, a, _ in MODELS],
+        "scheduler": {"max_batch_size": max_batch, "policy": policy, "block_bytes": 4096},
+    }
+    if workload is not None:
+        d["workload"] = dataclasses.asdict(workload)
+    return Config.from_dict(d)
+
+
+def _layout(config: Config, policy: str = "full-batch-first") -> SystemLayout:
+    """Model p in 3 stages on engines 0-2; one-stage replicas of a, b, d beside its stages
+    (engine 1 holds p's middle stage, b and d; engine 2 p's last stage, a and b)."""
+    from paraflex.planner.problem import split_layers
+
+    engines = [EnginePlacement(e, [], 0, {}) for e in range(4)]
+    models = {}
+    for (name, _, routes), mc in zip(MODELS, config.models):
+        cuts = list(split_layers(mc.arch.num_layers, len(routes[0])))
+        models[name] = ModelPlacement(name, mc.arch.num_layers, cuts, routes)
+        for j, route in enumerate(routes):
+            for k, e in enumerate(route):
+                a, b = cuts[k]
+                engines[e].stages.append(StageRef(name, j, k))
+                engines[e].weight_bytes += mc.arch.stage_weight_bytes(a, b, k == 0, k == len(route) - 1)
+    return SystemLayout("group", Placement(1, "hand", {}, 0.0, models, engines), policy, 1, config.cluster.memory_bytes)
+
+
+class _Spy:
+    """Counts the pipeline cycles the joint replay replays (wraps JointReplay.advance)."""
+
+    def __init__(self, monkeypatch):
+        self.cycles = 0
+        real = JointReplay.advance
+
+        def advance(replay, *args):
+            before = replay.cycles
+            out = real(replay, *args)
+            self.cycles += replay.cycles - before
+            return out
+
+        monkeypatch.setattr(JointReplay, "advance", advance)
+
+
+def _both(cfg, layout, requests=None, rate=1.0, seed=0, check=False):
+    return [simulate(cfg, SimSettings(system="group", rate=rate, seed=seed, fast_forward=ff, check_invariants=check),
+                     layout=layout, requests=requests) for ff in (True, False)]
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), memory_gb=st.sampled_from([0.012, 0.02, 0.1]), max_batch=st.sampled_from([2, 4, 16]),
+       rate=st.sampled_from([3.0, 10.0, 40.0]), cv=st.sampled_from([1.0, 4.0]),
+       policy=st.sampled_from(["full-batch-first", "full-batch-first", "prefill-first"]))
+def test_random_workloads_identical_with_and_without_fast_paths(seed, memory_gb, max_batch, rate, cv, policy):
+    w = WorkloadConfig(arrival="lognormal", cv=cv, num_requests=30, seed=seed, output_scale=1.0)
+    cfg = _config(memory_gb, max_batch, policy, w)
+    fast, plain = _both(cfg, _layout(cfg, policy), rate=rate, seed=seed)
+    _assert_same(fast, plain)
+
+
+def _long_requests(spec):
+    """(model, arrival, prompt, output) tuples as SimRequests."""
+    return [SimRequest(i, m, a, p, o) for i, (m, a, p, o) in enumerate(spec)]
+
+
+def test_pipeline_among_one_stage_replicas_is_replayed_exactly(monkeypatch):
+    """p's requests come first (its batches win every engine's order), a, b and d decode
+    beside it on all three of its engines; KV grows by many blocks on the way."""
+    spy = _Spy(monkeypatch)
+    cfg = _config(0.1, 8)
+    reqs = _long_requests([("p", 0.0, 7, 200), ("a", 0.01, 5, 150), ("b", 0.011, 9, 180), ("d", 0.012, 3, 160),
+                           ("b", 0.013, 4, 170), ("a", 0.014, 6, 140), ("p", 0.5, 5, 100), ("a", 0.8, 3, 80)])
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs)
+    _assert_same(fast, plain)
+    assert spy.cycles > 100
+    assert fast.summary["events"] < plain.summary["events"] / 3
+
+
+def test_starvation_promotions_inside_the_replay(monkeypatch):
+    """b and d share engine 1 with p's middle stage; b is older, so d waits for its starvation
+    promotion every limit decisions, inside the replayed cycles (same promotions)."""
+    spy = _Spy(monkeypatch)
+    cfg = _config(0.1, 8)
+    reqs = _long_requests([("p", 0.0, 4, 400), ("b", 0.001, 4, 500), ("d", 0.002, 4, 400)])
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs)
+    _assert_same(fast, plain)
+    promotions = [[e.scheduler.stats["starvation_promotions"] for e in r.engines] for r in (fast, plain)]
+    assert promotions[0] == promotions[1] and promotions[0][1] > 0
+    assert spy.cycles > 50
+
+
+def test_one_stage_batches_older_than_the_pipeline(monkeypatch):
+    """a and b arrive before p: they win their engines' order, p's stages wait for the
+    one-stage steps (and for promotions) in the replayed cycles."""
+    spy = _Spy(monkeypatch)
+    cfg = _config(0.1, 4)
+    reqs = _long_requests([("a", 0.0, 4, 300), ("b", 0.0005, 4, 300), ("p", 0.001, 4, 250), ("d", 0.002, 4, 200)])
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs)
+    _assert_same(fast, plain)
+    assert spy.cycles > 0
