@@ -71,6 +71,8 @@ class Cluster:
         # times of the heap events of each (model, replica): the decode fast-forward's horizon
         self.route_pending: dict[tuple[str, int], list[float]] = {
             (name, rho): [] for name, routes in self.replicas.items() for rho in range(len(routes))}
+        # the batch and token messages in flight of each (model, replica): the joint replay takes them over
+        self.messages: dict[tuple[str, int], list] = {key: [] for key in self.route_pending}
         self.woken: list[SimEngine] = []
         self.fast_forward: DecodeFastForward | None = None
 
@@ -141,8 +143,7 @@ class Cluster:
         eng.running = None
         info = eng.stages[sb.model]
         eng.pending.remove(t)
-        route_pending = self.route_pending[(sb.model, info.replica)]
-        route_pending.remove(t)
+        self.route_pending[(sb.model, info.replica)].remove(t)
         self.metrics.batch(eng.id, start, t, decodes == 0, len(sb.requests), tokens)
         done = eng.scheduler.complete(sb)
         if not info.last:
@@ -150,11 +151,9 @@ class Cluster:
             self.metrics.hop(nbytes)
             nxt = self.engines[info.next_engine]
             at = t + self.interconnect.transfer_time(nbytes)
-            nxt.pending.append(at)
-            route_pending.append(at)
-            self.loop.schedule(BatchArrivalEvent(at, nxt, sb.message))
+            self.send_batch(nxt, (sb.model, info.replica), sb.message, at)
         else:
-            self._emit_tokens(eng, info, done, t, route_pending)
+            self._emit_tokens(eng, info, done, t)
         if self.check:
             eng.scheduler.check()
         self._wake(eng, t)
@@ -183,7 +182,7 @@ class Cluster:
         eng.running = None
         eng.busy = False
 
-    def _emit_tokens(self, eng: SimEngine, info: StageInfo, done, t: float, route_pending: list) -> None:
+    def _emit_tokens(self, eng: SimEngine, info: StageInfo, done, t: float) -> None:
         """Last stage: record the tokens, free finished requests on the middle stages (the
         last stage freed them in complete(), the first stage frees them when the token
         message arrives) and send the tokens to the first stage."""
@@ -210,18 +209,51 @@ class Cluster:
             eng.scheduler.receive_tokens(done.token_message)
             return
         delay = 0.0 if first is eng else self.interconnect.latency_s
-        first.pending.append(t + delay)
-        route_pending.append(t + delay)
-        self.loop.schedule(TokenArrivalEvent(t + delay, first, done.token_message))
+        self.send_tokens(first, (info.model, info.replica), done.token_message, t + delay)
+
+    def send_batch(self, eng: SimEngine, key: tuple[str, int], message, at: float) -> None:
+        """A batch message reaches `eng` at `at` (a `BatchArrivalEvent`)."""
+        eng.pending.append(at)
+        self.route_pending[key].append(at)
+        ev = BatchArrivalEvent(at, eng, message)
+        self.messages[key].append(ev)
+        self.loop.schedule(ev)
+
+    def send_tokens(self, eng: SimEngine, key: tuple[str, int], message, at: float) -> None:
+        """A token message reaches the first stage `eng` at `at` (a `TokenArrivalEvent`)."""
+        eng.pending.append(at)
+        self.route_pending[key].append(at)
+        ev = TokenArrivalEvent(at, eng, message)
+        self.messages[key].append(ev)
+        self.loop.schedule(ev)
+
+    def take_message(self, ev) -> None:
+        """The joint replay accounts for a message in flight: its event does nothing."""
+        key = (ev.message.model, ev.engine.stages[ev.message.model].replica)
+        ev.engine.pending.remove(ev.time)
+        self.route_pending[key].remove(ev.time)
+        self.messages[key].remove(ev)
+        ev.message = None
+
+    def _delivered(self, key: tuple[str, int], message) -> None:
+        lst = self.messages[key]
+        for i, ev in enumerate(lst):
+            if ev.message is message:
+                del lst[i]
+                return
 
     def deliver_batch(self, eng: SimEngine, message, t: float) -> None:
+        key = (message.model, eng.stages[message.model].replica)
         eng.pending.remove(t)
-        self.route_pending[(message.model, eng.stages[message.model].replica)].remove(t)
+        self.route_pending[key].remove(t)
+        self._delivered(key, message)
         eng.scheduler.receive_batch(message)
         self._wake(eng, t)
 
     def deliver_tokens(self, eng: SimEngine, tokens, t: float) -> None:
+        key = (tokens.model, eng.stages[tokens.model].replica)
         eng.pending.remove(t)
-        self.route_pending[(tokens.model, eng.stages[tokens.model].replica)].remove(t)
+        self.route_pending[key].remove(t)
+        self._delivered(key, tokens)
         eng.scheduler.receive_tokens(tokens)
         self._wake(eng, t)
