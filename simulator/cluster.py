@@ -20,6 +20,7 @@ from paraflex.engine.messages import DECODE
 from paraflex.engine.scheduler import EngineScheduler
 from paraflex.simulator.events import BatchArrivalEvent, EngineWakeupEvent, ReplayEndEvent, StageEndEvent, TokenArrivalEvent
 from paraflex.simulator.fast_forward import DecodeFastForward
+from paraflex.simulator.joint_replay import JointReplay
 from paraflex.simulator.sim_engine import SimEngine, StageInfo
 
 
@@ -75,11 +76,13 @@ class Cluster:
         self.messages: dict[tuple[str, int], list] = {key: [] for key in self.route_pending}
         self.woken: list[SimEngine] = []
         self.fast_forward: DecodeFastForward | None = None
+        self.joint: JointReplay | None = None
 
     def enable_fast_forward(self, requests) -> None:
         """Replay undisturbed decode cycles in closed form (fast_forward.py); `requests` are
         all the run's requests, whose arrival times bound each replay."""
         self.fast_forward = DecodeFastForward(self, requests)
+        self.joint = JointReplay(self.fast_forward)
 
     # --- helpers ------------------------------------------------------------------------
     def _wake(self, eng: SimEngine, t: float) -> None:
@@ -122,6 +125,8 @@ class Cluster:
         ff = self.fast_forward
         if ff is not None and sb.is_first and sb.kind == DECODE and not sb.swap_in and not sb.swap_out:
             t_next = ff.advance(eng, sb, t)
+            if t_next is None and not eng.stages[sb.model].last and self.joint.advance(eng, sb, t):
+                return  # replayed with the other batches on its engines, which run on from the cut
             if t_next is not None:  # the batch's requests are back in the decode queue at t_next
                 t = t_next
                 sb = eng.scheduler.schedule(t)

@@ -44,7 +44,6 @@ from bisect import bisect_right
 from heapq import heapify, heapreplace
 
 from paraflex.costmodel import CostModel
-from paraflex.simulator.joint_replay import JointReplay
 
 _UNBOUNDED = 1 << 62
 
@@ -66,14 +65,7 @@ class DecodeFastForward:
             for rho, route in enumerate(routes):
                 for eid in route:
                     self.routes_on[eid].append((model, rho))
-        self._cycles = 0  # cycles replayed here
-        self.joint = JointReplay(self)
-
-    @property
-    def cycles(self) -> int:
-        """Decode cycles replayed (for the summary): here, and the joint replay's pipeline
-        cycles and one-stage steps."""
-        return self._cycles + self.joint.cycles + self.joint.steps
+        self.cycles = 0  # cycles replayed (for the summary)
 
     def _replay_one_stage(self, eng, info, n, base, kv, free, kv_next, k_max, horizon, recs, t):
         """Cycles of a one-stage replica: back to back on one engine, the tokens return at
@@ -281,8 +273,7 @@ class DecodeFastForward:
         route = [cluster.engines[e] for e in cluster.replicas[sb.model][replica]]
         budget, horizon = self._window(first, sb, replica, route, t)
         if budget < 1:
-            # a pipeline sharing its engines with one-stage replicas: replay them together
-            return self.joint.advance(first, sb, t, route) if len(route) > 1 else None
+            return None
         rids = [sr.req_id for sr in sb.requests]
         n = len(rids)
         last_reqs = [route[-1].scheduler.request(rid) for rid in rids]
@@ -310,7 +301,7 @@ class DecodeFastForward:
         if cluster.check:
             for eng in route:
                 eng.scheduler.check()
-        self._cycles += k
+        self.cycles += k
         return s
 
 

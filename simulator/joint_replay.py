@@ -1,228 +1,139 @@
-"""Joint replay: a pipeline's decode cycles and the one-stage batches between them, in closed form.
+"""Joint replay: a pipeline's decode batches and the one-stage batches on its engines, in closed form.
 
-Place in the data flow: `DecodeFastForward.advance` (fast_forward.py) offers it a multi-stage
-replica's first-stage decode batch that its own pipeline replay refuses because other work
+Place in the data flow: `Cluster.wakeup` offers it a multi-stage replica's first-stage decode
+batch that the fast-forward's own pipeline replay (fast_forward.py) refuses because other work
 shares the route's engines. In the base case llama-2-70b's 3-stage pipeline sits on engines
 {0, 1, 2} and {3, 4, 5}, each also holding one-stage replicas of other models: the engines
-alternate between the pipeline's stage and those replicas' decode steps, so neither kind of
-batch can be replayed alone, and step by step each pipeline cycle costs 6 events plus those of
-the one-stage steps between its visits.
+alternate between the pipeline's batches (often several in flight, one per group of requests
+that joined at different times) and those replicas' decode steps, so no batch can be replayed
+alone, and step by step every pipeline cycle costs 6 events plus those of the steps between.
 
 The group is the pipeline's route. When (checked at the moment its first engine formed the
 batch, at time t):
 
-- the policy is `full-batch-first`; the batch holds every unfinished request of its replica
-  and nothing else of it is in flight or queued; no engine of the group holds swapped KV;
+- the policy is `full-batch-first`; every unfinished request of the pipeline replica is in a
+  decode batch (fewer than `max_batch_size` in all): the one just formed, or one running at a
+  later stage, queued there, or in flight as a batch or token message; no engine of the group
+  holds swapped KV;
 - every other stage on the group's engines is a one-stage replica whose unfinished requests
   (at most `max_batch_size`) are all in one decode batch, running or waiting in its decode
   queue (so every route touching the group lies inside it, and only new requests can reach it
-  from outside); the only events pending at the group are the stage ends of such running
-  batches (the replay takes them over: `Cluster.take_over`); no other queue holds work;
+  from outside); the events pending at the group are those batches' ends and the pipeline's;
 - on each engine the queues' head keys differ in arrival time (their order cannot change);
 
-then every decision of the group is a function of the times: an engine that becomes free at
-time x picks, among the batches ready at x (a one-stage batch is ready again when its step
-ends, the pipeline's when its input arrives: after everything at an instant, as the event loop
-delivers), the one `schedule` picks: a queue not served for more than the starvation limit
-first (oldest head), else the least (policy class, head key). The replay computes these
-decisions cycle by cycle of the pipeline (its stage on each engine, the hops, its tokens back
-at the first engine; the one-stage steps in between) with the same float expressions as the
-event handlers, and keeps a cycle only if every event of it comes strictly before the horizon
-(the first new request that the dispatcher may send into the group, `_skip_arrivals`), no
-decision produces a request's last token, and all KV growth fits in free blocks.
+every decision of the group is a function of the times, and the replay computes them with a
+small event simulation of the group: an engine that becomes free, or receives work while idle,
+decides after everything at that instant (as the event loop delivers) and picks what
+`schedule` picks: a queue not served for more than the starvation limit first (oldest head),
+else the least (policy class, head key); at the first stage the pipeline's waiting requests
+form one batch; a later stage runs its oldest received batch. Stage times, hops and token
+times are the event handlers' float expressions. It goes on while each decision is one it can
+apply in bulk (no request's last token, KV growth within free blocks, its end before the
+horizon: the first new request the dispatcher may send into the group, `_skip_arrivals`).
 
-It stops at a clean cut after k >= 1 whole cycles: the first engine decides next (for real,
-in `Cluster.wakeup`) when the k-th cycle's tokens are back and it is free; every later stage
-decides (for real) when its k-th pipeline stage ends (`ReplayEndEvent`). Everything before is
-applied in bulk: per engine the metrics in time order, the members' states
-(`EngineScheduler.replay_first_decode` / `replay_later_decode`), the KV growth in decision
-order (`replay_grows`; block ids as one by one) and the decision, message and batch counters
-and queue ages (`replay_counters`, and each queue's `since` as one by one). Exactness is
-pinned by tests/test_sim_joint_replay.py (whole runs identical with and without the fast paths).
+The cut, at the first instant it cannot replay: everything before is applied in bulk (per
+engine the metrics in time order, the requests' states, queues and their ages, the KV growth in
+decision order, the decision, message and batch counters; `EngineScheduler.replay_*`); what is
+running then ends with a `ReplayEndEvent` (its effects applied, the engine decides for real
+at its end); messages still in flight become real `BatchArrivalEvent`s / `TokenArrivalEvent`s.
+Exactness is pinned by tests/test_sim_joint_replay.py (whole runs identical to step by step).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_right, insort
+from heapq import heappop, heappush
 
 from paraflex.costmodel import CostModel
-from paraflex.engine.messages import DECODE
+from paraflex.engine.messages import DECODE, BatchMessage, DecodeEntry, TokenEntry, TokenMessage
 
 _FULL, _SMALL = 0, 2  # full-batch-first's classes of decode queues
+_END, _ARRIVE, _TOKENS = 10, 20, 30  # local events, in the event loop's order at one instant
 
 
 class _Stop(Exception):
-    """A cycle cannot be replayed (horizon, last token, KV): keep the cycles before it."""
+    """A decision the replay cannot apply in bulk: cut here."""
 
 
-class _Stream:
-    """One batch that comes back to one engine during the replay: a one-stage replica's decode
-    batch, or the pipeline's stage there."""
+class _Batch:
+    """A decode batch of the pipeline: its requests (batch order), their positions (context
+    before the step), its id and formation time at the first stage."""
+
+    __slots__ = ("rids", "pos", "n", "csum", "bid", "formed_at", "head")
+
+    def __init__(self, rids, pos, bid: str, formed_at: float, head: float):
+        self.rids = rids
+        self.pos = pos
+        self.n = len(rids)
+        self.csum = sum(pos)
+        self.bid = bid
+        self.formed_at = formed_at
+        self.head = head  # the earliest arrival among its requests (its key at later stages)
+
+
+class _Replica:
+    """A one-stage replica's decode batch on its engine."""
 
     __slots__ = ("key", "rids", "recs", "cls", "head", "since", "ready", "csum", "n", "fn", "left", "kv",
-                 "first", "formed", "times", "pipe")
+                 "formed", "times")
 
-    def __init__(self, key, reqs, cls, head, fn, first: bool, pipe: bool, recs):
+    def __init__(self, key, reqs, cls, fn, recs):
         self.key = key
         self.rids = [r.req_id for r in reqs]
         self.recs = recs
         self.cls = cls
-        self.head = head
+        self.head = min(r.key for r in reqs)
         self.since = 0
         self.ready = False
         self.n = len(reqs)
         self.csum = sum(r.context_len for r in reqs)
         self.fn = fn
-        self.left = min(r.max_new_tokens - r.generated for r in reqs)  # steps before a last token, + 1
-        # per member: [token capacity, tokens per block, layers, context, allocation]
-        self.kv = [[r.alloc.blocks_per_layer * r.alloc.tokens_per_block, r.alloc.tokens_per_block,
-                    r.alloc.num_layers, r.context_len, r.alloc] for r in reqs]
-        self.first = first  # a first stage (forming a batch counts a batch id)
+        self.left = min(r.max_new_tokens - r.generated for r in reqs)  # tokens to its first last token
+        self.kv = [_kv(r) for r in reqs]
         self.formed = 0  # batches formed by replayed decisions
-        self.times: list[float] = []  # one-stage: its token times
-        self.pipe = pipe
+        self.times: list[float] = []  # its token times
 
-    def save(self):
-        return (self.since, self.ready, self.csum, self.left, [m[:4] for m in self.kv], self.formed, len(self.times))
 
-    def restore(self, s) -> None:
-        self.since, self.ready, self.csum, self.left, kv, self.formed, nt = s
-        for m, old in zip(self.kv, kv):
-            m[:4] = old
-        del self.times[nt:]
+def _kv(req) -> list:
+    """[token capacity, tokens per block, layers, context, allocation] of a request's KV here."""
+    a = req.alloc
+    return [a.blocks_per_layer * a.tokens_per_block, a.tokens_per_block, a.num_layers, req.context_len, a]
 
 
 class _Engine:
-    """One engine of the group during the replay: its decision count, when it is next free, its
-    free KV blocks, its batches, and what the replay did there (in time order)."""
+    """One engine of the group during the replay."""
 
-    __slots__ = ("eng", "d", "free", "blocks", "streams", "pipe", "grows", "busy", "received", "promotions",
-                 "limit", "taken")
+    __slots__ = ("eng", "j", "info", "d", "running", "blocks", "replicas", "queue", "since", "pkv", "pgen", "grows",
+                 "busy", "received", "formed", "promotions", "limit", "taken", "messages", "batch_seq", "seq",
+                 "arrivals", "queued", "served_queued", "bid_of")
 
-    def __init__(self, eng, limit: int):
+    def __init__(self, eng, j: int, info, limit: int):
         self.eng = eng
-        self.d = eng.scheduler.decisions
-        self.free = 0.0
+        self.j = j  # the pipeline's stage here
+        self.info = info
+        s = eng.scheduler
+        self.d = s.decisions
+        self.batch_seq = s._batch_seq
+        self.seq = s._seq
+        self.running = None  # (end, what): a _Replica or a _Batch
         self.blocks = eng.pool.num_free
-        self.streams: list[_Stream] = []
-        self.pipe: _Stream | None = None
+        self.replicas: list[_Replica] = []
+        self.queue: list = []  # the pipeline's queue here: waiting request ids (first stage) or _Batches
+        self.since = 0  # its age
+        self.pkv: dict = {}  # the pipeline's requests' KV here
+        self.pgen: dict = {}  # later stages: each pipeline request's tokens counted here (the last stage's count)
+        self.bid_of: dict = {}  # first stage: the batch each of its requests is in
         self.grows: list = []
         self.busy: list[tuple[float, float, int]] = []
         self.received = 0
+        self.formed = 0
         self.promotions = 0
-        self.limit = limit  # starvation limit; 0: none
-        self.taken = None  # the running one-stage batch's StageEndEvent the replay takes over
-
-    def save(self):
-        return (self.d, self.free, self.blocks, len(self.grows), len(self.busy), self.received, self.promotions,
-                [s.save() for s in self.streams])
-
-    def restore(self, s) -> None:
-        self.d, self.free, self.blocks, ng, nb, self.received, self.promotions, ss = s
-        del self.grows[ng:]
-        del self.busy[nb:]
-        for st, old in zip(self.streams, ss):
-            st.restore(old)
-
-    def decide(self) -> _Stream:
-        """The batch `schedule` forms now (every ready queue's attempt succeeds: `serve`
-        checks its KV)."""
-        ready = [s for s in self.streams if s.ready]
-        if self.limit:
-            d, limit = self.d, self.limit
-            starving = [s for s in ready if d - s.since > limit]
-            if starving:
-                self.promotions += 1
-                return min(starving, key=_head)
-        return min(ready, key=_order)
-
-    def serve(self, s: _Stream, x: float, horizon: float) -> float:
-        """Run `s` from decision time x: its KV, the decision, its end (returned)."""
-        if not s.pipe and s.left < 2:
-            raise _Stop  # this step produces a request's last token
-        need = 0
-        for m in s.kv:
-            target = m[3] + 1
-            if target > m[0]:
-                need += (-(-target // m[1]) - m[0] // m[1]) * m[2]
-        if need:
-            if need > self.blocks:
-                raise _Stop
-            self.blocks -= need
-            grows = self.grows
-            for m in s.kv:
-                target = m[3] + 1
-                if target > m[0]:
-                    m[0] = -(-target // m[1]) * m[1]
-                    grows.append((m[4], target))
-        end = x + s.fn(s.csum + s.n)
-        if not end < horizon:
-            raise _Stop
-        for m in s.kv:
-            m[3] += 1
-        s.since = self.d  # touched when served
-        self.d += 1
-        if s.first:
-            s.formed += 1
-        s.ready = False
-        self.busy.append((x, end, s.n))
-        s.csum += s.n
-        if not s.pipe:  # back at once (one stage): waiting again from its end, the next decision
-            s.left -= 1
-            s.times.append(end)
-            s.ready = True
-            s.since = self.d
-        self.free = end
-        return end
-
-    def run_to_pipe(self, a: float, horizon: float) -> tuple[float, float]:
-        """A later stage: decide from `free` on until the pipeline's batch (arriving at a) runs;
-        (its start, its end)."""
-        p = self.pipe
-        pushed = False
-        while True:
-            x = self.free
-            if not pushed and a <= x:
-                self._push(p)
-                pushed = True
-            if not pushed and not any(s.ready for s in self.streams):
-                x = self.free = a  # idle until the batch arrives
-                self._push(p)
-                pushed = True
-            s = self.decide()
-            end = self.serve(s, x, horizon)
-            if s is p:
-                return x, end
-
-    def run_to_tokens(self, tok: float, horizon: float) -> float:
-        """The first stage: decide from `free` on until the tokens (at tok) are back; the time
-        of the first decision that sees them (the cut, or the next cycle's start)."""
-        while True:
-            x = self.free
-            if tok <= x:
-                break
-            if not any(s.ready for s in self.streams):
-                x = self.free = tok
-                break
-            self.serve(self.decide(), x, horizon)
-        if not x < horizon:
-            raise _Stop
-        self._push(self.pipe)
-        return x
-
-    def _push(self, s: _Stream) -> None:
-        s.ready = True
-        s.since = self.d
-        if s.pipe and not s.first:
-            self.received += 1
-
-
-def _head(s: _Stream):
-    return s.head
-
-
-def _order(s: _Stream):
-    return (s.cls, s.head)
+        self.limit = limit
+        self.taken = None  # the running batch's StageEndEvent, taken over
+        self.messages: list = []  # the pipeline's message events to it, taken over
+        self.arrivals: list = []  # later stages: (batch, decision count, receive index) of each received batch
+        self.queued: set = set()  # later stages: ids of the batches queued at the start
+        self.served_queued = 0  # later stages: how many of them ran
 
 
 class JointReplay:
@@ -232,137 +143,136 @@ class JointReplay:
         """`ff`: the cluster's `DecodeFastForward` (arrivals, residents, `_skip_arrivals`)."""
         self.ff = ff
         self.cluster = ff.cluster
-        self.cycles = 0  # pipeline cycles replayed
-        self.steps = 0  # one-stage steps replayed with them
+        self.decisions = 0  # decisions replayed (for the summary)
 
-    def advance(self, first, sb, t: float, route) -> float | None:
-        """Replay whole cycles of `sb` (a multi-stage replica's first-stage decode batch, formed
-        by `first` at t) with the group's one-stage batches; return the time `first` decides
-        next, or None if no cycle can be replayed."""
+    # ------------------------------------------------------------------ entry
+    def advance(self, first, sb, t: float) -> bool:
+        """Replay the group from `sb` (formed by `first` at t) on; True if it did (the engines
+        then run on from the cut), False if nothing changed."""
         cluster = self.cluster
-        sched0 = first.scheduler
-        if sched0.policy.name != "full-batch-first" or sb.swap_in or sb.swap_out:
-            return None
+        if first.scheduler.policy.name != "full-batch-first" or sb.swap_in or sb.swap_out:
+            return False
         model = sb.model
         rho = first.stages[model].replica
-        pkey = (model, rho)
-        counts = cluster.dispatcher.outstanding
-        n = len(sb.requests)
-        if counts(model)[rho] != n or cluster.route_pending[pkey] or first.pending:
-            return None
-        group = self._group(route, sb, pkey, t)
-        if group is None:
-            return None
+        route = [cluster.engines[e] for e in cluster.replicas[model][rho]]
+        state = self._state(first, sb, route, (model, rho), t)
+        if state is None:
+            return False
+        group, events, gen0 = state
         horizon = self._horizon(route, group, t)
-        if not horizon > t:
-            return None
-        # the pipeline's stage times and hops (the handlers' expressions)
-        nbytes = CostModel.hidden_bytes(first.stages[model].arch, n)
-        hop = cluster.interconnect.transfer_time(nbytes)
-        back = cluster.interconnect.latency_s
-        for es in group:  # the running one-stage batches end (taken over below if a cycle replays)
-            ev = es.taken
-            if ev is not None:
-                self._finish_running(es, ev, horizon)
-                if es.free is None:
-                    return None
-        e0 = group[0]
-        p0 = e0.pipe
-        end0 = t + p0.fn(p0.csum + n)
-        if not end0 < horizon or p0.left < 2:
-            return None
-        for m in p0.kv:
-            m[3] += 1
-        p0.csum += n
-        e0.busy.append((t, end0, n))
-        e0.free = end0
-        times: list[float] = []  # the pipeline's token times
-        k = 0
-        cut = None
-        saved = [es.save() for es in group]
-        while True:
-            try:
-                if k:
-                    if p0.left < 2 or e0.decide() is not p0:
-                        raise _Stop
-                    end0 = e0.serve(p0, cut, horizon)
-                end = end0
-                for es in group[1:]:
-                    a = end + hop
-                    if not a < horizon:
-                        raise _Stop
-                    _, end = es.run_to_pipe(a, horizon)
-                tok = end + back
-                if not tok < horizon:
-                    raise _Stop
-                nxt = e0.run_to_tokens(tok, horizon)
-            except _Stop:
-                for es, s in zip(group, saved):
-                    es.restore(s)
-                break
-            p0.left -= 1
-            times.append(end)
-            cut = nxt
-            k += 1
-            saved = [es.save() for es in group]
-        if not k:
-            return None
-        self._apply(group, route, sb, pkey, k, times, nbytes)
-        return cut
+        sim = _Sim(self, group, (model, rho), gen0, horizon)
+        for ev in events:
+            sim.push(*ev)
+        sim.run()
+        if not sim.decided:
+            return False
+        sim.apply()
+        self.decisions += sim.decided
+        return True
 
-    def _group(self, route, sb, pkey, t: float) -> list[_Engine] | None:
-        """The replay's view of the route's engines, or None if its conditions fail."""
+    def _state(self, first, sb, route, pkey, t):
+        """(engines, initial local events, the pipeline's request data) or None if a condition fails."""
         cluster = self.cluster
         counts = cluster.dispatcher.outstanding
         records = cluster.records
-        model = pkey[0]
-        rids = [sr.req_id for sr in sb.requests]
+        model, rho = pkey
+        s0 = first.scheduler
+        pst0 = s0.stage_of(model)
+        if pst0.decode_q.items or pst0.prefill_q.items:
+            return None
+        msgs = list(cluster.messages[pkey])
+        events = []  # (time, kind, stage, what)
         group = []
+        rids0 = [sr.req_id for sr in sb.requests]
+        batch0 = _Batch(rids0, [sr.start_pos for sr in sb.requests], sb.batch_id, t,
+                        min(s0.request(rid).arrival for rid in rids0))
+        batches = [batch0]
+        coming = list(rids0)  # requests whose coming token is not yet produced
+        pipe_events = 0
         for j, eng in enumerate(route):
             s = eng.scheduler
             if s.has_swapped or (j and eng.wake_pending):
                 return None
-            limit = 0 if s.starvation_limit == 0 else s.effective_starvation_limit
-            es = _Engine(eng, limit)
+            info = eng.stages[model]
+            es = _Engine(eng, j, info, 0 if s.starvation_limit == 0 else s.effective_starvation_limit)
             max_batch = s.max_batch_size
+            pst = s.stage_of(model)
+            if pst.prefill_q.items or (j and pst.full_q.items):
+                return None
+            expected = []  # times of the events pending here that the replay takes over
             running = None
             if j:
+                for pb in pst.decode_q.items:  # received batches waiting here
+                    if pb.prefills or pb.dropped:
+                        return None
+                    b = self._batch_of(pb.msg, s)
+                    es.queue.append(b)
+                    batches.append(b)
+                    coming.extend(b.rids)
+                es.queued = set(map(id, es.queue))
+                if es.queue:
+                    es.since = pst.decode_q.since
                 if eng.busy:
                     ev = eng.running
-                    if ev is None or ev.batch is None or eng.pending != [ev.time]:
+                    if ev is None or ev.batch is None:
                         return None
                     running = ev.batch
-                    info = eng.stages[running.model]
-                    if (running.kind != DECODE or not (info.first and info.last) or running.swap_in
-                            or running.swap_out):
+                    if running.kind != DECODE or running.swap_in or running.swap_out:
                         return None
+                    expected.append(ev.time)
                     es.taken = ev
-                elif eng.pending:
-                    return None
-                es.free = t
-                if s.has_queued(model):
-                    return None
-                preqs = [s.request(rid) for rid in rids]
-                pipe = _Stream(pkey, preqs, _FULL if len(rids) >= max_batch else _SMALL,
-                               (min(r.arrival for r in preqs), -1), eng.decode_time_fn(eng.stages[model], len(rids)),
-                               False, True, None)
-            else:
-                preqs = [s.request(rid) for rid in rids]
-                pipe = _Stream(pkey, preqs, _FULL if len(rids) >= max_batch else _SMALL,
-                               min(r.key for r in preqs), eng.decode_time_fn(eng.stages[model], len(rids)),
-                               True, True, None)
-            es.pipe = pipe
-            es.streams.append(pipe)
-            arrivals = {pipe.head[0]}
-            for m, info in eng.stages.items():
+                    if running.model == model:  # a batch of the pipeline runs here
+                        b = _Batch([sr.req_id for sr in running.requests], [sr.start_pos for sr in running.requests],
+                                   running.batch_id, running.message.formed_at if running.message else 0.0,
+                                   min(s.request(sr.req_id).arrival for sr in running.requests))
+                        batches.append(b)
+                        coming.extend(b.rids)
+                        es.running = (ev.time, b)
+                        es.busy.append((ev.start, ev.time, b.n))
+                        events.append((ev.time, _END, j, b))
+                        pipe_events += 1
+                        running = None
+                    elif not (eng.stages[running.model].first and eng.stages[running.model].last):
+                        return None
+            for ev in msgs:  # the pipeline's messages in flight to this engine
+                if ev.engine is not eng:
+                    continue
+                msg = ev.message
+                if j:
+                    if msg.prefills:
+                        return None
+                    b = self._batch_of(msg, s)
+                    events.append((ev.time, _ARRIVE, j, b))
+                    coming.extend(b.rids)
+                else:
+                    if any(e.finished for e in msg.entries):
+                        return None
+                    b = _Batch([e.req_id for e in msg.entries], [e.position - 1 for e in msg.entries], msg.batch_id,
+                               0.0, min(s.request(e.req_id).arrival for e in msg.entries))
+                    events.append((ev.time, _TOKENS, 0, b))
+                batches.append(b)
+                expected.append(ev.time)
+                es.messages.append(ev)
+                pipe_events += 1
+            if sorted(eng.pending) != sorted(expected):
+                return None
+            for r in s.live_requests():
+                if r.model == model:
+                    es.pkv[r.req_id] = _kv(r)
+                    es.pgen[r.req_id] = r.generated
+            if es.running is not None:  # the pipeline's batch running here: its step is done
+                for rid in es.running[1].rids:
+                    es.pkv[rid][3] += 1
+                    es.pgen[rid] += 1
+            for m, rinfo in eng.stages.items():
                 if m == model:
                     continue
-                if not (info.first and info.last):
+                if not (rinfo.first and rinfo.last):
                     return None
                 st = s.stage_of(m)
                 if st.prefill_q.items:
                     return None
-                nr = counts(m)[info.replica]
+                nr = counts(m)[rinfo.replica]
                 q = st.decode_q
                 if running is not None and running.model == m:
                     if q.items or len(running.requests) != nr:
@@ -376,46 +286,66 @@ class JointReplay:
                     continue
                 if nr > max_batch:
                     return None
-                head = min(r.key for r in reqs)
-                if head[0] in arrivals:
-                    return None  # equal arrival times: the order could depend on the sequence numbers
-                arrivals.add(head[0])
-                r = _Stream((m, info.replica), reqs, _FULL if nr >= max_batch else _SMALL, head,
-                            eng.decode_time_fn(info, nr), True, False, [records[x.req_id] for x in reqs])
-                if running is None or running.model != m:
+                r = _Replica((m, rinfo.replica), reqs, _FULL if nr >= max_batch else _SMALL,
+                             eng.decode_time_fn(rinfo, nr), [records[x.req_id] for x in reqs])
+                if running is not None and running.model == m:  # its step ends, its tokens come back
+                    if r.left < 2:
+                        return None
+                    for kv in r.kv:
+                        kv[3] += 1
+                    r.csum += r.n
+                    r.left -= 1
+                    r.times.append(es.taken.time)
+                    r.since = es.d
+                    es.running = (es.taken.time, r)
+                    es.busy.append((es.taken.start, es.taken.time, r.n))
+                    events.append((es.taken.time, _END, j, r))
+                else:
                     r.ready = True
                     r.since = q.since
-                es.streams.append(r)
-            if j and running is None and any(r.ready for r in es.streams):
-                return None  # idle with work waiting (for KV, or deciding at this instant)
+                es.replicas.append(r)
+            if j and es.running is None and any(r.ready for r in es.replicas):
+                return None  # idle with work waiting (for KV)
             group.append(es)
-        p_last = group[-1].pipe
-        group[0].pipe.left = p_last.left  # the last stage's count says when a request finishes
-        group[0].pipe.recs = [records[rid] for rid in rids]
-        return group
+        if len(coming) + sum(b.n for _, kind, _, b in events if kind == _TOKENS) != counts(model)[rho]:
+            return None
+        if counts(model)[rho] >= s0.max_batch_size or len(cluster.route_pending[pkey]) != pipe_events:
+            return None
+        heads = sorted([b.head for b in batches] + [r.head[0] for es in group for r in es.replicas])
+        if any(a == b for a, b in zip(heads, heads[1:])):
+            return None  # equal arrival times: an order could depend on sequence numbers
+        gen0 = {}
+        for r in s0.live_requests():
+            if r.model == model:
+                gen0[r.req_id] = r.generated
+        if any(s0.request(rid).max_new_tokens - gen0[rid] < 2 for rid in coming):
+            return None  # a coming token is a request's last
+        # the batch just formed runs at the first engine
+        e0 = group[0]
+        end0 = t + first.decode_time_fn(first.stages[model], batch0.n)(batch0.csum + batch0.n)
+        for rid in rids0:
+            e0.pkv[rid][3] += 1
+            e0.bid_of[rid] = sb.batch_id
+        for b in batches[1:]:
+            for rid in b.rids:
+                e0.bid_of[rid] = b.bid
+        e0.running = (end0, batch0)
+        e0.busy.append((t, end0, batch0.n))
+        events.append((end0, _END, 0, batch0))
+        return group, events, gen0
 
-    def _finish_running(self, es: _Engine, ev, horizon: float) -> None:
-        """The taken-over batch ends at its event's time: its token, back at once."""
-        s = next(x for x in es.streams if x.key[0] == ev.batch.model)
-        if s.left < 2 or not ev.time < horizon:
-            es.free = None
-            return
-        for m in s.kv:
-            m[3] += 1
-        s.csum += s.n
-        s.left -= 1
-        s.times.append(ev.time)
-        s.ready = True
-        s.since = es.d
-        es.busy.append((ev.start, ev.time, s.n))
-        es.free = ev.time
+    def _batch_of(self, msg, s) -> _Batch:
+        return _Batch([e.req_id for e in msg.decodes], [e.position for e in msg.decodes], msg.batch_id, msg.formed_at,
+                      min(s.request(e.req_id).arrival for e in msg.decodes))
 
     def _horizon(self, route, group: list[_Engine], t: float) -> float:
         """The first new request the dispatcher may send into the group (every route touching
         the group lies inside it, so nothing else can reach it)."""
         ff = self.ff
         seen = {eng.id for eng in route}
-        frozen = {s.key for es in group for s in es.streams}
+        frozen = {r.key for es in group for r in es.replicas}
+        model = group[0].info.model
+        frozen.add((model, group[0].info.replica))
         models = {m for eng in route for m in ff.models_on[eng.id]}
         horizon = float("inf")
         for m in models:
@@ -428,44 +358,244 @@ class JointReplay:
                         horizon = ts[i]
         return horizon
 
-    def _apply(self, group: list[_Engine], route, sb, pkey, k: int, times: list[float], nbytes: int) -> None:
-        """Apply the replayed cycles: metrics, scheduler states, KV, counters, the cut."""
+
+class _Sim:
+    """The group's event simulation from the start state to the cut, and its application."""
+
+    def __init__(self, replay: JointReplay, group: list[_Engine], pkey, gen0: dict, horizon: float):
+        cluster = replay.cluster
+        self.cluster = cluster
+        self.group = group
+        self.pkey = pkey
+        self.gen0 = gen0  # first stage: tokens each pipeline request received
+        s0 = group[0].eng.scheduler
+        self.req0 = {rid: s0.request(rid) for rid in gen0}
+        self.horizon = horizon
+        self.heap: list = []
+        self.seq = 0
+        self.decided = 0
+        self.tokens: list = []  # (batch, time) of the pipeline's tokens, in time order
+        self.hops: list[int] = []  # bytes of each replayed hop
+        self.arch = group[0].info.arch
+        self.back = cluster.interconnect.latency_s
+        self.last = len(group) - 1
+        self.held: list[_Engine] = []  # engines that decide for real at the cut instant
+        self.cut = None
+
+    def push(self, time: float, kind: int, j: int, what) -> None:
+        heappush(self.heap, (time, kind, self.seq, j, what))
+        self.seq += 1
+
+    def run(self) -> None:
+        heap = self.heap
+        group = self.group
+        while heap and heap[0][0] < self.horizon:
+            x = heap[0][0]
+            while heap and heap[0][0] == x:
+                _, kind, _, j, what = heappop(heap)
+                self._handle(kind, group[j], what, x)
+            for i, es in enumerate(group):
+                if es.running is None and (es.queue or any(r.ready for r in es.replicas)):
+                    try:
+                        self._decide(es, x)
+                    except _Stop:
+                        self.cut = x
+                        self.held = [e for e in group[i:] if e.running is None and (e.queue or any(r.ready for r in e.replicas))]
+                        return
+
+    def _handle(self, kind: int, es: _Engine, what, x: float) -> None:
+        if kind == _END:
+            es.running = None
+            if isinstance(what, _Replica):
+                what.ready = True
+            elif es.j < self.last:
+                nbytes = CostModel.hidden_bytes(self.arch, what.n)
+                self.hops.append(nbytes)
+                self.push(x + self.cluster.interconnect.transfer_time(nbytes), _ARRIVE, es.j + 1, what)
+            else:
+                self.tokens.append((what, x))
+                self.push(x + self.back, _TOKENS, 0, what)
+        elif kind == _ARRIVE:
+            if not es.queue:
+                es.since = es.d
+            insort(es.queue, what, key=_batch_head)
+            es.received += 1
+            es.arrivals.append((what, es.d, es.received))
+        else:  # tokens back at the first stage: its requests wait for the next batch
+            if not es.queue:
+                es.since = es.d
+            gen0, req0 = self.gen0, self.req0
+            for rid in what.rids:
+                gen0[rid] += 1
+                insort(es.queue, rid, key=lambda r: req0[r].key)
+                es.bid_of.pop(rid)
+
+    def _decide(self, es: _Engine, x: float) -> None:
+        """The decision `schedule` makes at x (every attempt succeeds: the serve checks KV)."""
+        cands = [(r.cls, r.head, r.since, r) for r in es.replicas if r.ready]
+        if es.queue:
+            head = self.req0[es.queue[0]].key if es.j == 0 else (es.queue[0].head, 0)
+            cands.append((_SMALL, head, es.since, None))
+        pick = None
+        if es.limit:
+            d, limit = es.d, es.limit
+            starving = [c for c in cands if d - c[2] > limit]
+            if starving:
+                pick = min(starving, key=lambda c: c[1])
+                es.promotions += 1
+        if pick is None:
+            pick = min(cands, key=lambda c: (c[0], c[1]))
+        if pick[3] is None:
+            self._serve_pipe(es, x)
+        else:
+            self._serve_replica(es, pick[3], x)
+        self.decided += 1
+
+    def _grow(self, es: _Engine, kvs) -> None:
+        need = 0
+        for m in kvs:
+            target = m[3] + 1
+            if target > m[0]:
+                need += (-(-target // m[1]) - m[0] // m[1]) * m[2]
+        if need:
+            if need > es.blocks:
+                raise _Stop  # it would evict
+            es.blocks -= need
+            for m in kvs:
+                target = m[3] + 1
+                if target > m[0]:
+                    m[0] = -(-target // m[1]) * m[1]
+                    es.grows.append((m[4], target))
+        for m in kvs:
+            m[3] += 1
+
+    def _serve_replica(self, es: _Engine, r: _Replica, x: float) -> None:
+        if r.left < 2:
+            raise _Stop  # this step produces a request's last token
+        end = x + r.fn(r.csum + r.n)
+        if not end < self.horizon:
+            raise _Stop
+        self._grow(es, r.kv)
+        es.d += 1
+        r.since = es.d  # served at decision d, back (non-empty again) before the next
+        r.formed += 1
+        es.formed += 1
+        r.ready = False
+        r.csum += r.n
+        r.left -= 1
+        r.times.append(end)
+        es.busy.append((x, end, r.n))
+        es.running = (end, r)
+        self.push(end, _END, es.j, r)
+
+    def _serve_pipe(self, es: _Engine, x: float) -> None:
+        if es.j == 0:  # the waiting requests form one batch (fewer than max_batch_size)
+            rids = es.queue
+            req0, gen0 = self.req0, self.gen0
+            if any(req0[rid].max_new_tokens - gen0[rid] < 2 for rid in rids):
+                raise _Stop  # its token would be a request's last
+            bid = f"{self.pkey[0]}/e{es.eng.id}/{es.batch_seq + es.formed + 1}"
+            b = _Batch(list(rids), [es.pkv[rid][3] for rid in rids], bid, x, min(req0[rid].arrival for rid in rids))
+        else:
+            b = es.queue[0]
+        end = x + es.eng.decode_time_fn(es.info, b.n)(b.csum + b.n)
+        if not end < self.horizon:
+            raise _Stop
+        self._grow(es, [es.pkv[rid] for rid in b.rids])
+        if es.j == 0:
+            es.queue = []
+            es.formed += 1
+            for rid in b.rids:
+                es.bid_of[rid] = b.bid
+        else:
+            del es.queue[0]
+            if id(b) in es.queued:
+                es.served_queued += 1
+            for rid in b.rids:
+                es.pgen[rid] += 1
+        es.since = es.d
+        es.d += 1
+        es.busy.append((x, end, b.n))
+        es.running = (end, b)
+        self.push(end, _END, es.j, b)
+
+    # ------------------------------------------------------------------ the cut
+    def apply(self) -> None:
+        """Apply the replayed decisions in bulk and hand what is still under way to real events."""
         cluster = self.cluster
         metrics = cluster.metrics
-        model = pkey[0]
-        rids = [sr.req_id for sr in sb.requests]
-        steps = 0
-        for j, es in enumerate(group):
+        records = cluster.records
+        model = self.pkey[0]
+        group = self.group
+        for es in group:  # take the replaced events off the heap's duty
+            for ev in es.messages:
+                cluster.take_message(ev)
+            ev = es.taken
+            if ev is not None:
+                batch = ev.batch
+                cluster.take_over(es.eng)
+                done = es.eng.scheduler.complete(batch)
+                if batch.model != model:  # a one-stage batch: its tokens are back at once
+                    es.eng.scheduler.receive_tokens(done.token_message)
+        for es in group:
             eng = es.eng
             s = eng.scheduler
-            ev = es.taken
-            if ev is not None:  # the running one-stage batch completes, its tokens come back
-                batch = ev.batch
-                cluster.take_over(eng)
-                s.receive_tokens(s.complete(batch).token_message)
             for x, y, size in es.busy:
                 metrics.batch(eng.id, x, y, False, size, size)
-            for r in es.streams:
-                if r.pipe:
-                    continue
+            for r in es.replicas:
                 if r.formed:
                     s.replay_first_decode(r.key[0], r.rids, r.formed, r.since, False)
-                    steps += r.formed
                 if r.times:
                     metrics.token_steps(r.recs, r.times)
-            if j:
-                s.replay_later_decode(model, j, rids, k)
+            if es.j == 0:
+                members = [(rid, kv[3], self.gen0[rid], es.bid_of.get(rid)) for rid, kv in es.pkv.items()]
+                s.replay_pipeline_first(model, members)
             else:
-                s.replay_first_decode(model, rids, k, es.pipe.since, True)
+                waiting = {rid for b in es.queue if id(b) in es.queued for rid in b.rids}
+                members = [(rid, kv[3], es.pgen[rid]) for rid, kv in es.pkv.items() if rid not in waiting]
+                s.replay_pipeline_later(model, es.j, members, es.served_queued)
+                for b, d, i in es.arrivals:  # received in the replay, still waiting: received for real
+                    if any(b is q for q in es.queue):
+                        s.replay_receive(self._message(b, es.j), d, es.seq + i - 1)
             s.replay_grows(es.grows)
-            formed = sum(r.formed for r in es.streams if not r.pipe) + (k - 1 if not j else 0)
-            s.replay_counters(es.d, es.received, formed, es.promotions)
-            if j:
-                cluster.hold(eng, pkey, es.free)
-            if cluster.check:
-                s.check()
-        for _ in range(k * (len(group) - 1)):
+            s.replay_counters(es.d, es.seq + es.received, es.formed, es.promotions)
+            s.replay_ages(model, es.since, [(r.key[0], r.since) for r in es.replicas])
+        for nbytes in self.hops:
             metrics.hop(nbytes)
-        metrics.token_steps(group[0].pipe.recs, times)
-        self.cycles += k
-        self.steps += steps
+        for b, time in self.tokens:
+            metrics.tokens([records[rid] for rid in b.rids], time)
+        # what is under way at the cut
+        pkey = self.pkey
+        for time, kind, _, j, what in sorted(self.heap):
+            es = group[j]
+            if kind == _END:
+                cluster.hold(es.eng, what.key if isinstance(what, _Replica) else pkey, time)
+                if isinstance(what, _Batch):
+                    if j < self.last:
+                        nbytes = CostModel.hidden_bytes(self.arch, what.n)
+                        metrics.hop(nbytes)
+                        cluster.send_batch(group[j + 1].eng, pkey, self._message(what, j + 1),
+                                           time + cluster.interconnect.transfer_time(nbytes))
+                    else:
+                        metrics.tokens([records[rid] for rid in what.rids], time)
+                        cluster.send_tokens(group[0].eng, pkey, self._tokens(what), time + self.back)
+            elif kind == _ARRIVE:
+                cluster.send_batch(es.eng, pkey, self._message(what, j), time)
+            else:
+                cluster.send_tokens(es.eng, pkey, self._tokens(what), time)
+        for es in self.held:
+            cluster.hold(es.eng, pkey, self.cut)
+        if cluster.check:
+            for es in group:
+                es.eng.scheduler.check()
+
+    def _message(self, b: _Batch, stage: int) -> BatchMessage:
+        return BatchMessage(self.pkey[0], stage, b.bid, DECODE, [],
+                            [DecodeEntry(rid, None, p) for rid, p in zip(b.rids, b.pos)], b.formed_at)
+
+    def _tokens(self, b: _Batch) -> TokenMessage:
+        return TokenMessage(self.pkey[0], b.bid, [TokenEntry(rid, None, p + 1, False, None) for rid, p in zip(b.rids, b.pos)])
+
+
+def _batch_head(b: _Batch) -> float:
+    return b.head
