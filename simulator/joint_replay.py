@@ -74,15 +74,15 @@ class _Batch:
 class _Replica:
     """A one-stage replica's decode batch on its engine."""
 
-    __slots__ = ("key", "rids", "recs", "cls", "head", "since", "ready", "csum", "n", "fn", "left", "kv",
+    __slots__ = ("key", "rids", "recs", "order", "head", "since", "ready", "csum", "n", "fn", "left", "kv",
                  "formed", "times")
 
     def __init__(self, key, reqs, cls, fn, recs):
         self.key = key
         self.rids = [r.req_id for r in reqs]
         self.recs = recs
-        self.cls = cls
         self.head = min(r.key for r in reqs)
+        self.order = (cls, self.head)  # its place in the policy's order
         self.since = 0
         self.ready = False
         self.n = len(reqs)
@@ -389,18 +389,24 @@ class _Sim:
     def run(self) -> None:
         heap = self.heap
         group = self.group
-        while heap and heap[0][0] < self.horizon:
+        horizon = self.horizon
+        handle = self._handle
+        while heap and heap[0][0] < horizon:
             x = heap[0][0]
+            woken = set()
             while heap and heap[0][0] == x:
                 _, kind, _, j, what = heappop(heap)
-                self._handle(kind, group[j], what, x)
-            for i, es in enumerate(group):
+                handle(kind, group[j], what, x)
+                woken.add(j)
+            for i in sorted(woken):  # each engine touched at x decides (after everything at x)
+                es = group[i]
                 if es.running is None and (es.queue or any(r.ready for r in es.replicas)):
                     try:
                         self._decide(es, x)
                     except _Stop:
                         self.cut = x
-                        self.held = [e for e in group[i:] if e.running is None and (e.queue or any(r.ready for r in e.replicas))]
+                        self.held = [group[k] for k in sorted(woken) if k >= i and group[k].running is None
+                                     and (group[k].queue or any(r.ready for r in group[k].replicas))]
                         return
 
     def _handle(self, kind: int, es: _Engine, what, x: float) -> None:
@@ -432,23 +438,29 @@ class _Sim:
 
     def _decide(self, es: _Engine, x: float) -> None:
         """The decision `schedule` makes at x (every attempt succeeds: the serve checks KV)."""
-        cands = [(r.cls, r.head, r.since, r) for r in es.replicas if r.ready]
-        if es.queue:
+        limit = es.limit
+        d = es.d
+        best = best_order = None
+        starving = []
+        for r in es.replicas:
+            if r.ready:
+                if limit and d - r.since > limit:
+                    starving.append((r.head, r))
+                if best is None or r.order < best_order:
+                    best, best_order = r, r.order
+        if es.queue:  # the pipeline's queue (None below)
             head = self.req0[es.queue[0]].key if es.j == 0 else (es.queue[0].head, 0)
-            cands.append((_SMALL, head, es.since, None))
-        pick = None
-        if es.limit:
-            d, limit = es.d, es.limit
-            starving = [c for c in cands if d - c[2] > limit]
-            if starving:
-                pick = min(starving, key=lambda c: c[1])
-                es.promotions += 1
-        if pick is None:
-            pick = min(cands, key=lambda c: (c[0], c[1]))
-        if pick[3] is None:
+            if limit and d - es.since > limit:
+                starving.append((head, None))
+            if best is None or (_SMALL, head) < best_order:
+                best = None
+        if starving:  # the oldest head among the queues past the starvation limit
+            es.promotions += 1
+            best = min(starving, key=_first)[1]
+        if best is None:
             self._serve_pipe(es, x)
         else:
-            self._serve_replica(es, pick[3], x)
+            self._serve_replica(es, best, x)
         self.decided += 1
 
     def _grow(self, es: _Engine, kvs) -> None:
@@ -599,3 +611,7 @@ class _Sim:
 
 def _batch_head(b: _Batch) -> float:
     return b.head
+
+
+def _first(pair):
+    return pair[0]

@@ -56,16 +56,16 @@ def _layout(config: Config, policy: str = "full-batch-first") -> SystemLayout:
 
 
 class _Spy:
-    """Counts the pipeline cycles the joint replay replays (wraps JointReplay.advance)."""
+    """Counts the decisions the joint replay replays (wraps JointReplay.advance)."""
 
     def __init__(self, monkeypatch):
-        self.cycles = 0
+        self.decisions = 0
         real = JointReplay.advance
 
         def advance(replay, *args):
-            before = replay.cycles
+            before = replay.decisions
             out = real(replay, *args)
-            self.cycles += replay.cycles - before
+            self.decisions += replay.decisions - before
             return out
 
         monkeypatch.setattr(JointReplay, "advance", advance)
@@ -102,7 +102,7 @@ def test_pipeline_among_one_stage_replicas_is_replayed_exactly(monkeypatch):
                            ("b", 0.013, 4, 170), ("a", 0.014, 6, 140), ("p", 0.5, 5, 100), ("a", 0.8, 3, 80)])
     fast, plain = _both(cfg, _layout(cfg), requests=reqs)
     _assert_same(fast, plain)
-    assert spy.cycles > 100
+    assert spy.decisions > 100
     assert fast.summary["events"] < plain.summary["events"] / 3
 
 
@@ -116,7 +116,7 @@ def test_starvation_promotions_inside_the_replay(monkeypatch):
     _assert_same(fast, plain)
     promotions = [[e.scheduler.stats["starvation_promotions"] for e in r.engines] for r in (fast, plain)]
     assert promotions[0] == promotions[1] and promotions[0][1] > 0
-    assert spy.cycles > 50
+    assert spy.decisions > 50
 
 
 def test_one_stage_batches_older_than_the_pipeline(monkeypatch):
@@ -127,4 +127,4 @@ def test_one_stage_batches_older_than_the_pipeline(monkeypatch):
     reqs = _long_requests([("a", 0.0, 4, 300), ("b", 0.0005, 4, 300), ("p", 0.001, 4, 250), ("d", 0.002, 4, 200)])
     fast, plain = _both(cfg, _layout(cfg), requests=reqs)
     _assert_same(fast, plain)
-    assert spy.cycles > 0
+    assert spy.decisions > 0
