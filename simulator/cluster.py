@@ -166,6 +166,7 @@ class Cluster:
     def replay_done(self, eng: SimEngine, key: tuple[str, int], t: float) -> None:
         """A stage the joint replay accounted for ends (events/replay_end.py): the engine is free."""
         eng.busy = False
+        eng.running = None
         eng.pending.remove(t)
         self.route_pending[key].remove(t)
         self._wake(eng, t)
@@ -176,14 +177,21 @@ class Cluster:
         eng.busy = True
         eng.pending.append(end)
         self.route_pending[key].append(end)
-        self.loop.schedule(ReplayEndEvent(end, eng, key))
+        eng.running = ev = ReplayEndEvent(end, eng, key)
+        self.loop.schedule(ev)
 
     def take_over(self, eng: SimEngine) -> None:
-        """The joint replay accounts for the stage `eng` executes: its StageEndEvent does nothing."""
+        """The joint replay accounts for the stage `eng` executes: its StageEndEvent (or
+        ReplayEndEvent) does nothing."""
         ev = eng.running
+        if isinstance(ev, ReplayEndEvent):
+            key = ev.key
+            ev.key = None
+        else:
+            key = (ev.batch.model, eng.stages[ev.batch.model].replica)
+            ev.batch = None
         eng.pending.remove(ev.time)
-        self.route_pending[(ev.batch.model, eng.stages[ev.batch.model].replica)].remove(ev.time)
-        ev.batch = None
+        self.route_pending[key].remove(ev.time)
         eng.running = None
         eng.busy = False
 

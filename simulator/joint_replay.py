@@ -46,6 +46,7 @@ from heapq import heappop, heappush
 
 from paraflex.costmodel import CostModel
 from paraflex.engine.messages import DECODE, BatchMessage, DecodeEntry, TokenEntry, TokenMessage
+from paraflex.simulator.events import ReplayEndEvent
 
 _FULL, _SMALL = 0, 2  # full-batch-first's classes of decode queues
 _END, _ARRIVE, _TOKENS = 10, 20, 30  # local events, in the event loop's order at one instant
@@ -214,26 +215,33 @@ class JointReplay:
                     es.since = pst.decode_q.since
                 if eng.busy:
                     ev = eng.running
-                    if ev is None or ev.batch is None:
+                    if isinstance(ev, ReplayEndEvent):  # held by an earlier replay until its stage ends
+                        expected.append(ev.time)
+                        es.taken = ev
+                        es.running = (ev.time, ev.key)
+                        events.append((ev.time, _END, j, ev.key))
+                        pipe_events += ev.key == pkey
+                    elif ev is None or ev.batch is None:
                         return None
-                    running = ev.batch
-                    if running.kind != DECODE or running.swap_in or running.swap_out:
-                        return None
-                    expected.append(ev.time)
-                    es.taken = ev
-                    if running.model == model:  # a batch of the pipeline runs here
-                        b = _Batch([sr.req_id for sr in running.requests], [sr.start_pos for sr in running.requests],
-                                   running.batch_id, running.message.formed_at if running.message else 0.0,
-                                   min(s.request(sr.req_id).arrival for sr in running.requests))
-                        batches.append(b)
-                        coming.extend(b.rids)
-                        es.running = (ev.time, b)
-                        es.busy.append((ev.start, ev.time, b.n))
-                        events.append((ev.time, _END, j, b))
-                        pipe_events += 1
-                        running = None
-                    elif not (eng.stages[running.model].first and eng.stages[running.model].last):
-                        return None
+                    else:
+                        running = ev.batch
+                        if running.kind != DECODE or running.swap_in or running.swap_out:
+                            return None
+                        expected.append(ev.time)
+                        es.taken = ev
+                        if running.model == model:  # a batch of the pipeline runs here
+                            b = _Batch([sr.req_id for sr in running.requests], [sr.start_pos for sr in running.requests],
+                                       running.batch_id, running.message.formed_at if running.message else 0.0,
+                                       min(s.request(sr.req_id).arrival for sr in running.requests))
+                            batches.append(b)
+                            coming.extend(b.rids)
+                            es.running = (ev.time, b)
+                            es.busy.append((ev.start, ev.time, b.n))
+                            events.append((ev.time, _END, j, b))
+                            pipe_events += 1
+                            running = None
+                        elif not (eng.stages[running.model].first and eng.stages[running.model].last):
+                            return None
             for ev in msgs:  # the pipeline's messages in flight to this engine
                 if ev.engine is not eng:
                     continue
@@ -260,7 +268,7 @@ class JointReplay:
                 if r.model == model:
                     es.pkv[r.req_id] = _kv(r)
                     es.pgen[r.req_id] = r.generated
-            if es.running is not None:  # the pipeline's batch running here: its step is done
+            if es.running is not None and isinstance(es.running[1], _Batch):  # the pipeline's, running: its step is done
                 for rid in es.running[1].rids:
                     es.pkv[rid][3] += 1
                     es.pgen[rid] += 1
@@ -412,7 +420,9 @@ class _Sim:
     def _handle(self, kind: int, es: _Engine, what, x: float) -> None:
         if kind == _END:
             es.running = None
-            if isinstance(what, _Replica):
+            if isinstance(what, tuple):  # the end of a stage an earlier replay accounted for
+                pass
+            elif isinstance(what, _Replica):
                 what.ready = True
             elif es.j < self.last:
                 nbytes = CostModel.hidden_bytes(self.arch, what.n)
@@ -484,9 +494,7 @@ class _Sim:
     def _serve_replica(self, es: _Engine, r: _Replica, x: float) -> None:
         if r.left < 2:
             raise _Stop  # this step produces a request's last token
-        end = x + r.fn(r.csum + r.n)
-        if not end < self.horizon:
-            raise _Stop
+        end = x + r.fn(r.csum + r.n)  # (it may end past the horizon: its end is handed over at the cut)
         self._grow(es, r.kv)
         es.d += 1
         r.since = es.d  # served at decision d, back (non-empty again) before the next
@@ -511,8 +519,6 @@ class _Sim:
         else:
             b = es.queue[0]
         end = x + es.eng.decode_time_fn(es.info, b.n)(b.csum + b.n)
-        if not end < self.horizon:
-            raise _Stop
         self._grow(es, [es.pkv[rid] for rid in b.rids])
         if es.j == 0:
             es.queue = []
@@ -543,7 +549,9 @@ class _Sim:
             for ev in es.messages:
                 cluster.take_message(ev)
             ev = es.taken
-            if ev is not None:
+            if isinstance(ev, ReplayEndEvent):
+                cluster.take_over(es.eng)
+            elif ev is not None:
                 batch = ev.batch
                 cluster.take_over(es.eng)
                 done = es.eng.scheduler.complete(batch)
@@ -581,7 +589,8 @@ class _Sim:
         for time, kind, _, j, what in sorted(self.heap):
             es = group[j]
             if kind == _END:
-                cluster.hold(es.eng, what.key if isinstance(what, _Replica) else pkey, time)
+                cluster.hold(es.eng, what if isinstance(what, tuple) else what.key if isinstance(what, _Replica) else pkey,
+                             time)
                 if isinstance(what, _Batch):
                     if j < self.last:
                         nbytes = CostModel.hidden_bytes(self.arch, what.n)

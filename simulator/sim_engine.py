@@ -32,7 +32,7 @@ class StageInfo:
 class SimEngine:
     """Timing wrapper around one engine's scheduler. `busy` while a stage executes; `pending`
     holds the times of the events on the heap addressed to it (stage ends, batch and token
-    arrivals), for the decode fast-forward's horizon; `running` is the `StageEndEvent` of the
+    arrivals), for the decode fast-forward's horizon; `running` is the `StageEndEvent` (or `ReplayEndEvent`) of the
     stage it executes (the joint replay takes such a stage over)."""
 
     __slots__ = ("id", "scheduler", "pool", "cost", "stages", "busy", "wake_pending", "pending", "running", "swap_Bps",

@@ -20,4 +20,6 @@ class ReplayEndEvent(Event):
         self.key = key  # (model, replica) whose stage ends
 
     def handle(self, sim) -> None:
+        if self.key is None:  # taken over by a later replay
+            return
         sim.cluster.replay_done(self.engine, self.key, self.time)
