@@ -106,7 +106,7 @@ class _Engine:
 
     __slots__ = ("eng", "j", "info", "d", "running", "blocks", "replicas", "queue", "since", "pkv", "pgen", "grows",
                  "busy", "received", "formed", "promotions", "limit", "taken", "messages", "batch_seq", "seq",
-                 "arrivals", "queued", "served_queued", "bid_of")
+                 "arrivals", "queued", "served_queued", "bid_of", "started")
 
     def __init__(self, eng, j: int, info, limit: int):
         self.eng = eng
@@ -133,6 +133,7 @@ class _Engine:
         self.taken = None  # the running batch's StageEndEvent, taken over
         self.messages: list = []  # the pipeline's message events to it, taken over
         self.arrivals: list = []  # later stages: (batch, decision count, receive index) of each received batch
+        self.started = None  # the one-stage batch this engine formed at the start (no event yet)
         self.queued: set = set()  # later stages: ids of the batches queued at the start
         self.served_queued = 0  # later stages: how many of them ran
 
@@ -144,24 +145,33 @@ class JointReplay:
         """`ff`: the cluster's `DecodeFastForward` (arrivals, residents, `_skip_arrivals`)."""
         self.ff = ff
         self.cluster = ff.cluster
+        # per engine: the (model, replica) of the one multi-stage replica whose route holds it, if one
+        pipes: list[list] = [[] for _ in ff.cluster.engines]
+        for model, routes in ff.cluster.replicas.items():
+            for rho, route in enumerate(routes):
+                if len(route) > 1:
+                    for e in route:
+                        pipes[e].append((model, rho))
+        self.pipe_of = [p[0] if len(p) == 1 else None for p in pipes]
         self.decisions = 0  # decisions replayed (for the summary)
 
     # ------------------------------------------------------------------ entry
-    def advance(self, first, sb, t: float) -> bool:
-        """Replay the group from `sb` (formed by `first` at t) on; True if it did (the engines
-        then run on from the cut), False if nothing changed."""
+    def advance(self, eng, sb, t: float) -> bool:
+        """Replay the group of the pipeline on `eng` from `sb` (the decode batch `eng` formed
+        at t) on; True if it did (the engines then run on from the cut), False if nothing
+        changed."""
         cluster = self.cluster
-        if first.scheduler.policy.name != "full-batch-first" or sb.swap_in or sb.swap_out:
+        pkey = self.pipe_of[eng.id]
+        if (pkey is None or sb.kind != DECODE or sb.swap_in or sb.swap_out
+                or eng.scheduler.policy.name != "full-batch-first" or not cluster.dispatcher.outstanding(pkey[0])[pkey[1]]):
             return False
-        model = sb.model
-        rho = first.stages[model].replica
-        route = [cluster.engines[e] for e in cluster.replicas[model][rho]]
-        state = self._state(first, sb, route, (model, rho), t)
+        route = [cluster.engines[e] for e in cluster.replicas[pkey[0]][pkey[1]]]
+        state = self._state(eng, sb, route, pkey, t)
         if state is None:
             return False
         group, events, gen0 = state
         horizon = self._horizon(route, group, t)
-        sim = _Sim(self, group, (model, rho), gen0, horizon)
+        sim = _Sim(self, group, pkey, gen0, horizon)
         for ev in events:
             sim.push(*ev)
         sim.run()
@@ -172,27 +182,24 @@ class JointReplay:
         return True
 
     def _state(self, first, sb, route, pkey, t):
-        """(engines, initial local events, the pipeline's request data) or None if a condition fails."""
+        """(engines, initial local events, the pipeline's request data) or None if a condition
+        fails. `first`: the engine that formed `sb` at t (it runs from t)."""
         cluster = self.cluster
         counts = cluster.dispatcher.outstanding
         records = cluster.records
         model, rho = pkey
-        s0 = first.scheduler
-        pst0 = s0.stage_of(model)
-        if pst0.decode_q.items or pst0.prefill_q.items:
-            return None
-        msgs = list(cluster.messages[pkey])
+        msgs = cluster.messages[pkey]
         events = []  # (time, kind, stage, what)
         group = []
-        rids0 = [sr.req_id for sr in sb.requests]
-        batch0 = _Batch(rids0, [sr.start_pos for sr in sb.requests], sb.batch_id, t,
-                        min(s0.request(rid).arrival for rid in rids0))
-        batches = [batch0]
-        coming = list(rids0)  # requests whose coming token is not yet produced
+        batches = []
+        coming = []  # pipeline requests whose coming token is not yet produced
+        waiting = 0  # pipeline requests waiting at the first stage
+        in_tokens = 0  # pipeline requests whose token message is in flight
         pipe_events = 0
+        last = len(route) - 1
         for j, eng in enumerate(route):
             s = eng.scheduler
-            if s.has_swapped or (j and eng.wake_pending):
+            if s.has_swapped or eng.wake_pending:
                 return None
             info = eng.stages[model]
             es = _Engine(eng, j, info, 0 if s.starvation_limit == 0 else s.effective_starvation_limit)
@@ -201,7 +208,6 @@ class JointReplay:
             if pst.prefill_q.items or (j and pst.full_q.items):
                 return None
             expected = []  # times of the events pending here that the replay takes over
-            running = None
             if j:
                 for pb in pst.decode_q.items:  # received batches waiting here
                     if pb.prefills or pb.dropped:
@@ -211,37 +217,51 @@ class JointReplay:
                     batches.append(b)
                     coming.extend(b.rids)
                 es.queued = set(map(id, es.queue))
-                if es.queue:
-                    es.since = pst.decode_q.since
-                if eng.busy:
-                    ev = eng.running
-                    if isinstance(ev, ReplayEndEvent):  # held by an earlier replay until its stage ends
-                        expected.append(ev.time)
-                        es.taken = ev
-                        es.running = (ev.time, ev.key)
-                        events.append((ev.time, _END, j, ev.key))
-                        pipe_events += ev.key == pkey
-                    elif ev is None or ev.batch is None:
+            else:
+                es.queue = [r.req_id for r in pst.decode_q.items]  # tokens back, waiting for a batch
+                waiting = len(es.queue)
+            if es.queue:
+                es.since = pst.decode_q.since
+            running = None  # a one-stage batch running here (real ScheduledBatch)
+            if eng is first:
+                running, start, end_ev = sb, t, None
+            elif eng.busy:
+                ev = eng.running
+                if isinstance(ev, ReplayEndEvent):  # held by an earlier replay until its stage ends
+                    expected.append(ev.time)
+                    es.taken = ev
+                    es.running = (ev.time, ev.key)
+                    events.append((ev.time, _END, j, ev.key))
+                    pipe_events += ev.key == pkey
+                elif ev is None or ev.batch is None:
+                    return None
+                else:
+                    running, start, end_ev = ev.batch, ev.start, ev.time
+                    if running.kind != DECODE or running.swap_in or running.swap_out:
                         return None
-                    else:
-                        running = ev.batch
-                        if running.kind != DECODE or running.swap_in or running.swap_out:
-                            return None
-                        expected.append(ev.time)
-                        es.taken = ev
-                        if running.model == model:  # a batch of the pipeline runs here
-                            b = _Batch([sr.req_id for sr in running.requests], [sr.start_pos for sr in running.requests],
-                                       running.batch_id, running.message.formed_at if running.message else 0.0,
-                                       min(s.request(sr.req_id).arrival for sr in running.requests))
-                            batches.append(b)
-                            coming.extend(b.rids)
-                            es.running = (ev.time, b)
-                            es.busy.append((ev.start, ev.time, b.n))
-                            events.append((ev.time, _END, j, b))
-                            pipe_events += 1
-                            running = None
-                        elif not (eng.stages[running.model].first and eng.stages[running.model].last):
-                            return None
+                    expected.append(ev.time)
+                    es.taken = ev
+                    pipe_events += running.model == model
+            if running is not None and running.model == model:  # a batch of the pipeline runs here
+                rids = [sr.req_id for sr in running.requests]
+                if j == 0:
+                    b = _Batch(rids, [sr.start_pos for sr in running.requests], running.batch_id,
+                               running.formed_at if end_ev is None else running.message.formed_at,
+                               min(s.request(rid).arrival for rid in rids))
+                else:
+                    b = _Batch(rids, [sr.start_pos for sr in running.requests], running.batch_id,
+                               running.message.formed_at if running.message else 0.0,
+                               min(s.request(rid).arrival for rid in rids))
+                if end_ev is None:
+                    end_ev = t + eng.decode_time_fn(info, b.n)(b.csum + b.n)
+                batches.append(b)
+                coming.extend(rids)
+                es.running = (end_ev, b)
+                es.busy.append((start, end_ev, b.n))
+                events.append((end_ev, _END, j, b))
+                running = None
+            elif running is not None and not (eng.stages[running.model].first and eng.stages[running.model].last):
+                return None
             for ev in msgs:  # the pipeline's messages in flight to this engine
                 if ev.engine is not eng:
                     continue
@@ -258,6 +278,7 @@ class JointReplay:
                     b = _Batch([e.req_id for e in msg.entries], [e.position - 1 for e in msg.entries], msg.batch_id,
                                0.0, min(s.request(e.req_id).arrival for e in msg.entries))
                     events.append((ev.time, _TOKENS, 0, b))
+                    in_tokens += b.n
                 batches.append(b)
                 expected.append(ev.time)
                 es.messages.append(ev)
@@ -299,47 +320,45 @@ class JointReplay:
                 if running is not None and running.model == m:  # its step ends, its tokens come back
                     if r.left < 2:
                         return None
+                    if end_ev is None:
+                        end_ev = t + r.fn(r.csum + r.n)
                     for kv in r.kv:
                         kv[3] += 1
                     r.csum += r.n
                     r.left -= 1
-                    r.times.append(es.taken.time)
+                    r.times.append(end_ev)
                     r.since = es.d
-                    es.running = (es.taken.time, r)
-                    es.busy.append((es.taken.start, es.taken.time, r.n))
-                    events.append((es.taken.time, _END, j, r))
+                    es.running = (end_ev, r)
+                    es.started = running if eng is first else None
+                    es.busy.append((start, end_ev, r.n))
+                    events.append((end_ev, _END, j, r))
                 else:
                     r.ready = True
                     r.since = q.since
                 es.replicas.append(r)
-            if j and es.running is None and any(r.ready for r in es.replicas):
+            if es.running is None and (es.queue or any(r.ready for r in es.replicas)):
                 return None  # idle with work waiting (for KV)
             group.append(es)
-        if len(coming) + sum(b.n for _, kind, _, b in events if kind == _TOKENS) != counts(model)[rho]:
+        if len(coming) + waiting + in_tokens != counts(model)[rho] or counts(model)[rho] >= route[0].scheduler.max_batch_size:
             return None
-        if counts(model)[rho] >= s0.max_batch_size or len(cluster.route_pending[pkey]) != pipe_events:
+        if len(cluster.route_pending[pkey]) != pipe_events:
             return None
         heads = sorted([b.head for b in batches] + [r.head[0] for es in group for r in es.replicas])
         if any(a == b for a, b in zip(heads, heads[1:])):
             return None  # equal arrival times: an order could depend on sequence numbers
+        s0 = route[0].scheduler
         gen0 = {}
         for r in s0.live_requests():
             if r.model == model:
                 gen0[r.req_id] = r.generated
         if any(s0.request(rid).max_new_tokens - gen0[rid] < 2 for rid in coming):
             return None  # a coming token is a request's last
-        # the batch just formed runs at the first engine
+        if not last:
+            return None
         e0 = group[0]
-        end0 = t + first.decode_time_fn(first.stages[model], batch0.n)(batch0.csum + batch0.n)
-        for rid in rids0:
-            e0.pkv[rid][3] += 1
-            e0.bid_of[rid] = sb.batch_id
-        for b in batches[1:]:
+        for b in batches:
             for rid in b.rids:
                 e0.bid_of[rid] = b.bid
-        e0.running = (end0, batch0)
-        e0.busy.append((t, end0, batch0.n))
-        events.append((end0, _END, 0, batch0))
         return group, events, gen0
 
     def _batch_of(self, msg, s) -> _Batch:
@@ -549,14 +568,14 @@ class _Sim:
             for ev in es.messages:
                 cluster.take_message(ev)
             ev = es.taken
-            if isinstance(ev, ReplayEndEvent):
+            batch = es.started
+            if ev is not None:
+                if not isinstance(ev, ReplayEndEvent) and ev.batch.model != model:
+                    batch = ev.batch
                 cluster.take_over(es.eng)
-            elif ev is not None:
-                batch = ev.batch
-                cluster.take_over(es.eng)
-                done = es.eng.scheduler.complete(batch)
-                if batch.model != model:  # a one-stage batch: its tokens are back at once
-                    es.eng.scheduler.receive_tokens(done.token_message)
+            if batch is not None:  # a one-stage batch ran: its tokens are back at once
+                s = es.eng.scheduler
+                s.receive_tokens(s.complete(batch).token_message)
         for es in group:
             eng = es.eng
             s = eng.scheduler
