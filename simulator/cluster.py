@@ -124,9 +124,9 @@ class Cluster:
             return
         ff = self.fast_forward
         if ff is not None and sb.kind == DECODE and not sb.swap_in and not sb.swap_out:
-            t_next = ff.advance(eng, sb, t) if sb.is_first else None
-            if t_next is None and self.joint.advance(eng, sb, t):
+            if self.joint.advance(eng, sb, t):
                 return  # replayed with the other batches on its pipeline's engines, which run on from the cut
+            t_next = ff.advance(eng, sb, t) if sb.is_first else None
             if t_next is not None:  # the batch's requests are back in the decode queue at t_next
                 t = t_next
                 sb = eng.scheduler.schedule(t)

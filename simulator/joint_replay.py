@@ -46,10 +46,12 @@ from heapq import heappop, heappush
 
 from paraflex.costmodel import CostModel
 from paraflex.engine.messages import DECODE, BatchMessage, DecodeEntry, TokenEntry, TokenMessage
+from paraflex.engine.request import BLOCKED, RUNNING
 from paraflex.simulator.events import ReplayEndEvent
 
 _FULL, _SMALL = 0, 2  # full-batch-first's classes of decode queues
 _END, _ARRIVE, _TOKENS = 10, 20, 30  # local events, in the event loop's order at one instant
+_AWAITING = (BLOCKED, RUNNING)  # a first stage's requests whose coming token is under way
 
 
 class _Stop(Exception):
@@ -166,6 +168,8 @@ class JointReplay:
                 or eng.scheduler.policy.name != "full-batch-first" or not cluster.dispatcher.outstanding(pkey[0])[pkey[1]]):
             return False
         route = [cluster.engines[e] for e in cluster.replicas[pkey[0]][pkey[1]]]
+        if not self._may_replay(eng, route, pkey[0]):
+            return False
         state = self._state(eng, sb, route, pkey, t)
         if state is None:
             return False
@@ -179,6 +183,29 @@ class JointReplay:
             return False
         sim.apply()
         self.decisions += sim.decided
+        return True
+
+    @staticmethod
+    def _may_replay(first, route, model: str) -> bool:
+        """Quick refusals (most attempts): a prefill running on the route, a running one-stage
+        batch or a pipeline request about to produce a request's last token."""
+        for eng in route:
+            if eng.wake_pending or eng.scheduler.has_swapped:
+                return False
+            ev = eng.running
+            if eng is not first and eng.busy and not isinstance(ev, ReplayEndEvent):
+                b = ev.batch
+                if b is None or b.kind != DECODE:
+                    return False
+                if b.model != model:
+                    req = eng.scheduler.request
+                    for sr in b.requests:
+                        r = req(sr.req_id)
+                        if r.max_new_tokens - r.generated < 2:
+                            return False
+        for r in route[0].scheduler._reqs.values():
+            if r.model == model and r.state in _AWAITING and r.max_new_tokens - r.generated < 2:
+                return False
         return True
 
     def _state(self, first, sb, route, pkey, t):
