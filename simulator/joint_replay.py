@@ -118,7 +118,7 @@ class _Engine:
         self.d = s.decisions
         self.batch_seq = s._batch_seq
         self.seq = s._seq
-        self.running = None  # (end, what): a _Replica or a _Batch
+        self.running = None  # (end, what): a _Replica, a _Batch, or the key of a held stage
         self.blocks = eng.pool.num_free
         self.replicas: list[_Replica] = []
         self.queue: list = []  # the pipeline's queue here: waiting request ids (first stage) or _Batches
@@ -132,7 +132,7 @@ class _Engine:
         self.formed = 0
         self.promotions = 0
         self.limit = limit
-        self.taken = None  # the running batch's StageEndEvent, taken over
+        self.taken = None  # the StageEndEvent (or an earlier replay's ReplayEndEvent) it takes over
         self.messages: list = []  # the pipeline's message events to it, taken over
         self.arrivals: list = []  # later stages: (batch, decision count, receive index) of each received batch
         self.started = None  # the one-stage batch this engine formed at the start (no event yet)
@@ -223,7 +223,6 @@ class JointReplay:
         waiting = 0  # pipeline requests waiting at the first stage
         in_tokens = 0  # pipeline requests whose token message is in flight
         pipe_events = 0
-        last = len(route) - 1
         for j, eng in enumerate(route):
             s = eng.scheduler
             if s.has_swapped or eng.wake_pending:
@@ -380,8 +379,6 @@ class JointReplay:
                 gen0[r.req_id] = r.generated
         if any(s0.request(rid).max_new_tokens - gen0[rid] < 2 for rid in coming):
             return None  # a coming token is a request's last
-        if not last:
-            return None
         e0 = group[0]
         for b in batches:
             for rid in b.rids:
