@@ -108,7 +108,7 @@ class _Engine:
 
     __slots__ = ("eng", "j", "info", "d", "running", "blocks", "replicas", "queue", "since", "pkv", "pgen", "grows",
                  "busy", "received", "formed", "promotions", "limit", "taken", "messages", "batch_seq", "seq",
-                 "arrivals", "queued", "served_queued", "bid_of", "started")
+                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready")
 
     def __init__(self, eng, j: int, info, limit: int):
         self.eng = eng
@@ -121,6 +121,7 @@ class _Engine:
         self.running = None  # (end, what): a _Replica, a _Batch, or the key of a held stage
         self.blocks = eng.pool.num_free
         self.replicas: list[_Replica] = []
+        self.nready = 0  # replicas waiting in their decode queue
         self.queue: list = []  # the pipeline's queue here: waiting request ids (first stage) or _Batches
         self.since = 0  # its age
         self.pkv: dict = {}  # the pipeline's requests' KV here
@@ -360,9 +361,10 @@ class JointReplay:
                     events.append((end_ev, _END, j, r))
                 else:
                     r.ready = True
+                    es.nready += 1
                     r.since = q.since
                 es.replicas.append(r)
-            if es.running is None and (es.queue or any(r.ready for r in es.replicas)):
+            if es.running is None and (es.queue or es.nready):
                 return None  # idle with work waiting (for KV)
             group.append(es)
         if len(coming) + waiting + in_tokens != counts(model)[rho] or counts(model)[rho] >= route[0].scheduler.max_batch_size:
@@ -443,21 +445,26 @@ class _Sim:
         horizon = self.horizon
         handle = self._handle
         while heap and heap[0][0] < horizon:
-            x = heap[0][0]
-            woken = set()
-            while heap and heap[0][0] == x:
-                _, kind, _, j, what = heappop(heap)
-                handle(kind, group[j], what, x)
-                woken.add(j)
-            for i in sorted(woken):  # each engine touched at x decides (after everything at x)
+            x, kind, _, j, what = heappop(heap)
+            handle(kind, group[j], what, x)
+            if heap and heap[0][0] == x:  # several events at this instant: all first, then decisions
+                woken = {j}
+                while heap and heap[0][0] == x:
+                    _, kind, _, j, what = heappop(heap)
+                    handle(kind, group[j], what, x)
+                    woken.add(j)
+                order = sorted(woken)
+            else:
+                order = (j,)
+            for i in order:  # each engine touched at x decides (after everything at x)
                 es = group[i]
-                if es.running is None and (es.queue or any(r.ready for r in es.replicas)):
+                if es.running is None and (es.queue or es.nready):
                     try:
                         self._decide(es, x)
                     except _Stop:
                         self.cut = x
-                        self.held = [group[k] for k in sorted(woken) if k >= i and group[k].running is None
-                                     and (group[k].queue or any(r.ready for r in group[k].replicas))]
+                        self.held = [group[k] for k in order if k >= i and group[k].running is None
+                                     and (group[k].queue or group[k].nready)]
                         return
 
     def _handle(self, kind: int, es: _Engine, what, x: float) -> None:
@@ -467,6 +474,7 @@ class _Sim:
                 pass
             elif isinstance(what, _Replica):
                 what.ready = True
+                es.nready += 1
             elif es.j < self.last:
                 nbytes = CostModel.hidden_bytes(self.arch, what.n)
                 self.hops.append(nbytes)
@@ -544,6 +552,7 @@ class _Sim:
         r.formed += 1
         es.formed += 1
         r.ready = False
+        es.nready -= 1
         r.csum += r.n
         r.left -= 1
         r.times.append(end)
@@ -603,8 +612,7 @@ class _Sim:
         for es in group:
             eng = es.eng
             s = eng.scheduler
-            for x, y, size in es.busy:
-                metrics.batch(eng.id, x, y, False, size, size)
+            metrics.decode_steps(eng.id, es.busy)
             for r in es.replicas:
                 if r.formed:
                     s.replay_first_decode(r.key[0], r.rids, r.formed, r.since, False)
