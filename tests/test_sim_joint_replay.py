@@ -128,3 +128,34 @@ def test_one_stage_batches_older_than_the_pipeline(monkeypatch):
     fast, plain = _both(cfg, _layout(cfg), requests=reqs)
     _assert_same(fast, plain)
     assert spy.decisions > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(runs=st.lists(st.tuples(st.floats(0, 5), st.floats(0, 2), st.integers(1, 8)), max_size=12),
+       before=st.lists(st.tuples(st.floats(0, 5), st.floats(0, 2)), max_size=3))
+def test_decode_steps_equal_one_batch_call_each(runs, before):
+    """`MetricsStore.decode_steps` (the joint replay's metrics) records what `batch` per
+    decode batch records: busy intervals merged the same way, counts, sizes in order."""
+    from paraflex.simulator.metrics import MetricsStore, ModelSLO
+
+    def ordered(pairs):  # back-to-back or gapped intervals in time order
+        out, t = [], 0.0
+        for gap, dur, *rest in pairs:
+            t += gap
+            out.append((t, t + dur, *rest))
+            t += dur
+        return out
+
+    stores = [MetricsStore({"m": ModelSLO(1.0, 0.1)}, 1, 1) for _ in range(2)]
+    for s in stores:
+        for a, b in ordered(before):
+            s.batch(0, a, b, True, 1, 7)
+    start = ordered(before)[-1][1] if before else 0.0
+    steps = [(start + a, start + b, n) for a, b, n in ordered(runs)]
+    for a, b, n in steps:
+        stores[0].batch(0, a, b, False, n, n)
+    stores[1].decode_steps(0, steps)
+    one, bulk = stores
+    assert list(one.busy[0]) == list(bulk.busy[0])
+    assert list(one.decode_batch_sizes) == list(bulk.decode_batch_sizes)
+    assert (one.batches, one.batch_tokens, one.decode_batches) == (bulk.batches, bulk.batch_tokens, bulk.decode_batches)
