@@ -456,11 +456,12 @@ class _Sim:
                 order = sorted(woken)
             else:
                 order = (j,)
+            last = order[-1]
             for i in order:  # each engine touched at x decides (after everything at x)
                 es = group[i]
                 if es.running is None and (es.queue or es.nready):
                     try:
-                        self._decide(es, x)
+                        self._decide(es, x, i == last)
                     except _Stop:
                         self.cut = x
                         self.held = [group[k] for k in order if k >= i and group[k].running is None
@@ -497,8 +498,9 @@ class _Sim:
                 insort(es.queue, rid, key=lambda r: req0[r].key)
                 es.bid_of.pop(rid)
 
-    def _decide(self, es: _Engine, x: float) -> None:
-        """The decision `schedule` makes at x (every attempt succeeds: the serve checks KV)."""
+    def _decide(self, es: _Engine, x: float, last: bool) -> None:
+        """The decision `schedule` makes at x (every attempt succeeds: the serve checks KV);
+        `last`: no other engine decides at x after this one."""
         limit = es.limit
         d = es.d
         best = best_order = None
@@ -521,10 +523,13 @@ class _Sim:
         if best is None:
             self._serve_pipe(es, x)
         else:
-            self._serve_replica(es, best, x)
+            self._serve_replica(es, best, x, last)
         self.decided += 1
 
-    def _grow(self, es: _Engine, kvs) -> None:
+    @staticmethod
+    def _grow(es: _Engine, kvs) -> bool:
+        """KV for one more token of each member, in order; False (nothing changed) if it does
+        not fit in the free blocks (`schedule` would evict)."""
         need = 0
         for m in kvs:
             target = m[3] + 1
@@ -532,7 +537,7 @@ class _Sim:
                 need += (-(-target // m[1]) - m[0] // m[1]) * m[2]
         if need:
             if need > es.blocks:
-                raise _Stop  # it would evict
+                return False
             es.blocks -= need
             for m in kvs:
                 target = m[3] + 1
@@ -541,22 +546,35 @@ class _Sim:
                     es.grows.append((m[4], target))
         for m in kvs:
             m[3] += 1
+        return True
 
-    def _serve_replica(self, es: _Engine, r: _Replica, x: float) -> None:
-        if r.left < 2:
-            raise _Stop  # this step produces a request's last token
-        end = x + r.fn(r.csum + r.n)  # (it may end past the horizon: its end is handed over at the cut)
-        self._grow(es, r.kv)
-        es.d += 1
-        r.since = es.d  # served at decision d, back (non-empty again) before the next
-        r.formed += 1
-        es.formed += 1
+    def _serve_replica(self, es: _Engine, r: _Replica, x: float, last: bool) -> None:
+        """Run r's decode batch from x; while r is alone on its engine and nothing can reach the
+        engine before its step ends (the next local event comes later, and with `last` no
+        other decision at x can add an earlier one), its next decisions are r again: chain
+        them here."""
+        if r.left < 2 or not self._grow(es, r.kv):
+            raise _Stop  # a request's last token, or eviction
         r.ready = False
         es.nready -= 1
-        r.csum += r.n
-        r.left -= 1
-        r.times.append(end)
-        es.busy.append((x, end, r.n))
+        heap = self.heap
+        bound = min(heap[0][0], self.horizon) if heap else self.horizon
+        alone = last and not es.queue and not es.nready
+        fn, n, kv, times, busy = r.fn, r.n, r.kv, r.times, es.busy
+        while True:
+            end = x + fn(r.csum + n)  # (it may end past the horizon: its end is handed over at the cut)
+            es.d += 1
+            r.formed += 1
+            es.formed += 1
+            r.csum += n
+            r.left -= 1
+            times.append(end)
+            busy.append((x, end, n))
+            if not (alone and end < bound and r.left >= 2 and self._grow(es, kv)):
+                break
+            x = end  # the engine decides at this end: r again
+            self.decided += 1
+        r.since = es.d  # served at decision d, back (non-empty again) before the next
         es.running = (end, r)
         self.push(end, _END, es.j, r)
 
@@ -571,7 +589,8 @@ class _Sim:
         else:
             b = es.queue[0]
         end = x + es.eng.decode_time_fn(es.info, b.n)(b.csum + b.n)
-        self._grow(es, [es.pkv[rid] for rid in b.rids])
+        if not self._grow(es, [es.pkv[rid] for rid in b.rids]):
+            raise _Stop  # it would evict
         if es.j == 0:
             es.queue = []
             es.formed += 1
