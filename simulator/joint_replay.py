@@ -518,12 +518,13 @@ class _Sim:
             if best is None or (_SMALL, head) < best_order:
                 best = None
         if starving:  # the oldest head among the queues past the starvation limit
-            es.promotions += 1
             best = min(starving, key=_first)[1]
         if best is None:
             self._serve_pipe(es, x)
         else:
             self._serve_replica(es, best, x, last)
+        if starving:  # (counted once served: a decision the replay cannot apply is not its own)
+            es.promotions += 1
         self.decided += 1
 
     @staticmethod

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from test_sim_fast_forward import _assert_same
 
 from paraflex.config import Config, WorkloadConfig
+from paraflex.engine.queue_heaps import QueueHeaps
 from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
 from paraflex.simulator.joint_replay import JointReplay
 from paraflex.simulator.runner import SimSettings, simulate
@@ -76,16 +77,33 @@ def _both(cfg, layout, requests=None, rate=1.0, seed=0, check=False):
                      layout=layout, requests=requests) for ff in (True, False)]
 
 
+def _counters(res):
+    """Each engine's scheduler counters at the end of a run (decisions, sequence numbers, batch
+    ids, swaps, starvation promotions): the replay must leave them as one by one."""
+    return [(e.scheduler.decisions, e.scheduler._seq, e.scheduler._batch_seq, e.scheduler.stats) for e in res.engines]
+
+
+def _assert_identical(fast, plain):
+    _assert_same(fast, plain)
+    assert _counters(fast) == _counters(plain)
+
+
 @pytest.mark.slow
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), memory_gb=st.sampled_from([0.012, 0.02, 0.1]), max_batch=st.sampled_from([2, 4, 16]),
        rate=st.sampled_from([3.0, 10.0, 40.0]), cv=st.sampled_from([1.0, 4.0]),
-       policy=st.sampled_from(["full-batch-first", "full-batch-first", "prefill-first"]))
-def test_random_workloads_identical_with_and_without_fast_paths(seed, memory_gb, max_batch, rate, cv, policy):
+       policy=st.sampled_from(["full-batch-first", "full-batch-first", "prefill-first"]),
+       starvation=st.sampled_from([None, None, 1, 3]))
+def test_random_workloads_identical_with_and_without_fast_paths(seed, memory_gb, max_batch, rate, cv, policy, starvation):
+    """`starvation`: a starvation limit of that many decisions instead of the default 64
+    (promotions then happen inside most replays)."""
     w = WorkloadConfig(arrival="lognormal", cv=cv, num_requests=30, seed=seed, output_scale=1.0)
     cfg = _config(memory_gb, max_batch, policy, w)
-    fast, plain = _both(cfg, _layout(cfg, policy), rate=rate, seed=seed)
-    _assert_same(fast, plain)
+    with pytest.MonkeyPatch.context() as mp:
+        if starvation is not None:
+            mp.setattr(QueueHeaps, "effective_starvation_limit", property(lambda self: starvation))
+        fast, plain = _both(cfg, _layout(cfg, policy), rate=rate, seed=seed)
+    _assert_identical(fast, plain)
 
 
 def _long_requests(spec):
@@ -101,7 +119,7 @@ def test_pipeline_among_one_stage_replicas_is_replayed_exactly(monkeypatch):
     reqs = _long_requests([("p", 0.0, 7, 200), ("a", 0.01, 5, 150), ("b", 0.011, 9, 180), ("d", 0.012, 3, 160),
                            ("b", 0.013, 4, 170), ("a", 0.014, 6, 140), ("p", 0.5, 5, 100), ("a", 0.8, 3, 80)])
     fast, plain = _both(cfg, _layout(cfg), requests=reqs)
-    _assert_same(fast, plain)
+    _assert_identical(fast, plain)
     assert spy.decisions > 100
     assert fast.summary["events"] < plain.summary["events"] / 3
 
@@ -113,7 +131,7 @@ def test_starvation_promotions_inside_the_replay(monkeypatch):
     cfg = _config(0.1, 8)
     reqs = _long_requests([("p", 0.0, 4, 400), ("b", 0.001, 4, 500), ("d", 0.002, 4, 400)])
     fast, plain = _both(cfg, _layout(cfg), requests=reqs)
-    _assert_same(fast, plain)
+    _assert_identical(fast, plain)
     promotions = [[e.scheduler.stats["starvation_promotions"] for e in r.engines] for r in (fast, plain)]
     assert promotions[0] == promotions[1] and promotions[0][1] > 0
     assert spy.decisions > 50
@@ -126,7 +144,7 @@ def test_one_stage_batches_older_than_the_pipeline(monkeypatch):
     cfg = _config(0.1, 4)
     reqs = _long_requests([("a", 0.0, 4, 300), ("b", 0.0005, 4, 300), ("p", 0.001, 4, 250), ("d", 0.002, 4, 200)])
     fast, plain = _both(cfg, _layout(cfg), requests=reqs)
-    _assert_same(fast, plain)
+    _assert_identical(fast, plain)
     assert spy.decisions > 0
 
 
