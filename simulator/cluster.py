@@ -1,6 +1,12 @@
 """The simulated cluster: engines wired by the placement, a gateway dispatcher, and the
 handlers the events call.
 
+The fast paths (same results): the decode fast-forward (fast_forward.py) and the joint replay
+of a pipeline with the one-stage replicas on its engines (joint_replay.py), offered each decode
+batch an engine forms (`wakeup`); the joint replay takes over stage-end and message events of
+its group (`take_over`, `take_message`) and hands back what runs at its cut (`hold`,
+`send_batch`, `send_tokens`).
+
 Built by runner.py from a `SystemLayout` (systems.py). Request flow, as in the real system
 (paper §3, §5, §6): the gateway sends a request to the replica with the fewest outstanding
 requests (the engine core's dispatcher); the first-stage engine's scheduler forms batches;
