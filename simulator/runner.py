@@ -122,6 +122,7 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
     summary.update({
         "system": layout.name, "rate": settings.rate, "seed": settings.seed, "workload": info,
         "simulated_s": loop.now, "events": loop.processed,
+        # decode cycles the fast-forward replayed, plus decisions the joint replay replayed
         "fast_forward_cycles": cluster.fast_forward.cycles + cluster.joint.decisions if cluster.fast_forward else 0,
         "wall_s": wall, "setup_wall_s": setup,
         "sim_requests_per_wall_s": len(requests) / wall if wall > 0 else None,
