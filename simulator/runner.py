@@ -41,7 +41,8 @@ class SimSettings:
     host_link_gbps: float = 256.0
     check_invariants: bool = False
     # fast paths with the same results: replay undisturbed decode cycles in closed form
-    # (fast_forward.py), hand a one-stage replica its tokens without an event (cluster.py)
+    # (fast_forward.py), a pipeline with the one-stage replicas on its engines (joint_replay.py),
+    # hand a one-stage replica its tokens without an event (cluster.py)
     fast_forward: bool = True
 
     def validate(self) -> "SimSettings":
