@@ -177,3 +177,21 @@ def test_decode_steps_equal_one_batch_call_each(runs, before):
     assert list(one.busy[0]) == list(bulk.busy[0])
     assert list(one.decode_batch_sizes) == list(bulk.decode_batch_sizes)
     assert (one.batches, one.batch_tokens, one.decode_batches) == (bulk.batches, bulk.batch_tokens, bulk.decode_batches)
+
+
+def test_paper_base_case_pipeline_is_replayed(monkeypatch):
+    """The §8.2 base case at 64 GPUs: llama-2-70b's 3-stage pipelines on engines 0-2 and 3-5
+    share them with one-stage replicas; the joint replay takes most of their decisions."""
+    import os
+
+    from paraflex.config import load_config
+    from paraflex.simulator.systems import build_system
+
+    spy = _Spy(monkeypatch)
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "paper-base.yaml"))
+    cfg.cluster.num_engines = 8
+    cfg.workload = dataclasses.replace(cfg.workload, duration_s=None, num_requests=150)
+    layout = build_system(cfg, SimSettings(system="paraflex"))
+    res = simulate(cfg, SimSettings(system="paraflex", rate=4.0, seed=0), layout=layout)
+    assert spy.decisions > 1000
+    assert res.summary["events"] < 15 * res.summary["requests"]
