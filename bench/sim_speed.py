@@ -12,12 +12,12 @@ machine), events per request, and the wall-time growth from N to 2N (2.0x = line
 The work itself is not linear in the request count: output lengths are log-normal and arrivals
 bursty (CV 12.3), so a longer run can draw a different mix. The table therefore also gives the
 output tokens per request, the share of them that belong to multi-stage (pipeline) replicas
-(llama-2-70b's 3-stage pipeline in the base case: its decode steps are never replayed, and its
-stage events stop the replays of the one-stage replicas on its engines), events per output
-token, and CPU microseconds per event (the per-event cost: flat if the cost is linear in the
-events). `--seed` draws another workload; `--without MODEL[,MODEL]` drops those models'
-requests from it (the rest unchanged): `--without llama-2-70b` measures the base case without
-its pipeline, the bound a replay of interleaved pipelines could approach.
+(llama-2-70b's 3-stage pipeline in the base case, interleaved with one-stage replicas on its
+engines: the joint replay, simulator/joint_replay.py, replays them together), events per output
+token, and CPU microseconds per event (the per-event cost; with the replays it also carries the
+replayed decisions, which are not events). `--seed` draws another workload; `--without
+MODEL[,MODEL]` drops those models' requests from it (the rest unchanged): `--without
+llama-2-70b` measures the base case without its pipeline.
 
 Peers, measured in the same run:
 - per case: the same simulation with the decode fast-forward off (`fast_forward=False`: every

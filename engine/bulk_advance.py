@@ -1,8 +1,9 @@
 """Bulk decode advance: k rounds of the driving protocol for one decode batch, in one call.
 
 Place in the data flow: a mixin of `EngineScheduler` (engine/scheduler.py) used only by the
-simulator's decode fast-forward (simulator/fast_forward.py), which proves first that the k
-cycles run undisturbed. Split out so that the fast path's state changes live in one file.
+simulator's decode fast-forward (simulator/fast_forward.py) and joint replay
+(simulator/joint_replay.py), which prove first that the cycles run undisturbed. Split out so
+that the fast paths' state changes live in one file.
 """
 
 from __future__ import annotations
@@ -63,6 +64,100 @@ class BulkAdvance:
                 req.generated += k
         self._seq += k
         self.decisions += k
+
+    # ------------------------------------------------------------------ joint replay
+    # simulator/joint_replay.py replays several decode batches interleaved on one engine (a
+    # pipeline's stage and one-stage replicas); it computes every decision itself and applies
+    # the outcome with these calls: the members' states and queues, then the engine's KV growth
+    # in decision order, its counters and its queues' ages. Together they leave the state the
+    # decisions one by one leave (tests/test_sim_joint_replay.py compares whole runs with the
+    # step-by-step path).
+    def replay_first_decode(self, model: str, req_ids: list[str], k: int, since: int, running: bool) -> None:
+        """A one-stage replica: the members (running in a batch just formed if `running`, else
+        waiting in the decode queue, of which they are the whole content) go through k cycles
+        (formed, completed, tokens back) and end waiting in the decode queue, which became
+        non-empty at decision `since`. KV growth: `replay_grows`."""
+        st = self._check_bulk(model, 0, k)
+        reqs = [self._bulk_member(rid, RUNNING if running else WAITING_DECODE) for rid in req_ids]
+        q = st.decode_q
+        if not running:
+            if len(q.items) != len(reqs):
+                raise ProtocolError(f"replay_first_decode: {model}'s decode queue on engine {self.engine_id} holds other requests")
+            q.pop_front(len(reqs))
+            for req in reqs:
+                req.transition(RUNNING)
+        for req in reqs:
+            req.context_len += k
+            req.generated += k
+            req.transition(BLOCKED)
+            req.transition(WAITING_DECODE)
+        for req in reqs:
+            q.push(req, since)
+
+    def replay_pipeline_first(self, model: str, members: list[tuple[str, int, int, str | None]]) -> None:
+        """A pipeline's first stage: each (request, context, tokens, batch id) ends blocked in
+        that batch (awaiting its token) or, with batch id None, waiting in the decode queue."""
+        st = self._check_bulk(model, 0, 1)
+        q = st.decode_q
+        if q.items:
+            q.pop_front(len(q.items))
+        waiting = []
+        for rid, ctx, generated, bid in members:
+            req = self._reqs[rid]
+            self._leave_inflight(st, req)
+            req.context_len = ctx
+            req.generated = generated
+            if bid is None:
+                req.state = WAITING_DECODE
+                waiting.append(req)
+            else:
+                req.state = BLOCKED
+                req.batch_id = bid
+                st.inflight[bid] = st.inflight.get(bid, 0) + 1
+        for req in waiting:
+            q.push(req, self.decisions)
+
+    def replay_pipeline_later(self, model: str, stage: int, members: list[tuple[str, int, int]], served: int) -> None:
+        """A pipeline's later stage: the first `served` received batches waiting here ran; each
+        (request, context, tokens) ends blocked (the tokens count on the last stage only)."""
+        st = self._check_bulk(model, stage, 1)
+        if served:
+            st.decode_q.pop_front(served)
+        for rid, ctx, generated in members:
+            req = self._reqs[rid]
+            req.context_len = ctx
+            if st.is_last:
+                req.generated = generated
+            req.state = BLOCKED
+
+    def replay_receive(self, msg, decisions: int, seq: int) -> None:
+        """A batch received during the replay, still waiting at its end: `receive_batch` as at
+        its arrival (after `decisions` decisions, `seq` received messages and requests)."""
+        self.decisions = decisions
+        self._seq = seq
+        self.receive_batch(msg)
+
+    def replay_grows(self, grows: list) -> None:
+        """The replayed decisions' KV growth: (allocation, target tokens) in decision order."""
+        grow = self.pool.grow
+        for alloc, target in grows:
+            grow(alloc, target)
+
+    def replay_counters(self, decisions: int, seq: int, formed: int, promotions: int) -> None:
+        """After the replayed decisions: the decision count, the sequence number (received
+        batches), first-stage batches formed, and the starvation promotions among them."""
+        self.decisions = decisions
+        self._seq = seq
+        self._batch_seq += formed
+        self.stats["starvation_promotions"] += promotions
+
+    def replay_ages(self, model: str, since: int, others: list[tuple[str, int]]) -> None:
+        """The decision at which each non-empty decode queue (the pipeline's stage of `model`
+        here, and each one-stage (model, since) of `others`) was last served or became non-empty."""
+        for m, when in [(model, since), *others]:
+            q = self.stage_of(m).decode_q
+            if q.items and q.since != when:
+                q.touch(when)
 
     def _grow_in_order(self, reqs: list[StageRequest], offset: int, cycles: int) -> None:
         """The KV growth of `cycles` cycles in which cycle i takes every member, in order, to

@@ -1,6 +1,12 @@
 """The simulated cluster: engines wired by the placement, a gateway dispatcher, and the
 handlers the events call.
 
+The fast paths (same results): the decode fast-forward (fast_forward.py) and the joint replay
+of a pipeline with the one-stage replicas on its engines (joint_replay.py), offered each decode
+batch an engine forms (`wakeup`); the joint replay takes over stage-end and message events of
+its group (`take_over`, `take_message`) and hands back what runs at its cut (`hold`,
+`send_batch`, `send_tokens`).
+
 Built by runner.py from a `SystemLayout` (systems.py). Request flow, as in the real system
 (paper §3, §5, §6): the gateway sends a request to the replica with the fewest outstanding
 requests (the engine core's dispatcher); the first-stage engine's scheduler forms batches;
@@ -18,8 +24,9 @@ from paraflex.engine.block_pool import BlockPool
 from paraflex.engine.dispatcher import Dispatcher
 from paraflex.engine.messages import DECODE
 from paraflex.engine.scheduler import EngineScheduler
-from paraflex.simulator.events import BatchArrivalEvent, EngineWakeupEvent, StageEndEvent, TokenArrivalEvent
+from paraflex.simulator.events import BatchArrivalEvent, EngineWakeupEvent, ReplayEndEvent, StageEndEvent, TokenArrivalEvent
 from paraflex.simulator.fast_forward import DecodeFastForward
+from paraflex.simulator.joint_replay import JointReplay
 from paraflex.simulator.sim_engine import SimEngine, StageInfo
 
 
@@ -71,13 +78,17 @@ class Cluster:
         # times of the heap events of each (model, replica): the decode fast-forward's horizon
         self.route_pending: dict[tuple[str, int], list[float]] = {
             (name, rho): [] for name, routes in self.replicas.items() for rho in range(len(routes))}
+        # the batch and token messages in flight of each (model, replica): the joint replay takes them over
+        self.messages: dict[tuple[str, int], list] = {key: [] for key in self.route_pending}
         self.woken: list[SimEngine] = []
         self.fast_forward: DecodeFastForward | None = None
+        self.joint: JointReplay | None = None
 
     def enable_fast_forward(self, requests) -> None:
         """Replay undisturbed decode cycles in closed form (fast_forward.py); `requests` are
         all the run's requests, whose arrival times bound each replay."""
         self.fast_forward = DecodeFastForward(self, requests)
+        self.joint = JointReplay(self.fast_forward)
 
     # --- helpers ------------------------------------------------------------------------
     def _wake(self, eng: SimEngine, t: float) -> None:
@@ -118,11 +129,15 @@ class Cluster:
         if sb is None:
             return
         ff = self.fast_forward
-        if ff is not None and sb.is_first and sb.kind == DECODE and not sb.swap_in and not sb.swap_out:
-            t_next = ff.advance(eng, sb, t)
+        if ff is not None and sb.kind == DECODE and not sb.swap_in and not sb.swap_out:
+            if self.joint.advance(eng, sb, t):
+                return  # replayed with the other batches on its pipeline's engines, which run on from the cut
+            t_next = ff.advance(eng, sb, t) if sb.is_first else None
             if t_next is not None:  # the batch's requests are back in the decode queue at t_next
                 t = t_next
                 sb = eng.scheduler.schedule(t)
+                if sb is None:  # (as step by step: nothing fits at t_next, the engine waits)
+                    return
         swapped = len(sb.swap_out) + len(sb.swap_in)
         if swapped:
             self.metrics.swap(len(sb.swap_out) * eng.block_bytes, len(sb.swap_in) * eng.block_bytes)
@@ -131,14 +146,15 @@ class Cluster:
         end = t + eng.swap_time(swapped) + run
         eng.pending.append(end)
         self.route_pending[(sb.model, eng.stages[sb.model].replica)].append(end)
-        self.loop.schedule(StageEndEvent(end, eng, sb, t, decodes, tokens))
+        eng.running = ev = StageEndEvent(end, eng, sb, t, decodes, tokens)
+        self.loop.schedule(ev)
 
     def stage_done(self, eng: SimEngine, sb, start: float, t: float, decodes: int, tokens: int) -> None:
         eng.busy = False
+        eng.running = None
         info = eng.stages[sb.model]
         eng.pending.remove(t)
-        route_pending = self.route_pending[(sb.model, info.replica)]
-        route_pending.remove(t)
+        self.route_pending[(sb.model, info.replica)].remove(t)
         self.metrics.batch(eng.id, start, t, decodes == 0, len(sb.requests), tokens)
         done = eng.scheduler.complete(sb)
         if not info.last:
@@ -146,16 +162,46 @@ class Cluster:
             self.metrics.hop(nbytes)
             nxt = self.engines[info.next_engine]
             at = t + self.interconnect.transfer_time(nbytes)
-            nxt.pending.append(at)
-            route_pending.append(at)
-            self.loop.schedule(BatchArrivalEvent(at, nxt, sb.message))
+            self.send_batch(nxt, (sb.model, info.replica), sb.message, at)
         else:
-            self._emit_tokens(eng, info, done, t, route_pending)
+            self._emit_tokens(eng, info, done, t)
         if self.check:
             eng.scheduler.check()
         self._wake(eng, t)
 
-    def _emit_tokens(self, eng: SimEngine, info: StageInfo, done, t: float, route_pending: list) -> None:
+    def replay_done(self, eng: SimEngine, key: tuple[str, int], t: float) -> None:
+        """A stage the joint replay accounted for ends (events/replay_end.py): the engine is free."""
+        eng.busy = False
+        eng.running = None
+        eng.pending.remove(t)
+        self.route_pending[key].remove(t)
+        self._wake(eng, t)
+
+    def hold(self, eng: SimEngine, key: tuple[str, int], end: float) -> None:
+        """The joint replay leaves `eng` executing a stage of `key` until `end` (already
+        accounted for): busy, with a `ReplayEndEvent` at `end`."""
+        eng.busy = True
+        eng.pending.append(end)
+        self.route_pending[key].append(end)
+        eng.running = ev = ReplayEndEvent(end, eng, key)
+        self.loop.schedule(ev)
+
+    def take_over(self, eng: SimEngine) -> None:
+        """The joint replay accounts for the stage `eng` executes: its StageEndEvent (or
+        ReplayEndEvent) does nothing."""
+        ev = eng.running
+        if isinstance(ev, ReplayEndEvent):
+            key = ev.key
+            ev.key = None
+        else:
+            key = (ev.batch.model, eng.stages[ev.batch.model].replica)
+            ev.batch = None
+        eng.pending.remove(ev.time)
+        self.route_pending[key].remove(ev.time)
+        eng.running = None
+        eng.busy = False
+
+    def _emit_tokens(self, eng: SimEngine, info: StageInfo, done, t: float) -> None:
         """Last stage: record the tokens, free finished requests on the middle stages (the
         last stage freed them in complete(), the first stage frees them when the token
         message arrives) and send the tokens to the first stage."""
@@ -182,18 +228,51 @@ class Cluster:
             eng.scheduler.receive_tokens(done.token_message)
             return
         delay = 0.0 if first is eng else self.interconnect.latency_s
-        first.pending.append(t + delay)
-        route_pending.append(t + delay)
-        self.loop.schedule(TokenArrivalEvent(t + delay, first, done.token_message))
+        self.send_tokens(first, (info.model, info.replica), done.token_message, t + delay)
+
+    def send_batch(self, eng: SimEngine, key: tuple[str, int], message, at: float) -> None:
+        """A batch message reaches `eng` at `at` (a `BatchArrivalEvent`)."""
+        eng.pending.append(at)
+        self.route_pending[key].append(at)
+        ev = BatchArrivalEvent(at, eng, message)
+        self.messages[key].append(ev)
+        self.loop.schedule(ev)
+
+    def send_tokens(self, eng: SimEngine, key: tuple[str, int], message, at: float) -> None:
+        """A token message reaches the first stage `eng` at `at` (a `TokenArrivalEvent`)."""
+        eng.pending.append(at)
+        self.route_pending[key].append(at)
+        ev = TokenArrivalEvent(at, eng, message)
+        self.messages[key].append(ev)
+        self.loop.schedule(ev)
+
+    def take_message(self, ev) -> None:
+        """The joint replay accounts for a message in flight: its event does nothing."""
+        key = (ev.message.model, ev.engine.stages[ev.message.model].replica)
+        ev.engine.pending.remove(ev.time)
+        self.route_pending[key].remove(ev.time)
+        self.messages[key].remove(ev)
+        ev.message = None
+
+    def _delivered(self, key: tuple[str, int], message) -> None:
+        lst = self.messages[key]
+        for i, ev in enumerate(lst):
+            if ev.message is message:
+                del lst[i]
+                return
 
     def deliver_batch(self, eng: SimEngine, message, t: float) -> None:
+        key = (message.model, eng.stages[message.model].replica)
         eng.pending.remove(t)
-        self.route_pending[(message.model, eng.stages[message.model].replica)].remove(t)
+        self.route_pending[key].remove(t)
+        self._delivered(key, message)
         eng.scheduler.receive_batch(message)
         self._wake(eng, t)
 
     def deliver_tokens(self, eng: SimEngine, tokens, t: float) -> None:
+        key = (tokens.model, eng.stages[tokens.model].replica)
         eng.pending.remove(t)
-        self.route_pending[(tokens.model, eng.stages[tokens.model].replica)].remove(t)
+        self.route_pending[key].remove(t)
+        self._delivered(key, tokens)
         eng.scheduler.receive_tokens(tokens)
         self._wake(eng, t)

@@ -1,7 +1,9 @@
 """Decode fast-forward: run many cycles of one decode batch in closed form, same results.
 
 Place in the data flow: `Cluster.wakeup` (cluster.py) offers every first-stage decode batch the
-engine core's scheduler forms to `DecodeFastForward.advance`. Step by step, one cycle of that
+engine core's scheduler forms to `DecodeFastForward.advance` (on a multi-stage replica's engines
+it first offers every decode batch to the joint replay, joint_replay.py, which replays the
+pipeline's batches together with the one-stage batches sharing its engines). Step by step, one cycle of that
 batch is: the stage runs on each engine of its route (a `StageEndEvent` each, a hop and a
 `BatchArrivalEvent` between stages), the last stage emits one token per request and sends them
 back (`TokenArrivalEvent`), and the first engine schedules the same requests again: 3 to 4

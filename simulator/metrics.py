@@ -161,6 +161,24 @@ class MetricsStore:
             self.decode_batches += 1
             self.decode_batch_sizes.append(size)
 
+    def decode_steps(self, engine: int, runs: list[tuple[float, float, int]]) -> None:
+        """`batch` for each decode batch (start, end, size) of one engine, in time order (the
+        joint replay's)."""
+        b = self.busy[engine]
+        sizes = self.decode_batch_sizes
+        tokens = 0
+        for start, end, size in runs:
+            if b and b[-1] >= start:
+                b[-1] = end
+            else:
+                b.append(start)
+                b.append(end)
+            sizes.append(size)
+            tokens += size
+        self.batches += len(runs)
+        self.batch_tokens += tokens
+        self.decode_batches += len(runs)
+
     def decode_run(self, engine: int, start: float, ends: list[float], size: int) -> None:
         """Back-to-back decode batches of `size` requests on one engine, the first starting at
         `start`, each ending at `ends[i]` and the next starting there: `batch` for each."""

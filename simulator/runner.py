@@ -41,7 +41,8 @@ class SimSettings:
     host_link_gbps: float = 256.0
     check_invariants: bool = False
     # fast paths with the same results: replay undisturbed decode cycles in closed form
-    # (fast_forward.py), hand a one-stage replica its tokens without an event (cluster.py)
+    # (fast_forward.py), a pipeline with the one-stage replicas on its engines (joint_replay.py),
+    # hand a one-stage replica its tokens without an event (cluster.py)
     fast_forward: bool = True
 
     def validate(self) -> "SimSettings":
@@ -122,7 +123,8 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
     summary.update({
         "system": layout.name, "rate": settings.rate, "seed": settings.seed, "workload": info,
         "simulated_s": loop.now, "events": loop.processed,
-        "fast_forward_cycles": cluster.fast_forward.cycles if cluster.fast_forward else 0,
+        # decode cycles the fast-forward replayed, plus decisions the joint replay replayed
+        "fast_forward_cycles": cluster.fast_forward.cycles + cluster.joint.decisions if cluster.fast_forward else 0,
         "wall_s": wall, "setup_wall_s": setup,
         "sim_requests_per_wall_s": len(requests) / wall if wall > 0 else None,
     })

@@ -32,9 +32,10 @@ class StageInfo:
 class SimEngine:
     """Timing wrapper around one engine's scheduler. `busy` while a stage executes; `pending`
     holds the times of the events on the heap addressed to it (stage ends, batch and token
-    arrivals), for the decode fast-forward's horizon."""
+    arrivals), for the decode fast-forward's horizon; `running` is the `StageEndEvent` (or `ReplayEndEvent`) of the
+    stage it executes (the joint replay takes such a stage over)."""
 
-    __slots__ = ("id", "scheduler", "pool", "cost", "stages", "busy", "wake_pending", "pending", "swap_Bps",
+    __slots__ = ("id", "scheduler", "pool", "cost", "stages", "busy", "wake_pending", "pending", "running", "swap_Bps",
                  "block_bytes", "_decode_cache", "_prefill_cache")
 
     def __init__(self, engine_id: int, scheduler, pool, cost, stages: dict[str, StageInfo], swap_Bps: float):
@@ -46,6 +47,7 @@ class SimEngine:
         self.busy = False
         self.wake_pending = False
         self.pending: list[float] = []
+        self.running = None
         self.swap_Bps = swap_Bps
         self.block_bytes = pool.block_bytes
         self._decode_cache: dict = {}

@@ -15,4 +15,6 @@ class BatchArrivalEvent(Event):
         self.message = message
 
     def handle(self, sim) -> None:
+        if self.message is None:  # taken over by the joint replay
+            return
         sim.cluster.deliver_batch(self.engine, self.message, self.time)

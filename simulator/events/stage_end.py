@@ -1,5 +1,7 @@
 """An engine finishes executing one stage of one batch: account it, forward hidden states to
-the next stage's engine or, on the last stage, emit tokens."""
+the next stage's engine or, on the last stage, emit tokens. The joint replay
+(simulator/joint_replay.py) may take over a running stage: it sets `batch` to None, and the
+event then does nothing."""
 
 from __future__ import annotations
 
@@ -19,4 +21,6 @@ class StageEndEvent(Event):
         self.tokens = tokens  # new tokens: rows of the hidden states sent on
 
     def handle(self, sim) -> None:
+        if self.batch is None:  # taken over by the joint replay
+            return
         sim.cluster.stage_done(self.engine, self.batch, self.start, self.time, self.decodes, self.tokens)

@@ -16,4 +16,6 @@ class TokenArrivalEvent(Event):
         self.message = message
 
     def handle(self, sim) -> None:
+        if self.message is None:  # taken over by the joint replay
+            return
         sim.cluster.deliver_tokens(self.engine, self.message, self.time)

@@ -1,0 +1,324 @@
+"""Joint replay: a pipeline's decode batches and the one-stage batches on its engines, in closed form.
+
+Place in the data flow: `Cluster.wakeup` offers it a multi-stage replica's first-stage decode
+batch that the fast-forward's own pipeline replay (fast_forward.py) refuses because other work
+shares the route's engines. In the base case llama-2-70b's 3-stage pipeline sits on engines
+{0, 1, 2} and {3, 4, 5}, each also holding one-stage replicas of other models: the engines
+alternate between the pipeline's batches (often several in flight, one per group of requests
+that joined at different times) and those replicas' decode steps, so no batch can be replayed
+alone, and step by step every pipeline cycle costs 6 events plus those of the steps between.
+
+The group is the pipeline's route. When (checked at the moment its first engine formed the
+batch, at time t):
+
+- the policy is `full-batch-first`; every unfinished request of the pipeline replica is in a
+  decode batch (fewer than `max_batch_size` in all): the one just formed, or one running at a
+  later stage, queued there, or in flight as a batch or token message; no engine of the group
+  holds swapped KV;
+- every other stage on the group's engines is a one-stage replica whose unfinished requests
+  (at most `max_batch_size`) are all in one decode batch, running or waiting in its decode
+  queue (so every route touching the group lies inside it, and only new requests can reach it
+  from outside); the events pending at the group are those batches' ends and the pipeline's;
+- on each engine the queues' head keys differ in arrival time (their order cannot change);
+
+every decision of the group is a function of the times, and the replay computes them with a
+small event simulation of the group: an engine that becomes free, or receives work while idle,
+decides after everything at that instant (as the event loop delivers) and picks what
+`schedule` picks: a queue not served for more than the starvation limit first (oldest head),
+else the least (policy class, head key); at the first stage the pipeline's waiting requests
+form one batch; a later stage runs its oldest received batch. Stage times, hops and token
+times are the event handlers' float expressions. It goes on while each decision is one it can
+apply in bulk (no request's last token, KV growth within free blocks, its end before the
+horizon: the first new request the dispatcher may send into the group, `_skip_arrivals`).
+
+The cut, at the first instant it cannot replay: everything before is applied in bulk (per
+engine the metrics in time order, the requests' states, queues and their ages, the KV growth in
+decision order, the decision, message and batch counters; `EngineScheduler.replay_*`); what is
+running then ends with a `ReplayEndEvent` (its effects applied, the engine decides for real
+at its end); messages still in flight become real `BatchArrivalEvent`s / `TokenArrivalEvent`s.
+The simulation and the cut live in joint_sim.py. Exactness is pinned by
+tests/test_sim_joint_replay.py (whole runs identical to step by step).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+
+from paraflex.engine.messages import DECODE
+from paraflex.engine.request import BLOCKED, RUNNING
+from paraflex.simulator.events import ReplayEndEvent
+from paraflex.simulator.joint_sim import (ARRIVE, END, FULL, SMALL, TOKENS, GroupEngine, GroupSim, PipeBatch, ReplicaBatch,
+                                          kv_of)
+
+AWAITING = (BLOCKED, RUNNING)  # a first stage's requests whose coming token is under way
+
+
+class JointReplay:
+    """The joint replay of one simulated cluster (see the module docstring)."""
+
+    def __init__(self, ff):
+        """`ff`: the cluster's `DecodeFastForward` (arrivals, residents, `_skip_arrivals`)."""
+        self.ff = ff
+        self.cluster = ff.cluster
+        # per engine: the (model, replica) of the one multi-stage replica whose route holds it, if one
+        pipes: list[list] = [[] for _ in ff.cluster.engines]
+        for model, routes in ff.cluster.replicas.items():
+            for rho, route in enumerate(routes):
+                if len(route) > 1:
+                    for e in route:
+                        pipes[e].append((model, rho))
+        self.pipe_of = [p[0] if len(p) == 1 else None for p in pipes]
+        self.decisions = 0  # decisions replayed (for the summary)
+
+    # ------------------------------------------------------------------ entry
+    def advance(self, eng, sb, t: float) -> bool:
+        """Replay the group of the pipeline on `eng` from `sb` (the decode batch `eng` formed
+        at t) on; True if it did (the engines then run on from the cut), False if nothing
+        changed."""
+        cluster = self.cluster
+        pkey = self.pipe_of[eng.id]
+        if (pkey is None or sb.kind != DECODE or sb.swap_in or sb.swap_out
+                or eng.scheduler.policy.name != "full-batch-first" or not cluster.dispatcher.outstanding(pkey[0])[pkey[1]]):
+            return False
+        route = [cluster.engines[e] for e in cluster.replicas[pkey[0]][pkey[1]]]
+        if not self._may_replay(eng, route, pkey[0]):
+            return False
+        state = self._state(eng, sb, route, pkey, t)
+        if state is None:
+            return False
+        group, events, gen0 = state
+        horizon = self._horizon(route, group, t)
+        sim = GroupSim(self.cluster, group, pkey, gen0, horizon)
+        for ev in events:
+            sim.push(*ev)
+        sim.run()
+        if not sim.decided:
+            return False
+        sim.apply()
+        self.decisions += sim.decided
+        return True
+
+    @staticmethod
+    def _may_replay(first, route, model: str) -> bool:
+        """Quick refusals (most attempts): a prefill running on the route, a running one-stage
+        batch or a pipeline request about to produce a request's last token."""
+        for eng in route:
+            if eng.wake_pending or eng.scheduler.has_swapped:
+                return False
+            ev = eng.running
+            if eng is not first and eng.busy and not isinstance(ev, ReplayEndEvent):
+                b = ev.batch
+                if b is None or b.kind != DECODE:
+                    return False
+                if b.model != model:
+                    req = eng.scheduler.request
+                    for sr in b.requests:
+                        r = req(sr.req_id)
+                        if r.max_new_tokens - r.generated < 2:
+                            return False
+        for r in route[0].scheduler._reqs.values():
+            if r.model == model and r.state in AWAITING and r.max_new_tokens - r.generated < 2:
+                return False
+        return True
+
+    def _state(self, first, sb, route, pkey, t):
+        """(engines, initial local events, the pipeline's request data) or None if a condition
+        fails. `first`: the engine that formed `sb` at t (it runs from t)."""
+        cluster = self.cluster
+        counts = cluster.dispatcher.outstanding
+        records = cluster.records
+        model, rho = pkey
+        msgs = cluster.messages[pkey]
+        events = []  # (time, kind, stage, what)
+        group = []
+        batches = []
+        coming = []  # pipeline requests whose coming token is not yet produced
+        waiting = 0  # pipeline requests waiting at the first stage
+        in_tokens = 0  # pipeline requests whose token message is in flight
+        pipe_events = 0
+        for j, eng in enumerate(route):
+            s = eng.scheduler
+            if s.has_swapped or eng.wake_pending:
+                return None
+            info = eng.stages[model]
+            es = GroupEngine(eng, j, info, 0 if s.starvation_limit == 0 else s.effective_starvation_limit)
+            max_batch = s.max_batch_size
+            pst = s.stage_of(model)
+            if pst.prefill_q.items or (j and pst.full_q.items):
+                return None
+            expected = []  # times of the events pending here that the replay takes over
+            if j:
+                for pb in pst.decode_q.items:  # received batches waiting here
+                    if pb.prefills or pb.dropped:
+                        return None
+                    b = self._batch_of(pb.msg, s)
+                    es.queue.append(b)
+                    batches.append(b)
+                    coming.extend(b.rids)
+                es.queued = set(map(id, es.queue))
+            else:
+                es.queue = [r.req_id for r in pst.decode_q.items]  # tokens back, waiting for a batch
+                waiting = len(es.queue)
+            if es.queue:
+                es.since = pst.decode_q.since
+            running = None  # a one-stage batch running here (real ScheduledBatch)
+            if eng is first:
+                running, start, end_ev = sb, t, None
+            elif eng.busy:
+                ev = eng.running
+                if isinstance(ev, ReplayEndEvent):  # held by an earlier replay until its stage ends
+                    expected.append(ev.time)
+                    es.taken = ev
+                    es.running = (ev.time, ev.key)
+                    events.append((ev.time, END, j, ev.key))
+                    pipe_events += ev.key == pkey
+                elif ev is None or ev.batch is None:
+                    return None
+                else:
+                    running, start, end_ev = ev.batch, ev.start, ev.time
+                    if running.kind != DECODE or running.swap_in or running.swap_out:
+                        return None
+                    expected.append(ev.time)
+                    es.taken = ev
+                    pipe_events += running.model == model
+            if running is not None and running.model == model:  # a batch of the pipeline runs here
+                rids = [sr.req_id for sr in running.requests]
+                if j == 0:
+                    b = PipeBatch(rids, [sr.start_pos for sr in running.requests], running.batch_id,
+                               running.formed_at if end_ev is None else running.message.formed_at,
+                               min(s.request(rid).arrival for rid in rids))
+                else:
+                    b = PipeBatch(rids, [sr.start_pos for sr in running.requests], running.batch_id,
+                               running.message.formed_at if running.message else 0.0,
+                               min(s.request(rid).arrival for rid in rids))
+                if end_ev is None:
+                    end_ev = t + eng.decode_time_fn(info, b.n)(b.csum + b.n)
+                batches.append(b)
+                coming.extend(rids)
+                es.running = (end_ev, b)
+                es.busy.append((start, end_ev, b.n))
+                events.append((end_ev, END, j, b))
+                running = None
+            elif running is not None and not (eng.stages[running.model].first and eng.stages[running.model].last):
+                return None
+            for ev in msgs:  # the pipeline's messages in flight to this engine
+                if ev.engine is not eng:
+                    continue
+                msg = ev.message
+                if j:
+                    if msg.prefills:
+                        return None
+                    b = self._batch_of(msg, s)
+                    events.append((ev.time, ARRIVE, j, b))
+                    coming.extend(b.rids)
+                else:
+                    if any(e.finished for e in msg.entries):
+                        return None
+                    b = PipeBatch([e.req_id for e in msg.entries], [e.position - 1 for e in msg.entries], msg.batch_id,
+                               0.0, min(s.request(e.req_id).arrival for e in msg.entries))
+                    events.append((ev.time, TOKENS, 0, b))
+                    in_tokens += b.n
+                batches.append(b)
+                expected.append(ev.time)
+                es.messages.append(ev)
+                pipe_events += 1
+            if sorted(eng.pending) != sorted(expected):
+                return None
+            for r in s.live_requests():
+                if r.model == model:
+                    es.pkv[r.req_id] = kv_of(r)
+                    es.pgen[r.req_id] = r.generated
+            if es.running is not None and isinstance(es.running[1], PipeBatch):  # the pipeline's, running: its step is done
+                for rid in es.running[1].rids:
+                    es.pkv[rid][3] += 1
+                    es.pgen[rid] += 1
+            for m, rinfo in eng.stages.items():
+                if m == model:
+                    continue
+                if not (rinfo.first and rinfo.last):
+                    return None
+                st = s.stage_of(m)
+                if st.prefill_q.items:
+                    return None
+                nr = counts(m)[rinfo.replica]
+                q = st.decode_q
+                if running is not None and running.model == m:
+                    if q.items or len(running.requests) != nr:
+                        return None
+                    reqs = [s.request(sr.req_id) for sr in running.requests]
+                elif nr:
+                    if len(q.items) != nr:
+                        return None
+                    reqs = list(q.items)
+                else:
+                    continue
+                if nr > max_batch:
+                    return None
+                r = ReplicaBatch((m, rinfo.replica), reqs, FULL if nr >= max_batch else SMALL,
+                             eng.decode_time_fn(rinfo, nr), [records[x.req_id] for x in reqs])
+                if running is not None and running.model == m:  # its step ends, its tokens come back
+                    if r.left < 2:
+                        return None
+                    if end_ev is None:
+                        end_ev = t + r.fn(r.csum + r.n)
+                    for kv in r.kv:
+                        kv[3] += 1
+                    r.csum += r.n
+                    r.left -= 1
+                    r.times.append(end_ev)
+                    r.since = es.d
+                    es.running = (end_ev, r)
+                    es.started = running if eng is first else None
+                    es.busy.append((start, end_ev, r.n))
+                    events.append((end_ev, END, j, r))
+                else:
+                    r.ready = True
+                    es.nready += 1
+                    r.since = q.since
+                es.replicas.append(r)
+            if es.running is None and (es.queue or es.nready):
+                return None  # idle with work waiting (for KV)
+            group.append(es)
+        if len(coming) + waiting + in_tokens != counts(model)[rho] or counts(model)[rho] >= route[0].scheduler.max_batch_size:
+            return None
+        if len(cluster.route_pending[pkey]) != pipe_events:
+            return None
+        heads = sorted([b.head for b in batches] + [r.head[0] for es in group for r in es.replicas])
+        if any(a == b for a, b in zip(heads, heads[1:])):
+            return None  # equal arrival times: an order could depend on sequence numbers
+        s0 = route[0].scheduler
+        gen0 = {}
+        for r in s0.live_requests():
+            if r.model == model:
+                gen0[r.req_id] = r.generated
+        if any(s0.request(rid).max_new_tokens - gen0[rid] < 2 for rid in coming):
+            return None  # a coming token is a request's last
+        e0 = group[0]
+        for b in batches:
+            for rid in b.rids:
+                e0.bid_of[rid] = b.bid
+        return group, events, gen0
+
+    def _batch_of(self, msg, s) -> PipeBatch:
+        return PipeBatch([e.req_id for e in msg.decodes], [e.position for e in msg.decodes], msg.batch_id, msg.formed_at,
+                      min(s.request(e.req_id).arrival for e in msg.decodes))
+
+    def _horizon(self, route, group: list[GroupEngine], t: float) -> float:
+        """The first new request the dispatcher may send into the group (every route touching
+        the group lies inside it, so nothing else can reach it)."""
+        ff = self.ff
+        seen = {eng.id for eng in route}
+        frozen = {r.key for es in group for r in es.replicas}
+        model = group[0].info.model
+        frozen.add((model, group[0].info.replica))
+        models = {m for eng in route for m in ff.models_on[eng.id]}
+        horizon = float("inf")
+        for m in models:
+            ts = ff.arrivals.get(m)
+            if ts:
+                i = bisect_right(ts, t)
+                if i < len(ts) and ts[i] < horizon:
+                    i = ff._skip_arrivals(m, ts, i, horizon, seen, frozen)
+                    if i < len(ts) and ts[i] < horizon:
+                        horizon = ts[i]
+        return horizon

@@ -1,0 +1,394 @@
+"""The joint replay's group simulation: the decisions of a pipeline's engines, computed, and their
+application at the cut.
+
+Place in the data flow: `JointReplay.advance` (joint_replay.py) captures the start state of a
+pipeline's engines (`GroupEngine`, `PipeBatch`, `ReplicaBatch`) and runs a `GroupSim` over them:
+a small event simulation (stage ends, batch arrivals, token returns, in the event loop's order
+at one instant) whose decisions are those `EngineScheduler.schedule` makes (see
+joint_replay.py), up to the cut; `GroupSim.apply` then applies everything before the cut in
+bulk (metrics, scheduler states via `EngineScheduler.replay_*`) and hands what is under way to
+real events (`Cluster.hold`, `send_batch`, `send_tokens`).
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from heapq import heappop, heappush
+
+from paraflex.costmodel import CostModel
+from paraflex.engine.messages import DECODE, BatchMessage, DecodeEntry, TokenEntry, TokenMessage
+from paraflex.simulator.events import ReplayEndEvent
+
+FULL, SMALL = 0, 2  # full-batch-first's classes of decode queues
+END, ARRIVE, TOKENS = 10, 20, 30  # local events, in the event loop's order at one instant
+
+
+class Stop(Exception):
+    """A decision the replay cannot apply in bulk: cut here."""
+
+
+class PipeBatch:
+    """A decode batch of the pipeline: its requests (batch order), their positions (context
+    before the step), its id and formation time at the first stage."""
+
+    __slots__ = ("rids", "pos", "n", "csum", "bid", "formed_at", "head")
+
+    def __init__(self, rids, pos, bid: str, formed_at: float, head: float):
+        self.rids = rids
+        self.pos = pos
+        self.n = len(rids)
+        self.csum = sum(pos)
+        self.bid = bid
+        self.formed_at = formed_at
+        self.head = head  # the earliest arrival among its requests (its key at later stages)
+
+
+class ReplicaBatch:
+    """A one-stage replica's decode batch on its engine."""
+
+    __slots__ = ("key", "rids", "recs", "order", "head", "since", "ready", "csum", "n", "fn", "left", "kv",
+                 "formed", "times")
+
+    def __init__(self, key, reqs, cls, fn, recs):
+        self.key = key
+        self.rids = [r.req_id for r in reqs]
+        self.recs = recs
+        self.head = min(r.key for r in reqs)
+        self.order = (cls, self.head)  # its place in the policy's order
+        self.since = 0
+        self.ready = False
+        self.n = len(reqs)
+        self.csum = sum(r.context_len for r in reqs)
+        self.fn = fn
+        self.left = min(r.max_new_tokens - r.generated for r in reqs)  # tokens to its first last token
+        self.kv = [kv_of(r) for r in reqs]
+        self.formed = 0  # batches formed by replayed decisions
+        self.times: list[float] = []  # its token times
+
+
+def kv_of(req) -> list:
+    """[token capacity, tokens per block, layers, context, allocation] of a request's KV here."""
+    a = req.alloc
+    return [a.blocks_per_layer * a.tokens_per_block, a.tokens_per_block, a.num_layers, req.context_len, a]
+
+
+class GroupEngine:
+    """One engine of the group during the replay."""
+
+    __slots__ = ("eng", "j", "info", "d", "running", "blocks", "replicas", "queue", "since", "pkv", "pgen", "grows",
+                 "busy", "received", "formed", "promotions", "limit", "taken", "messages", "batch_seq", "seq",
+                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready")
+
+    def __init__(self, eng, j: int, info, limit: int):
+        self.eng = eng
+        self.j = j  # the pipeline's stage here
+        self.info = info
+        s = eng.scheduler
+        self.d = s.decisions
+        self.batch_seq = s._batch_seq
+        self.seq = s._seq
+        self.running = None  # (end, what): a ReplicaBatch, a PipeBatch, or the key of a held stage
+        self.blocks = eng.pool.num_free
+        self.replicas: list[ReplicaBatch] = []
+        self.nready = 0  # replicas waiting in their decode queue
+        self.queue: list = []  # the pipeline's queue here: waiting request ids (first stage) or _Batches
+        self.since = 0  # its age
+        self.pkv: dict = {}  # the pipeline's requests' KV here
+        self.pgen: dict = {}  # later stages: each pipeline request's tokens counted here (the last stage's count)
+        self.bid_of: dict = {}  # first stage: the batch each of its requests is in
+        self.grows: list = []
+        self.busy: list[tuple[float, float, int]] = []
+        self.received = 0
+        self.formed = 0
+        self.promotions = 0
+        self.limit = limit
+        self.taken = None  # the StageEndEvent (or an earlier replay's ReplayEndEvent) it takes over
+        self.messages: list = []  # the pipeline's message events to it, taken over
+        self.arrivals: list = []  # later stages: (batch, decision count, receive index) of each received batch
+        self.started = None  # the one-stage batch this engine formed at the start (no event yet)
+        self.queued: set = set()  # later stages: ids of the batches queued at the start
+        self.served_queued = 0  # later stages: how many of them ran
+
+
+class GroupSim:
+    """The group's event simulation from the start state to the cut, and its application."""
+
+    def __init__(self, cluster, group: list[GroupEngine], pkey, gen0: dict, horizon: float):
+        self.cluster = cluster
+        self.group = group
+        self.pkey = pkey
+        self.gen0 = gen0  # first stage: tokens each pipeline request received
+        s0 = group[0].eng.scheduler
+        self.req0 = {rid: s0.request(rid) for rid in gen0}
+        self.horizon = horizon
+        self.heap: list = []
+        self.seq = 0
+        self.decided = 0
+        self.tokens: list = []  # (batch, time) of the pipeline's tokens, in time order
+        self.hops: list[int] = []  # bytes of each replayed hop
+        self.arch = group[0].info.arch
+        self.back = cluster.interconnect.latency_s
+        self.last = len(group) - 1
+        self.held: list[GroupEngine] = []  # engines that decide for real at the cut instant
+        self.cut = None
+
+    def push(self, time: float, kind: int, j: int, what) -> None:
+        heappush(self.heap, (time, kind, self.seq, j, what))
+        self.seq += 1
+
+    def run(self) -> None:
+        heap = self.heap
+        group = self.group
+        horizon = self.horizon
+        handle = self._handle
+        while heap and heap[0][0] < horizon:
+            x, kind, _, j, what = heappop(heap)
+            handle(kind, group[j], what, x)
+            if heap and heap[0][0] == x:  # several events at this instant: all first, then decisions
+                woken = {j}
+                while heap and heap[0][0] == x:
+                    _, kind, _, j, what = heappop(heap)
+                    handle(kind, group[j], what, x)
+                    woken.add(j)
+                order = sorted(woken)
+            else:
+                order = (j,)
+            last = order[-1]
+            for i in order:  # each engine touched at x decides (after everything at x)
+                es = group[i]
+                if es.running is None and (es.queue or es.nready):
+                    try:
+                        self._decide(es, x, i == last)
+                    except Stop:
+                        self.cut = x
+                        self.held = [group[k] for k in order if k >= i and group[k].running is None
+                                     and (group[k].queue or group[k].nready)]
+                        return
+
+    def _handle(self, kind: int, es: GroupEngine, what, x: float) -> None:
+        if kind == END:
+            es.running = None
+            if isinstance(what, tuple):  # the end of a stage an earlier replay accounted for
+                pass
+            elif isinstance(what, ReplicaBatch):
+                what.ready = True
+                es.nready += 1
+            elif es.j < self.last:
+                nbytes = CostModel.hidden_bytes(self.arch, what.n)
+                self.hops.append(nbytes)
+                self.push(x + self.cluster.interconnect.transfer_time(nbytes), ARRIVE, es.j + 1, what)
+            else:
+                self.tokens.append((what, x))
+                self.push(x + self.back, TOKENS, 0, what)
+        elif kind == ARRIVE:
+            if not es.queue:
+                es.since = es.d
+            insort(es.queue, what, key=_batch_head)
+            es.received += 1
+            es.arrivals.append((what, es.d, es.received))
+        else:  # tokens back at the first stage: its requests wait for the next batch
+            if not es.queue:
+                es.since = es.d
+            gen0, req0 = self.gen0, self.req0
+            for rid in what.rids:
+                gen0[rid] += 1
+                insort(es.queue, rid, key=lambda r: req0[r].key)
+                es.bid_of.pop(rid)
+
+    def _decide(self, es: GroupEngine, x: float, last: bool) -> None:
+        """The decision `schedule` makes at x (every attempt succeeds: the serve checks KV);
+        `last`: no other engine decides at x after this one."""
+        limit = es.limit
+        d = es.d
+        best = best_order = None
+        starving = []
+        for r in es.replicas:
+            if r.ready:
+                if limit and d - r.since > limit:
+                    starving.append((r.head, r))
+                if best is None or r.order < best_order:
+                    best, best_order = r, r.order
+        if es.queue:  # the pipeline's queue (None below)
+            head = self.req0[es.queue[0]].key if es.j == 0 else (es.queue[0].head, 0)
+            if limit and d - es.since > limit:
+                starving.append((head, None))
+            if best is None or (SMALL, head) < best_order:
+                best = None
+        if starving:  # the oldest head among the queues past the starvation limit
+            best = min(starving, key=_first)[1]
+        if best is None:
+            self._serve_pipe(es, x)
+        else:
+            self._serve_replica(es, best, x, last)
+        if starving:  # (counted once served: a decision the replay cannot apply is not its own)
+            es.promotions += 1
+        self.decided += 1
+
+    @staticmethod
+    def _grow(es: GroupEngine, kvs) -> bool:
+        """KV for one more token of each member, in order; False (nothing changed) if it does
+        not fit in the free blocks (`schedule` would evict)."""
+        need = 0
+        for m in kvs:
+            target = m[3] + 1
+            if target > m[0]:
+                need += (-(-target // m[1]) - m[0] // m[1]) * m[2]
+        if need:
+            if need > es.blocks:
+                return False
+            es.blocks -= need
+            for m in kvs:
+                target = m[3] + 1
+                if target > m[0]:
+                    m[0] = -(-target // m[1]) * m[1]
+                    es.grows.append((m[4], target))
+        for m in kvs:
+            m[3] += 1
+        return True
+
+    def _serve_replica(self, es: GroupEngine, r: ReplicaBatch, x: float, last: bool) -> None:
+        """Run r's decode batch from x; while r is alone on its engine and nothing can reach the
+        engine before its step ends (the next local event comes later, and with `last` no
+        other decision at x can add an earlier one), its next decisions are r again: chain
+        them here."""
+        if r.left < 2 or not self._grow(es, r.kv):
+            raise Stop  # a request's last token, or eviction
+        r.ready = False
+        es.nready -= 1
+        heap = self.heap
+        bound = min(heap[0][0], self.horizon) if heap else self.horizon
+        alone = last and not es.queue and not es.nready
+        fn, n, kv, times, busy = r.fn, r.n, r.kv, r.times, es.busy
+        while True:
+            end = x + fn(r.csum + n)  # (it may end past the horizon: its end is handed over at the cut)
+            es.d += 1
+            r.formed += 1
+            es.formed += 1
+            r.csum += n
+            r.left -= 1
+            times.append(end)
+            busy.append((x, end, n))
+            if not (alone and end < bound and r.left >= 2 and self._grow(es, kv)):
+                break
+            x = end  # the engine decides at this end: r again
+            self.decided += 1
+        r.since = es.d  # served at decision d, back (non-empty again) before the next
+        es.running = (end, r)
+        self.push(end, END, es.j, r)
+
+    def _serve_pipe(self, es: GroupEngine, x: float) -> None:
+        if es.j == 0:  # the waiting requests form one batch (fewer than max_batch_size)
+            rids = es.queue
+            req0, gen0 = self.req0, self.gen0
+            if any(req0[rid].max_new_tokens - gen0[rid] < 2 for rid in rids):
+                raise Stop  # its token would be a request's last
+            bid = f"{self.pkey[0]}/e{es.eng.id}/{es.batch_seq + es.formed + 1}"
+            b = PipeBatch(list(rids), [es.pkv[rid][3] for rid in rids], bid, x, min(req0[rid].arrival for rid in rids))
+        else:
+            b = es.queue[0]
+        end = x + es.eng.decode_time_fn(es.info, b.n)(b.csum + b.n)
+        if not self._grow(es, [es.pkv[rid] for rid in b.rids]):
+            raise Stop  # it would evict
+        if es.j == 0:
+            es.queue = []
+            es.formed += 1
+            for rid in b.rids:
+                es.bid_of[rid] = b.bid
+        else:
+            del es.queue[0]
+            if id(b) in es.queued:
+                es.served_queued += 1
+            for rid in b.rids:
+                es.pgen[rid] += 1
+        es.since = es.d
+        es.d += 1
+        es.busy.append((x, end, b.n))
+        es.running = (end, b)
+        self.push(end, END, es.j, b)
+
+    # ------------------------------------------------------------------ the cut
+    def apply(self) -> None:
+        """Apply the replayed decisions in bulk and hand what is still under way to real events."""
+        cluster = self.cluster
+        metrics = cluster.metrics
+        records = cluster.records
+        model = self.pkey[0]
+        group = self.group
+        for es in group:  # take the replaced events off the heap's duty
+            for ev in es.messages:
+                cluster.take_message(ev)
+            ev = es.taken
+            batch = es.started
+            if ev is not None:
+                if not isinstance(ev, ReplayEndEvent) and ev.batch.model != model:
+                    batch = ev.batch
+                cluster.take_over(es.eng)
+            if batch is not None:  # a one-stage batch ran: its tokens are back at once
+                s = es.eng.scheduler
+                s.receive_tokens(s.complete(batch).token_message)
+        for es in group:
+            eng = es.eng
+            s = eng.scheduler
+            metrics.decode_steps(eng.id, es.busy)
+            for r in es.replicas:
+                if r.formed:
+                    s.replay_first_decode(r.key[0], r.rids, r.formed, r.since, False)
+                if r.times:
+                    metrics.token_steps(r.recs, r.times)
+            if es.j == 0:
+                members = [(rid, kv[3], self.gen0[rid], es.bid_of.get(rid)) for rid, kv in es.pkv.items()]
+                s.replay_pipeline_first(model, members)
+            else:
+                waiting = {rid for b in es.queue if id(b) in es.queued for rid in b.rids}
+                members = [(rid, kv[3], es.pgen[rid]) for rid, kv in es.pkv.items() if rid not in waiting]
+                s.replay_pipeline_later(model, es.j, members, es.served_queued)
+                for b, d, i in es.arrivals:  # received in the replay, still waiting: received for real
+                    if any(b is q for q in es.queue):
+                        s.replay_receive(self._message(b, es.j), d, es.seq + i - 1)
+            s.replay_grows(es.grows)
+            s.replay_counters(es.d, es.seq + es.received, es.formed, es.promotions)
+            s.replay_ages(model, es.since, [(r.key[0], r.since) for r in es.replicas])
+        for nbytes in self.hops:
+            metrics.hop(nbytes)
+        for b, time in self.tokens:
+            metrics.tokens([records[rid] for rid in b.rids], time)
+        # what is under way at the cut
+        pkey = self.pkey
+        for time, kind, _, j, what in sorted(self.heap):
+            es = group[j]
+            if kind == END:
+                cluster.hold(es.eng, what if isinstance(what, tuple) else what.key if isinstance(what, ReplicaBatch) else pkey,
+                             time)
+                if isinstance(what, PipeBatch):
+                    if j < self.last:
+                        nbytes = CostModel.hidden_bytes(self.arch, what.n)
+                        metrics.hop(nbytes)
+                        cluster.send_batch(group[j + 1].eng, pkey, self._message(what, j + 1),
+                                           time + cluster.interconnect.transfer_time(nbytes))
+                    else:
+                        metrics.tokens([records[rid] for rid in what.rids], time)
+                        cluster.send_tokens(group[0].eng, pkey, self._tokens(what), time + self.back)
+            elif kind == ARRIVE:
+                cluster.send_batch(es.eng, pkey, self._message(what, j), time)
+            else:
+                cluster.send_tokens(es.eng, pkey, self._tokens(what), time)
+        for es in self.held:
+            cluster.hold(es.eng, pkey, self.cut)
+        if cluster.check:
+            for es in group:
+                es.eng.scheduler.check()
+
+    def _message(self, b: PipeBatch, stage: int) -> BatchMessage:
+        return BatchMessage(self.pkey[0], stage, b.bid, DECODE, [],
+                            [DecodeEntry(rid, None, p) for rid, p in zip(b.rids, b.pos)], b.formed_at)
+
+    def _tokens(self, b: PipeBatch) -> TokenMessage:
+        return TokenMessage(self.pkey[0], b.bid, [TokenEntry(rid, None, p + 1, False, None) for rid, p in zip(b.rids, b.pos)])
+
+
+def _batch_head(b: PipeBatch) -> float:
+    return b.head
+
+
+def _first(pair):
+    return pair[0]

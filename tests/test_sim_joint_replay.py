@@ -1,0 +1,197 @@
+"""The joint replay (simulator/joint_replay.py) gives exactly the results of the step-by-step
+event path: a 3-stage pipeline whose engines also hold one-stage replicas (the base case's
+llama-2-70b pattern), on random workloads (hypothesis) and on hand-made ones that force its
+corner cases (starvation promotions between the one-stage batches, a one-stage batch running
+when the pipeline's batch is formed, KV growth), with the replay checked to run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from test_sim_fast_forward import _assert_same
+
+from paraflex.config import Config, WorkloadConfig
+from paraflex.engine.queue_heaps import QueueHeaps
+from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
+from paraflex.simulator.joint_replay import JointReplay
+from paraflex.simulator.runner import SimSettings, simulate
+from paraflex.simulator.systems import SystemLayout
+from paraflex.simulator.workload import SimRequest
+
+# name, arch, engines of its replicas (one route each: a pipeline if it has several engines)
+MODELS = [("p", "tiny-8l", [[0, 1, 2]]), ("a", "tiny-2l", [[0], [2], [3]]), ("b", "tiny-4l", [[1], [2]]),
+          ("d", "tiny-2l", [[1]])]
+
+
+def _config(memory_gb: float, max_batch: int, policy: str = "full-batch-first", workload=None) -> Config:
+    d = {
+        "cluster": {"num_engines": 4, "device": "cpu", "memory_gb": memory_gb, "host_memory_gb": 0.01},
+        "models": [{"name": n, "arch": a} for n, a, _ in MODELS],
+        "scheduler": {"max_batch_size": max_batch, "policy": policy, "block_bytes": 4096},
+    }
+    if workload is not None:
+        d["workload"] = dataclasses.asdict(workload)
+    return Config.from_dict(d)
+
+
+def _layout(config: Config, policy: str = "full-batch-first") -> SystemLayout:
+    """Model p in 3 stages on engines 0-2; one-stage replicas of a, b, d beside its stages
+    (engine 1 holds p's middle stage, b and d; engine 2 p's last stage, a and b)."""
+    from paraflex.planner.problem import split_layers
+
+    engines = [EnginePlacement(e, [], 0, {}) for e in range(4)]
+    models = {}
+    for (name, _, routes), mc in zip(MODELS, config.models):
+        cuts = list(split_layers(mc.arch.num_layers, len(routes[0])))
+        models[name] = ModelPlacement(name, mc.arch.num_layers, cuts, routes)
+        for j, route in enumerate(routes):
+            for k, e in enumerate(route):
+                a, b = cuts[k]
+                engines[e].stages.append(StageRef(name, j, k))
+                engines[e].weight_bytes += mc.arch.stage_weight_bytes(a, b, k == 0, k == len(route) - 1)
+    return SystemLayout("group", Placement(1, "hand", {}, 0.0, models, engines), policy, 1, config.cluster.memory_bytes)
+
+
+class _Spy:
+    """Counts the decisions the joint replay replays (wraps JointReplay.advance)."""
+
+    def __init__(self, monkeypatch):
+        self.decisions = 0
+        real = JointReplay.advance
+
+        def advance(replay, *args):
+            before = replay.decisions
+            out = real(replay, *args)
+            self.decisions += replay.decisions - before
+            return out
+
+        monkeypatch.setattr(JointReplay, "advance", advance)
+
+
+def _both(cfg, layout, requests=None, rate=1.0, seed=0, check=False):
+    return [simulate(cfg, SimSettings(system="group", rate=rate, seed=seed, fast_forward=ff, check_invariants=check),
+                     layout=layout, requests=requests) for ff in (True, False)]
+
+
+def _counters(res):
+    """Each engine's scheduler counters at the end of a run (decisions, sequence numbers, batch
+    ids, swaps, starvation promotions): the replay must leave them as one by one."""
+    return [(e.scheduler.decisions, e.scheduler._seq, e.scheduler._batch_seq, e.scheduler.stats) for e in res.engines]
+
+
+def _assert_identical(fast, plain):
+    _assert_same(fast, plain)
+    assert _counters(fast) == _counters(plain)
+
+
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), memory_gb=st.sampled_from([0.012, 0.02, 0.1]), max_batch=st.sampled_from([2, 4, 16]),
+       rate=st.sampled_from([3.0, 10.0, 40.0]), cv=st.sampled_from([1.0, 4.0]),
+       policy=st.sampled_from(["full-batch-first", "full-batch-first", "prefill-first"]),
+       starvation=st.sampled_from([None, None, 1, 3]))
+def test_random_workloads_identical_with_and_without_fast_paths(seed, memory_gb, max_batch, rate, cv, policy, starvation):
+    """`starvation`: a starvation limit of that many decisions instead of the default 64
+    (promotions then happen inside most replays)."""
+    w = WorkloadConfig(arrival="lognormal", cv=cv, num_requests=30, seed=seed, output_scale=1.0)
+    cfg = _config(memory_gb, max_batch, policy, w)
+    with pytest.MonkeyPatch.context() as mp:
+        if starvation is not None:
+            mp.setattr(QueueHeaps, "effective_starvation_limit", property(lambda self: starvation))
+        fast, plain = _both(cfg, _layout(cfg, policy), rate=rate, seed=seed)
+    _assert_identical(fast, plain)
+
+
+def _long_requests(spec):
+    """(model, arrival, prompt, output) tuples as SimRequests."""
+    return [SimRequest(i, m, a, p, o) for i, (m, a, p, o) in enumerate(spec)]
+
+
+def test_pipeline_among_one_stage_replicas_is_replayed_exactly(monkeypatch):
+    """p's requests come first (its batches win every engine's order), a, b and d decode
+    beside it on all three of its engines; KV grows by many blocks on the way."""
+    spy = _Spy(monkeypatch)
+    cfg = _config(0.1, 8)
+    reqs = _long_requests([("p", 0.0, 7, 200), ("a", 0.01, 5, 150), ("b", 0.011, 9, 180), ("d", 0.012, 3, 160),
+                           ("b", 0.013, 4, 170), ("a", 0.014, 6, 140), ("p", 0.5, 5, 100), ("a", 0.8, 3, 80)])
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs)
+    _assert_identical(fast, plain)
+    assert spy.decisions > 100
+    assert fast.summary["events"] < plain.summary["events"] / 3
+
+
+def test_starvation_promotions_inside_the_replay(monkeypatch):
+    """b and d share engine 1 with p's middle stage; b is older, so d waits for its starvation
+    promotion every limit decisions, inside the replayed cycles (same promotions)."""
+    spy = _Spy(monkeypatch)
+    cfg = _config(0.1, 8)
+    reqs = _long_requests([("p", 0.0, 4, 400), ("b", 0.001, 4, 500), ("d", 0.002, 4, 400)])
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs)
+    _assert_identical(fast, plain)
+    promotions = [[e.scheduler.stats["starvation_promotions"] for e in r.engines] for r in (fast, plain)]
+    assert promotions[0] == promotions[1] and promotions[0][1] > 0
+    assert spy.decisions > 50
+
+
+def test_one_stage_batches_older_than_the_pipeline(monkeypatch):
+    """a and b arrive before p: they win their engines' order, p's stages wait for the
+    one-stage steps (and for promotions) in the replayed cycles."""
+    spy = _Spy(monkeypatch)
+    cfg = _config(0.1, 4)
+    reqs = _long_requests([("a", 0.0, 4, 300), ("b", 0.0005, 4, 300), ("p", 0.001, 4, 250), ("d", 0.002, 4, 200)])
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs)
+    _assert_identical(fast, plain)
+    assert spy.decisions > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(runs=st.lists(st.tuples(st.floats(0, 5), st.floats(0, 2), st.integers(1, 8)), max_size=12),
+       before=st.lists(st.tuples(st.floats(0, 5), st.floats(0, 2)), max_size=3))
+def test_decode_steps_equal_one_batch_call_each(runs, before):
+    """`MetricsStore.decode_steps` (the joint replay's metrics) records what `batch` per
+    decode batch records: busy intervals merged the same way, counts, sizes in order."""
+    from paraflex.simulator.metrics import MetricsStore, ModelSLO
+
+    def ordered(pairs):  # back-to-back or gapped intervals in time order
+        out, t = [], 0.0
+        for gap, dur, *rest in pairs:
+            t += gap
+            out.append((t, t + dur, *rest))
+            t += dur
+        return out
+
+    stores = [MetricsStore({"m": ModelSLO(1.0, 0.1)}, 1, 1) for _ in range(2)]
+    for s in stores:
+        for a, b in ordered(before):
+            s.batch(0, a, b, True, 1, 7)
+    start = ordered(before)[-1][1] if before else 0.0
+    steps = [(start + a, start + b, n) for a, b, n in ordered(runs)]
+    for a, b, n in steps:
+        stores[0].batch(0, a, b, False, n, n)
+    stores[1].decode_steps(0, steps)
+    one, bulk = stores
+    assert list(one.busy[0]) == list(bulk.busy[0])
+    assert list(one.decode_batch_sizes) == list(bulk.decode_batch_sizes)
+    assert (one.batches, one.batch_tokens, one.decode_batches) == (bulk.batches, bulk.batch_tokens, bulk.decode_batches)
+
+
+def test_paper_base_case_pipeline_is_replayed(monkeypatch):
+    """The §8.2 base case at 64 GPUs: llama-2-70b's 3-stage pipelines on engines 0-2 and 3-5
+    share them with one-stage replicas; the joint replay takes most of their decisions."""
+    import os
+
+    from paraflex.config import load_config
+    from paraflex.simulator.systems import build_system
+
+    spy = _Spy(monkeypatch)
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "paper-base.yaml"))
+    cfg.cluster.num_engines = 8
+    cfg.workload = dataclasses.replace(cfg.workload, duration_s=None, num_requests=150)
+    layout = build_system(cfg, SimSettings(system="paraflex"))
+    res = simulate(cfg, SimSettings(system="paraflex", rate=4.0, seed=0), layout=layout)
+    assert spy.decisions > 1000
+    assert res.summary["events"] < 15 * res.summary["requests"]
