@@ -28,37 +28,101 @@ static float inv_rms(const float *x, int64_t n, float eps) {
     return 1.0f / sqrtf(s / (float)n + eps);
 }
 
-/* Row loops go over `num_threads` OpenMP threads (torch's pool) when there are at least this many
-   floats (prompts); a decode batch's rows stay on the calling thread. */
+void pf_pool_run(void (*fn)(void *, int64_t), void *ctx, int64_t items, int threads); /* thread_pool.c */
+
+/* The row loops: fn(ctx, r0, r1) over [0, rows), split into chunks for the kernels' thread pool
+   when there are at least this many floats (prompts); a decode batch's rows stay on the calling
+   thread. */
 #define PARALLEL_MIN_FLOATS 65536
-#define ROWS_PARALLEL \
-    _Pragma("omp parallel for num_threads(num_threads) if(floats >= PARALLEL_MIN_FLOATS) schedule(static)")
+typedef void (*rows_fn)(const void *ctx, int64_t r0, int64_t r1);
+typedef struct {
+    rows_fn fn;
+    const void *ctx;
+    int64_t rows, chunk;
+} split_t;
+
+static void split_item(void *c, int64_t i) {
+    const split_t *s = (const split_t *)c;
+    const int64_t r0 = i * s->chunk, r1 = r0 + s->chunk < s->rows ? r0 + s->chunk : s->rows;
+    s->fn(s->ctx, r0, r1);
+}
+
+static void over_rows(rows_fn fn, const void *ctx, int64_t rows, int64_t floats_per_row, int threads) {
+    if (threads <= 1 || rows * floats_per_row < PARALLEL_MIN_FLOATS) {
+        fn(ctx, 0, rows);
+        return;
+    }
+    const int64_t pieces = 4 * (int64_t)threads;  /* a few chunks per thread: late workers still help */
+    split_t s = {fn, ctx, rows, (rows + pieces - 1) / pieces};
+    pf_pool_run(split_item, &s, (rows + s.chunk - 1) / s.chunk, threads);
+}
+
+typedef struct {
+    float *stream;
+    const float *x, *w;
+    float *out;
+    int64_t n;
+    float eps;
+} norm_t;
+
+/* out[r] = w * (x[r] * inv_rms(x[r])) */
+static void norm_rows(const void *c, int64_t r0, int64_t r1) {
+    const norm_t *a = (const norm_t *)c;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xr = a->x + r * a->n;
+        float *o = a->out + r * a->n;
+        const float inv = inv_rms(xr, a->n, a->eps);
+        for (int64_t i = 0; i < a->n; i++) o[i] = a->w[i] * (xr[i] * inv);
+    }
+}
+
+/* stream[r] += x[r], then out[r] = RMSNorm(stream[r]) */
+static void add_norm_rows(const void *c, int64_t r0, int64_t r1) {
+    const norm_t *a = (const norm_t *)c;
+    for (int64_t r = r0; r < r1; r++) {
+        float *sr = a->stream + r * a->n, *o = a->out + r * a->n;
+        const float *xr = a->x + r * a->n;
+        for (int64_t i = 0; i < a->n; i++) sr[i] += xr[i];
+        const float inv = inv_rms(sr, a->n, a->eps);
+        for (int64_t i = 0; i < a->n; i++) o[i] = a->w[i] * (sr[i] * inv);
+    }
+}
 
 /* out[r] = w * (x[r] * inv_rms(x[r])) for rows r of n floats. */
 void pf_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps, int num_threads) {
-    (void)num_threads;
-    const int64_t floats = rows * n;
-    ROWS_PARALLEL
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        float *o = out + r * n;
-        const float inv = inv_rms(xr, n, eps);
-        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (xr[i] * inv);
-    }
+    const norm_t a = {NULL, x, w, out, n, eps};
+    over_rows(norm_rows, &a, rows, n, num_threads);
 }
 
 /* stream[r] += x[r] (the residual stream after the add), then out[r] = RMSNorm(stream[r]). */
 void pf_add_rms_norm(float *stream, const float *x, const float *w, float *out, int64_t rows, int64_t n,
                      float eps, int num_threads) {
-    (void)num_threads;
-    const int64_t floats = rows * n;
-    ROWS_PARALLEL
-    for (int64_t r = 0; r < rows; r++) {
-        float *sr = stream + r * n, *o = out + r * n;
-        const float *xr = x + r * n;
-        for (int64_t i = 0; i < n; i++) sr[i] += xr[i];
-        const float inv = inv_rms(sr, n, eps);
-        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (sr[i] * inv);
+    const norm_t a = {stream, x, w, out, n, eps};
+    over_rows(add_norm_rows, &a, rows, n, num_threads);
+}
+
+typedef struct {
+    float *x;
+    int64_t row_stride;
+    int heads, head_dim;
+    const float *cos, *ssin;
+} rotary_t;
+
+static void rotary_rows(const void *c, int64_t t0, int64_t t1) {
+    const rotary_t *a = (const rotary_t *)c;
+    const int half = a->head_dim / 2;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *cs = a->cos + t * a->head_dim, *sn = a->ssin + t * a->head_dim;
+        for (int h = 0; h < a->heads; h++) {
+            float *p = a->x + t * a->row_stride + (int64_t)h * a->head_dim;
+            for (int i = 0; i < half; i++) {
+                const float lo_in = p[i], hi_in = p[i + half];
+                const float lo = lo_in * cs[i] + hi_in * sn[i];
+                const float hi = hi_in * cs[i + half] + lo_in * sn[i + half];
+                p[i] = lo;
+                p[i + half] = hi;
+            }
+        }
     }
 }
 
@@ -68,38 +132,32 @@ void pf_add_rms_norm(float *stream, const float *x, const float *w, float *out, 
    x row t starts at x + t * row_stride; cos/ssin are [tokens, head_dim]. */
 void pf_rotary(float *x, int64_t tokens, int64_t row_stride, int heads, int head_dim, const float *cos,
                const float *ssin, int num_threads) {
-    (void)num_threads;
-    const int half = head_dim / 2;
-    const int64_t floats = tokens * heads * head_dim;
-    ROWS_PARALLEL
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + t * head_dim, *s = ssin + t * head_dim;
-        for (int h = 0; h < heads; h++) {
-            float *p = x + t * row_stride + (int64_t)h * head_dim;
-            for (int i = 0; i < half; i++) {
-                const float a = p[i], b = p[i + half];
-                const float lo = a * c[i] + b * s[i];
-                const float hi = b * c[i + half] + a * s[i + half];
-                p[i] = lo;
-                p[i + half] = hi;
-            }
+    const rotary_t a = {x, row_stride, heads, head_dim, cos, ssin};
+    over_rows(rotary_rows, &a, tokens, (int64_t)heads * head_dim, num_threads);
+}
+
+typedef struct {
+    const float *gate_up;
+    float *out;
+    int64_t inter;
+} silu_t;
+
+static void silu_rows(const void *c, int64_t r0, int64_t r1) {
+    const silu_t *a = (const silu_t *)c;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *gate = a->gate_up + r * 2 * a->inter, *up = gate + a->inter;
+        float *o = a->out + r * a->inter;
+        for (int64_t i = 0; i < a->inter; i++) {
+            const float g = gate[i];
+            o[i] = g / (1.0f + exp_clamped(-g)) * up[i];
         }
     }
 }
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i], silu(g) = g / (1 + e^-g). */
 void pf_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter, int num_threads) {
-    (void)num_threads;
-    const int64_t floats = rows * inter;
-    ROWS_PARALLEL
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
-        float *o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) {
-            const float g = gate[i];
-            o[i] = g / (1.0f + exp_clamped(-g)) * up[i];
-        }
-    }
+    const silu_t a = {gate_up, out, inter};
+    over_rows(silu_rows, &a, rows, inter, num_threads);
 }
 
 /* out[r] = index of the first largest value of row r (of n floats), or of its first NaN (as

@@ -9,18 +9,17 @@
  * Kernel: a tile of up to 6 rows x 16 columns kept in 12 vector accumulators; per k, two vector
  * loads of the panel and one broadcast load of x per row feed 12 fused multiply-adds (x is
  * broadcast straight from memory: load ports only, the vector units stay on the FMAs; a scalar
- * load plus a register broadcast ran at ~60% of this speed). Work items are (block of up to 96 rows, panel); threads (torch's OpenMP
- * workers, when built with -fopenmp) take items from a shared counter, consecutive items sharing
- * a row block while it is warm in cache. One row (a decode step at batch 1) streams the weights
+ * load plus a register broadcast ran at ~60% of this speed). Work items are (block of up to 96
+ * rows, panel), run by the kernels' thread pool (thread_pool.c), consecutive items sharing a row
+ * block while it is warm in cache. One row (a decode step at batch 1) streams the weights
  * once: the kernel is memory-bound there, and a panel layout keeps the stream sequential.
  */
 #include <stdint.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "vec_math.h"
+
+void pf_pool_run(void (*fn)(void *, int64_t), void *ctx, int64_t items, int threads); /* thread_pool.c */
 
 #define NR 16        /* columns per panel */
 #define ROW_BLOCK 96 /* rows per work item: 16 tiles of 6 */
@@ -100,15 +99,11 @@ static void item(const linear_t *L, int64_t m0, int64_t m1, int64_t p) {
     }
 }
 
-static void run_items(const linear_t *L, int64_t *next) {
-    const int64_t total = L->blocks * L->panels;
-    for (;;) {
-        const int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-        if (i >= total) return;
-        const int64_t b = i / L->panels, p = i % L->panels;
-        const int64_t m0 = b * ROW_BLOCK, m1 = m0 + ROW_BLOCK < L->m ? m0 + ROW_BLOCK : L->m;
-        item(L, m0, m1, p);
-    }
+static void run_item(void *ctx, int64_t i) {
+    const linear_t *L = (const linear_t *)ctx;
+    const int64_t b = i / L->panels, p = i % L->panels;
+    const int64_t m0 = b * ROW_BLOCK, m1 = m0 + ROW_BLOCK < L->m ? m0 + ROW_BLOCK : L->m;
+    item(L, m0, m1, p);
 }
 
 /* y [m, n] = x [m, k] (contiguous) @ W^T + bias; packed from pf_pack_weight, bias NULL or padded to
@@ -116,15 +111,6 @@ static void run_items(const linear_t *L, int64_t *next) {
 void pf_linear(const float *x, int64_t m, int64_t k, const float *packed, const float *bias, int64_t n, float *y,
                int num_threads) {
     if (m <= 0 || n <= 0) return;
-    const linear_t L = {x, packed, bias, y, m, k, n, (n + NR - 1) / NR, (m + ROW_BLOCK - 1) / ROW_BLOCK};
-    int64_t next = 0;
-#ifdef _OPENMP
-    if (num_threads > 1) {
-#pragma omp parallel num_threads(num_threads)
-        run_items(&L, &next);
-        return;
-    }
-#endif
-    (void)num_threads;
-    run_items(&L, &next);
+    linear_t L = {x, packed, bias, y, m, k, n, (n + NR - 1) / NR, (m + ROW_BLOCK - 1) / ROW_BLOCK};
+    pf_pool_run(run_item, &L, L.blocks * L.panels, num_threads);
 }

@@ -12,16 +12,15 @@
  *
  * Pool layout (one model's view): block b starts at pool + b * block_stride; keys of slot s,
  * head h at + (s * kv_heads + h) * head_dim, values at + v_offset + (s * kv_heads + h) * head_dim.
- * Work is split over `num_threads` threads by requests (OpenMP, built with -fopenmp where the
- * compiler has it; else one thread). head_dim must be a multiple of 8
- * (the vector width; the caller checks).
+ * Requests are the work items of the kernels' thread pool (thread_pool.c, `num_threads`
+ * threads); each thread keeps its own score buffer. head_dim must be a multiple of 8 (the vector
+ * width; the caller checks).
  */
 #include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "vec_math.h"
+
+void pf_pool_run(void (*fn)(void *, int64_t), void *ctx, int64_t items, int threads); /* thread_pool.c */
 
 typedef struct {
     const float *q;             /* [B, kv_heads * group, head_dim] */
@@ -33,6 +32,7 @@ typedef struct {
     const int64_t *context_lens; /* [B] */
     float scale;
     float *out;                 /* [B, kv_heads * group, head_dim] */
+    int failed;                 /* set when a thread could not get its score buffer */
 } job_t;
 
 static inline float dot(const float *a, const float *b, int n) {
@@ -100,14 +100,27 @@ static void attend(const job_t *j, int64_t b, float *sc) {
     }
 }
 
-/* Requests are taken one at a time from a shared counter, so a thread that is descheduled
-   holds up at most the request it is on; the others take the rest. */
-static void run_requests(const job_t *j, int64_t num_seqs, int64_t *next, float *scores) {
-    for (;;) {
-        const int64_t b = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-        if (b >= num_seqs) return;
-        attend(j, b, scores);
+/* This thread's score buffer, grown to at least `floats` (kept for the thread's next calls). */
+static __thread float *thread_scores;
+static __thread size_t thread_capacity;
+
+static float *scores_buffer(size_t floats) {
+    if (floats > thread_capacity) {
+        free(thread_scores);
+        thread_scores = malloc(sizeof(float) * floats);
+        thread_capacity = thread_scores ? floats : 0;
     }
+    return thread_scores;
+}
+
+static void attend_item(void *ctx, int64_t b) {
+    job_t *j = (job_t *)ctx;
+    float *sc = scores_buffer((size_t)j->kv_heads * (size_t)j->group * (size_t)j->context_lens[b]);
+    if (!sc) {
+        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    attend(j, b, sc);
 }
 
 /* Returns 0, or -1 when scratch memory cannot be had. k_new/v_new: [B, kv_heads, head_dim]. */
@@ -118,30 +131,14 @@ int pf_paged_decode_attention(const float *q, const float *k_new, const float *v
                               float scale, float *out, int num_threads) {
     if (num_seqs <= 0) return 0;
     const int64_t vec = (int64_t)kv_heads * head_dim;
-    int64_t max_ctx = 1;
     for (int64_t b = 0; b < num_seqs; b++) {
         const int64_t pos = context_lens[b] - 1, blk = block_table[b * max_blocks + pos / tokens_per_block];
         float *slot = pool + blk * block_stride + (pos % tokens_per_block) * vec;
         memcpy(slot, k_new + b * vec, sizeof(float) * vec);
         memcpy(slot + v_offset, v_new + b * vec, sizeof(float) * vec);
-        if (context_lens[b] > max_ctx) max_ctx = context_lens[b];
     }
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > num_seqs) num_threads = (int)num_seqs;
-    const size_t per_thread = (size_t)kv_heads * (size_t)group * (size_t)max_ctx;
-    float *scratch = malloc(sizeof(float) * per_thread * (size_t)num_threads);
-    if (!scratch) return -1;
-    const job_t job = {q, pool, block_stride, v_offset, tokens_per_block, kv_heads, group, head_dim,
-                       block_table, max_blocks, context_lens, scale, out};
-    int64_t next = 0;
-#ifdef _OPENMP
-    /* torch's own OpenMP runtime (libgomp.so.1 is loaded once per process): its worker threads,
-       already spinning after the previous op, take the requests; no threads are started here */
-#pragma omp parallel num_threads(num_threads)
-    run_requests(&job, num_seqs, &next, scratch + per_thread * (size_t)omp_get_thread_num());
-#else
-    run_requests(&job, num_seqs, &next, scratch);
-#endif
-    free(scratch);
-    return 0;
+    job_t job = {q, pool, block_stride, v_offset, tokens_per_block, kv_heads, group, head_dim,
+                 block_table, max_blocks, context_lens, scale, out, 0};
+    pf_pool_run(attend_item, &job, num_seqs, num_threads);
+    return job.failed ? -1 : 0;
 }

@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from paraflex.engine.native_build import NativeLibrary
+from paraflex.engine.native_build import THREAD_POOL, NativeLibrary
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -25,7 +25,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 LIBRARY = NativeLibrary("paged_decode_attention.c", "PARAFLEX_NATIVE_ATTENTION", "compiled CPU attention",
-                        _declare, extra_flags=("-ffp-contract=fast",), optional_flags=("-fopenmp",))
+                        _declare, extra_flags=("-ffp-contract=fast",), depends=(THREAD_POOL,))
 
 
 def load() -> ctypes.CDLL | None:

@@ -84,17 +84,17 @@ class NativeLibrary:
     """One C file of paraflex.csrc, compiled and loaded on first use (or None, logged once).
 
     `switch`: environment variable that turns it off when set to 0. `declare(lib)` sets the
-    functions' ctypes signatures. `optional_flags` are tried first and dropped if the build fails
-    with them (-fopenmp where the compiler lacks OpenMP: the kernel then runs on one thread). `hold_gil`: load with ctypes.PyDLL (the GIL stays held during
+    functions' ctypes signatures. `depends`: libraries loaded first with their symbols global
+    (the kernels call the thread pool's `pf_pool_run`); `global_symbols`: load this one so. `hold_gil`: load with ctypes.PyDLL (the GIL stays held during
     calls: right for calls of microseconds, where releasing and taking it back costs more and can
     hand the interpreter to another thread); else ctypes.CDLL (released: long kernels)."""
 
     def __init__(self, source: str, switch: str, what: str, declare: Callable[[ctypes.CDLL], None], *,
-                 extra_flags: tuple[str, ...] = (), optional_flags: tuple[str, ...] = (),
-                 hold_gil: bool = False) -> None:
+                 extra_flags: tuple[str, ...] = (), depends: tuple["NativeLibrary", ...] = (),
+                 global_symbols: bool = False, hold_gil: bool = False) -> None:
         self.source, self.switch, self.what = source, switch, what
         self.declare, self.extra_flags, self.hold_gil = declare, list(extra_flags), hold_gil
-        self.optional_flags = list(optional_flags)
+        self.depends, self.global_symbols = depends, global_symbols
         self.lib: ctypes.CDLL | None = None
         self.tried = False
 
@@ -104,15 +104,13 @@ class NativeLibrary:
         self.tried = True
         if os.environ.get(self.switch, "1") == "0":
             return None
+        if any(dep.load() is None for dep in self.depends):
+            log.warning("%s unavailable (a library it needs is); using the torch path", self.what)
+            return None
         try:
-            try:
-                path = build(self.source, self.extra_flags + self.optional_flags)
-            except RuntimeError as exc:
-                if not self.optional_flags:
-                    raise
-                log.info("%s: building without %s (%s)", self.what, " ".join(self.optional_flags), exc)
-                path = build(self.source, self.extra_flags)
-            lib = ctypes.PyDLL(path) if self.hold_gil else ctypes.CDLL(path)
+            path = build(self.source, self.extra_flags)
+            mode = ctypes.RTLD_GLOBAL if self.global_symbols else ctypes.DEFAULT_MODE
+            lib = ctypes.PyDLL(path, mode=mode) if self.hold_gil else ctypes.CDLL(path, mode=mode)
         except (OSError, RuntimeError) as exc:
             log.warning("%s unavailable (%s); using the torch path", self.what, exc)
             return None
@@ -123,3 +121,12 @@ class NativeLibrary:
     def forget(self) -> None:
         """Load again on the next call (tests of the build rules)."""
         self.lib, self.tried = None, False
+
+
+def _no_functions(lib: ctypes.CDLL) -> None:
+    """The pool is called from C only."""
+
+
+# One pool of worker threads per process for every kernel (csrc/thread_pool.c).
+THREAD_POOL = NativeLibrary("thread_pool.c", "PARAFLEX_NATIVE_POOL", "compiled CPU thread pool", _no_functions,
+                            extra_flags=("-pthread",), global_symbols=True)

@@ -15,7 +15,7 @@ import ctypes
 
 import torch
 
-from paraflex.engine.native_build import NativeLibrary
+from paraflex.engine.native_build import THREAD_POOL, NativeLibrary
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -31,7 +31,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 # -ffp-contract=off: no fused multiply-adds, so the rotation rounds like the torch path
 LIBRARY = NativeLibrary("decoder_layer_ops.c", "PARAFLEX_NATIVE_OPS", "compiled CPU layer ops", _declare,
-                        extra_flags=("-ffp-contract=off",), optional_flags=("-fopenmp",), hold_gil=True)
+                        extra_flags=("-ffp-contract=off",), depends=(THREAD_POOL,), hold_gil=True)
 
 
 def applies(x: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ import ctypes
 
 import torch
 
-from paraflex.engine.native_build import NativeLibrary
+from paraflex.engine.native_build import THREAD_POOL, NativeLibrary
 
 PACK_ROWS_HINT = 32  # oneDNN picks its blocking for this many rows; measured best from 4 to 256
 PANEL = 16  # columns per panel of the compiled kernel's layout
@@ -41,7 +41,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 LIBRARY = NativeLibrary("linear_f32.c", "PARAFLEX_NATIVE_LINEAR", "compiled CPU projections", _declare,
-                        extra_flags=("-ffp-contract=fast",), optional_flags=("-fopenmp",))
+                        extra_flags=("-ffp-contract=fast",), depends=(THREAD_POOL,))
 
 
 def native_available(device: torch.device, dtype: torch.dtype) -> bool:

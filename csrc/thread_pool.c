@@ -1,0 +1,131 @@
+/* The CPU kernels' worker threads: one pool per process, shared by every compiled kernel.
+ *
+ * Place in the data flow: engine/native_build.py loads this library first, with its symbols
+ * global, so the kernel libraries (linear_f32.c, paged_decode_attention.c,
+ * decoder_layer_ops.c) resolve `pf_pool_run` against the one pool. A kernel cuts its work into
+ * items and calls pf_pool_run(fn, ctx, items, threads) from the engine thread.
+ *
+ * Why not OpenMP: an OpenMP region ends in a barrier that waits for EVERY thread of the team,
+ * including one the OS has not scheduled yet. On a machine whose cores are shared (the
+ * gateway's thread, other processes), SmolLM2's 120 projections of a batch-1 step on two
+ * threads took 15 ms at best but 62-477 ms at the median (one thread: 27 ms). Here the calling
+ * thread never waits for a worker that has not started: items are claimed from a shared counter
+ * (with the job's generation in the same word, so a worker that wakes late cannot claim items of
+ * a later job), the caller takes every item nobody else has, and it waits only for items a
+ * worker has claimed and not finished. Workers spin briefly between jobs (the next projection
+ * follows within microseconds), then sleep on a condition variable.
+ */
+#include <pthread.h>
+#include <stdint.h>
+
+typedef void (*pf_task_fn)(void *ctx, int64_t item);
+
+#define MAX_WORKERS 63
+#define JOB_SLOTS 4           /* a worker can read a job's slot until 4 jobs later */
+#define SPIN_ROUNDS 20000     /* checks of the job word before sleeping (~tens of microseconds) */
+
+typedef struct {
+    pf_task_fn fn;
+    void *ctx;
+    int64_t items;
+    int64_t done;             /* items finished (atomic) */
+} job_t;
+
+static job_t jobs[JOB_SLOTS];
+static uint64_t word;         /* generation << 32 | next item to claim (atomic) */
+static int sleepers;          /* workers waiting on `wake` (atomic) */
+static int started;           /* workers started */
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Claim and run items of generation `gen` until none is left or a later job is published. The
+   job's fields are read before each claim: a claim that succeeds proves the word still held this
+   generation after the reads, and a slot is rewritten only for the job 4 generations later, which
+   cannot be published before this one is finished: so the fields read were this job's. */
+static void work(uint32_t gen) {
+    job_t *job = &jobs[gen % JOB_SLOTS];
+    for (;;) {
+        uint64_t w = __atomic_load_n(&word, __ATOMIC_ACQUIRE);
+        if ((uint32_t)(w >> 32) != gen) return;
+        const pf_task_fn fn = __atomic_load_n(&job->fn, __ATOMIC_RELAXED);
+        void *ctx = __atomic_load_n(&job->ctx, __ATOMIC_RELAXED);
+        const int64_t items = __atomic_load_n(&job->items, __ATOMIC_RELAXED);
+        const int64_t item = (int64_t)(uint32_t)w;
+        if (item >= items) return;
+        if (!__atomic_compare_exchange_n(&word, &w, w + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) continue;
+        fn(ctx, item);
+        __atomic_add_fetch(&job->done, 1, __ATOMIC_RELEASE);
+    }
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    uint32_t seen = (uint32_t)(__atomic_load_n(&word, __ATOMIC_ACQUIRE) >> 32);
+    for (;;) {
+        uint32_t gen = seen;
+        for (int i = 0; i < SPIN_ROUNDS && gen == seen; i++) {
+            relax();
+            gen = (uint32_t)(__atomic_load_n(&word, __ATOMIC_ACQUIRE) >> 32);
+        }
+        if (gen == seen) {  /* sleep until a new job (sleepers first: see pf_pool_run) */
+            __atomic_add_fetch(&sleepers, 1, __ATOMIC_SEQ_CST);
+            pthread_mutex_lock(&lock);
+            while ((gen = (uint32_t)(__atomic_load_n(&word, __ATOMIC_SEQ_CST) >> 32)) == seen)
+                pthread_cond_wait(&wake, &lock);
+            pthread_mutex_unlock(&lock);
+            __atomic_sub_fetch(&sleepers, 1, __ATOMIC_SEQ_CST);
+        }
+        seen = gen;
+        work(gen);
+    }
+    return NULL;
+}
+
+/* Start workers until `count` run (never fewer than already started). Caller holds no lock. */
+static void ensure_workers(int count) {
+    if (count > MAX_WORKERS) count = MAX_WORKERS;
+    if (__atomic_load_n(&started, __ATOMIC_ACQUIRE) >= count) return;
+    pthread_mutex_lock(&lock);
+    while (started < count) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int rc = pthread_create(&t, &attr, worker, NULL);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;  /* fewer threads: the caller does the rest */
+        __atomic_add_fetch(&started, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+/* Run fn(ctx, i) for i in [0, items) on the calling thread and up to threads - 1 workers;
+   returns when all have run. One caller at a time (the engine thread). */
+void pf_pool_run(pf_task_fn fn, void *ctx, int64_t items, int threads) {
+    if (items <= 0) return;
+    if (threads <= 1 || items == 1) {
+        for (int64_t i = 0; i < items; i++) fn(ctx, i);
+        return;
+    }
+    ensure_workers(threads - 1);
+    const uint32_t gen = (uint32_t)(__atomic_load_n(&word, __ATOMIC_ACQUIRE) >> 32) + 1;
+    job_t *job = &jobs[gen % JOB_SLOTS];
+    __atomic_store_n(&job->fn, fn, __ATOMIC_RELAXED);
+    __atomic_store_n(&job->ctx, ctx, __ATOMIC_RELAXED);
+    __atomic_store_n(&job->items, items, __ATOMIC_RELAXED);
+    __atomic_store_n(&job->done, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&word, (uint64_t)gen << 32, __ATOMIC_SEQ_CST);  /* publish */
+    if (__atomic_load_n(&sleepers, __ATOMIC_SEQ_CST) > 0) {
+        pthread_mutex_lock(&lock);
+        pthread_cond_broadcast(&wake);
+        pthread_mutex_unlock(&lock);
+    }
+    work(gen);
+    while (__atomic_load_n(&job->done, __ATOMIC_ACQUIRE) < items) relax();
+}
