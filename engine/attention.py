@@ -54,7 +54,6 @@ class AttentionMetadata:
     last_token_index: torch.Tensor  # [B] packed index of the last new token of every request
     block_table: torch.Tensor  # [L, B, max blocks] int64, physical blocks of every request per layer
     context_lens: torch.Tensor  # [B] int64, tokens in KV after this step
-    total_context: int  # their sum
     query_lens: torch.Tensor  # [B] int64 (on the CPU), new tokens of every request
     tokens_per_block: int
     _context: list = field(default_factory=list, repr=False)  # [ContextIndex] once built
@@ -115,7 +114,6 @@ class AttentionMetadata:
             last_token_index=(starts + q_lens - 1).to(dev),
             block_table=bt.to(dev),
             context_lens=c_lens.to(dev),
-            total_context=sum(context_lens),
             query_lens=q_lens,
             tokens_per_block=tokens_per_block,
         )
@@ -200,8 +198,7 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if meta.query_index is None and native_attention.usable(q, kv):
-        return native_attention.decode_attention(q, k, v, kv, meta.block_table[layer], meta.context_lens, scale,
-                                                 meta.total_context)
+        return native_attention.decode_attention(q, k, v, kv, meta.block_table[layer], meta.context_lens, scale)
     table, read, write, row = meta.rows(kv)
     new = torch.stack((k, v)).to(kv.dtype)  # [2, T, Hkv, D]
     table.index_copy_(0, write[layer], new.view(-1, row))

@@ -40,15 +40,10 @@ def usable(q: torch.Tensor, kv: torch.Tensor) -> bool:
             and q.shape[-1] % 8 == 0 and load() is not None)
 
 
-# Context tokens (summed over the batch) per kernel thread: below this a second thread costs more
-# than it saves (the kernel runs on torch's OpenMP workers, so no thread start-up).
-TOKENS_PER_THREAD = 1024
-
-
-def decode_attention(q, k, v, kv, block_table, context_lens, scale: float, total_context: int) -> torch.Tensor:
+def decode_attention(q, k, v, kv, block_table, context_lens, scale: float) -> torch.Tensor:
     """q [B, Hq, D], k/v [B, Hkv, D] (one new token per request), kv the model's pool view
     [blocks, 2, tpb, Hkv, D], block_table int64 [B, max_blocks] of this layer, context_lens int64
-    [B] (including the new token), total_context their sum. Writes k/v into the pool; returns
+    [B] (including the new token). Writes k/v into the pool; returns
     [B, Hq * D]."""
     b, num_heads, head_dim = q.shape
     kv_heads, tpb = k.shape[1], kv.shape[2]
@@ -58,7 +53,7 @@ def decode_attention(q, k, v, kv, block_table, context_lens, scale: float, total
         q.data_ptr(), k.data_ptr(), v.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1), tpb,
         kv_heads, num_heads // kv_heads, head_dim, block_table.data_ptr(), block_table.shape[1],
         context_lens.data_ptr(), b, scale, out.data_ptr(),
-        max(1, min(torch.get_num_threads(), total_context // TOKENS_PER_THREAD)),
+        torch.get_num_threads(),
     )
     if rc != 0:
         raise MemoryError("compiled CPU attention: no memory for its score buffer")

@@ -19,17 +19,15 @@ from paraflex.engine.model import Stage
 from paraflex.errors import ParaflexError
 
 
-# On CPU, small batches run on ONE intra-op thread, leaving the other cores to the gateway,
-# tokenizer and transport threads of the process. With plain `torch.mm` weights (no oneDNN
-# packing: e.g. bfloat16) that is every batch of at most 4 new tokens: a batch-1 decode step of
-# SmolLM2 took 42-47 ms on one thread and 46-57 ms on two on the 2-core VM (memory-bound
-# matrix-vector products plus ~1,000 small ops that each pay a thread hand-off). With packed
-# weights, batches of 2-4 gain 1.4-1.6x from a second thread, so only single-token batches stay
-# on one: bare, a packed batch-1 step is level on two threads (38-48 ms) with one (47-55 ms),
-# but served over HTTP on two threads the gateway's per-token work lands on the engine's
-# second core and the token took 73-92 ms (11.6 tok/s) instead of ~55 ms.
+# On CPU, an unpacked stage (plain `torch.mm` weights: no compiler and no oneDNN, or bfloat16)
+# runs batches of at most 4 new tokens on ONE intra-op thread: a batch-1 decode step of SmolLM2
+# took 42-47 ms on one thread and 46-57 ms on two on the 2-core VM (memory-bound matrix-vector
+# products plus ~1,000 small torch ops that each pay a thread hand-off). A packed stage (the
+# compiled kernels or oneDNN) runs every batch on all threads: the compiled kernels share one
+# thread pool whose caller never waits for a worker that has not started, and SmolLM2 served
+# over HTTP at batch 1 gave 26.5-31.6 tok/s on two threads vs 23.0-25.2 on one (two interleaved
+# pairs, quiet machine; the gateway's thread shares the cores).
 SERIAL_MAX_TOKENS = 4
-SERIAL_MAX_TOKENS_PACKED = 1
 
 
 class Worker:
@@ -77,7 +75,7 @@ class Worker:
             view.shape[2], self.device,
         )
         if self.device.type == "cpu" and self.max_threads > 1:
-            serial = batch.num_tokens <= (SERIAL_MAX_TOKENS_PACKED if stage.packed else SERIAL_MAX_TOKENS)
+            serial = not stage.packed and batch.num_tokens <= SERIAL_MAX_TOKENS
             threads = 1 if serial else self.max_threads
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)

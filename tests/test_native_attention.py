@@ -52,8 +52,7 @@ def test_kernel_matches_the_torch_path_and_writes_the_same_slots(contexts, kv_he
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:  # every thread count asked for is used, however small the batch
-        with mock.patch.object(native_attention, "TOKENS_PER_THREAD", 1):
-            out = paged_attention(q, k, v, kv, 1, meta, head_dim ** -0.5)
+        out = paged_attention(q, k, v, kv, 1, meta, head_dim ** -0.5)
     finally:
         torch.set_num_threads(previous)
     with mock.patch.object(native_attention, "usable", lambda *_: False):
