@@ -232,17 +232,16 @@ class Cluster:
 
     def send_batch(self, eng: SimEngine, key: tuple[str, int], message, at: float) -> None:
         """A batch message reaches `eng` at `at` (a `BatchArrivalEvent`)."""
-        eng.pending.append(at)
-        self.route_pending[key].append(at)
-        ev = BatchArrivalEvent(at, eng, message)
-        self.messages[key].append(ev)
-        self.loop.schedule(ev)
+        self._deliver(eng, key, BatchArrivalEvent(at, eng, message))
 
     def send_tokens(self, eng: SimEngine, key: tuple[str, int], message, at: float) -> None:
         """A token message reaches the first stage `eng` at `at` (a `TokenArrivalEvent`)."""
-        eng.pending.append(at)
-        self.route_pending[key].append(at)
-        ev = TokenArrivalEvent(at, eng, message)
+        self._deliver(eng, key, TokenArrivalEvent(at, eng, message))
+
+    def _deliver(self, eng: SimEngine, key: tuple[str, int], ev) -> None:
+        """Schedule message event `ev` for `eng`, counted as in flight on `eng` and on replica `key`."""
+        eng.pending.append(ev.time)
+        self.route_pending[key].append(ev.time)
         self.messages[key].append(ev)
         self.loop.schedule(ev)
 

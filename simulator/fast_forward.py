@@ -228,13 +228,18 @@ class DecodeFastForward:
         frozen = {ours}
         if len(route) == 1:
             frozen.update(key for key in self.routes_on[route[0].id] if len(cluster.replicas[key[0]][key[1]]) == 1)
+        return self.arrival_horizon(models, t, horizon, seen_engines, frozen)
+
+    def arrival_horizon(self, models, t: float, horizon: float, seen: set[int], frozen) -> float:
+        """The first arrival after `t` of a request of `models` that can reach the engines `seen`
+        before `horizon` (requests a `frozen` replica would take are skipped), else `horizon`."""
         arrivals = self.arrivals
         for m in models:
             ts = arrivals.get(m)
             if ts:
                 i = bisect_right(ts, t)
                 if i < len(ts) and ts[i] < horizon:
-                    i = self._skip_arrivals(m, ts, i, horizon, seen_engines, frozen)
+                    i = self._skip_arrivals(m, ts, i, horizon, seen, frozen)
                     if i < len(ts) and ts[i] < horizon:
                         horizon = ts[i]
         return horizon

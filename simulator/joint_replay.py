@@ -42,7 +42,6 @@ tests/test_sim_joint_replay.py (whole runs identical to step by step).
 
 from __future__ import annotations
 
-from bisect import bisect_right
 
 from paraflex.engine.messages import DECODE
 from paraflex.engine.request import BLOCKED, RUNNING
@@ -312,13 +311,4 @@ class JointReplay:
         model = group[0].info.model
         frozen.add((model, group[0].info.replica))
         models = {m for eng in route for m in ff.models_on[eng.id]}
-        horizon = float("inf")
-        for m in models:
-            ts = ff.arrivals.get(m)
-            if ts:
-                i = bisect_right(ts, t)
-                if i < len(ts) and ts[i] < horizon:
-                    i = ff._skip_arrivals(m, ts, i, horizon, seen, frozen)
-                    if i < len(ts) and ts[i] < horizon:
-                        horizon = ts[i]
-        return horizon
+        return ff.arrival_horizon(models, t, float("inf"), seen, frozen)

@@ -1,7 +1,8 @@
 """Tiny random-weight checkpoints built with `transformers`, the oracle of the engine tests.
 
 Each builder saves a checkpoint with `save_pretrained` (safetensors) into a directory and
-returns the in-memory `transformers` model, whose `generate` is the reference output.
+returns the in-memory `transformers` model, whose `generate` is the reference output;
+`run_stages` runs the engine's `Stage`s of such a model in order, for comparison.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from hand_placement import hand_placement
+from paraflex.engine.attention import AttentionMetadata
 
 VOCAB = 320
 
@@ -104,3 +106,14 @@ def make_config(models: dict, num_engines: int, block_bytes: int = 4096, host_me
         "models": [{"name": n, "hf": str(d)} for n, d in models.items()],
         "scheduler": {"block_bytes": block_bytes, "max_batch_size": max_batch_size},
     })
+
+
+def run_stages(stages, inputs, query_lens, context_lens, kv, tables, tpb):
+    """One forward through consecutive `Stage`s (the layer-wise block `tables` of the whole
+    model, cut per stage): the last stage's output."""
+    x, offset = inputs, 0
+    for st in stages:
+        meta = AttentionMetadata.build(query_lens, context_lens, tables[offset:offset + st.num_layers], tpb)
+        x = st.forward(x, meta, kv)
+        offset += st.num_layers
+    return x

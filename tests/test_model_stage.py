@@ -5,7 +5,7 @@ from unittest import mock
 
 import pytest
 import torch
-from oracle_models import VOCAB, build_llama, build_qwen2
+from oracle_models import VOCAB, build_llama, build_qwen2, run_stages
 
 from paraflex.catalog import arch_from_hf_config
 from paraflex.engine.attention import AttentionMetadata
@@ -26,13 +26,6 @@ def _stages(directory, cuts):
     ]
 
 
-def _run(arch, stages, inputs, query_lens, context_lens, kv, tables, tpb):
-    x, offset = inputs, 0
-    for st in stages:
-        meta = AttentionMetadata.build(query_lens, context_lens, tables[offset:offset + st.num_layers], tpb)
-        x = st.forward(x, meta, kv)
-        offset += st.num_layers
-    return x
 
 
 @pytest.mark.parametrize("builder,cuts", [
@@ -52,12 +45,12 @@ def test_stages_match_transformers_prefill_then_decode(tmp_path, builder, cuts):
     # each (layer, request) gets its own scattered blocks: block tables are layer-wise
     perm = torch.randperm(200, generator=gen).tolist()
     tables = [[perm[(l * 2 + i) * 6:(l * 2 + i) * 6 + 6] for i in range(2)] for l in range(arch.num_layers)]
-    logits = _run(arch, stages, torch.cat(prompts), lens, lens, kv, tables, tpb)
+    logits = run_stages(stages, torch.cat(prompts), lens, lens, kv, tables, tpb)
     with torch.no_grad():
         ref = [model(p[None]).logits[0, -1] for p in prompts]
     assert torch.allclose(logits, torch.stack(ref), atol=1e-4)
     nxt = logits.argmax(-1)
-    logits2 = _run(arch, stages, nxt, [1, 1], [n + 1 for n in lens], kv, tables, tpb)
+    logits2 = run_stages(stages, nxt, [1, 1], [n + 1 for n in lens], kv, tables, tpb)
     with torch.no_grad():
         ref2 = [model(torch.cat([p, t[None]])[None]).logits[0, -1] for p, t in zip(prompts, nxt)]
     assert torch.allclose(logits2, torch.stack(ref2), atol=1e-4)

@@ -7,11 +7,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle_models import VOCAB, build_llama
+from oracle_models import VOCAB, build_llama, run_stages
 
 from paraflex.catalog import arch_from_hf_config
 from paraflex.engine import native_build, native_ops
-from paraflex.engine.attention import AttentionMetadata
 from paraflex.engine.model import Stage
 from paraflex.engine.model import layer_ops
 from paraflex.engine.model.rope import Rotary
@@ -103,13 +102,8 @@ def test_a_stage_with_the_compiled_ops_matches_it_without(tmp_path):
     tables = [[perm[(l * 2 + i) * 4:(l * 2 + i) * 4 + 4] for i in range(2)] for l in range(arch.num_layers)]
 
     def run():
-        kv = torch.zeros(100, 2, tpb, arch.num_kv_heads, arch.head_dim)
-        x, offset = ids, 0
-        for st_ in stages:
-            meta = AttentionMetadata.build(lens, lens, tables[offset:offset + st_.num_layers], tpb)
-            x = st_.forward(x, meta, kv)
-            offset += st_.num_layers
-        return x
+        return run_stages(stages, ids, lens, lens, torch.zeros(100, 2, tpb, arch.num_kv_heads, arch.head_dim),
+                          tables, tpb)
 
     used = []
     real = native_ops.silu_mul
