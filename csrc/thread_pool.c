@@ -105,11 +105,16 @@ static void ensure_workers(int count) {
     pthread_mutex_unlock(&lock);
 }
 
+static int busy; /* a caller holds the pool (atomic) */
+
 /* Run fn(ctx, i) for i in [0, items) on the calling thread and up to threads - 1 workers;
-   returns when all have run. One caller at a time (the engine thread). */
+   returns when all have run. A second caller while the pool is busy (two engines' threads in
+   one process) runs its items on its own thread. */
 void pf_pool_run(pf_task_fn fn, void *ctx, int64_t items, int threads) {
     if (items <= 0) return;
-    if (threads <= 1 || items == 1) {
+    int idle = 0;
+    if (threads <= 1 || items == 1 ||
+        !__atomic_compare_exchange_n(&busy, &idle, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
         for (int64_t i = 0; i < items; i++) fn(ctx, i);
         return;
     }
@@ -128,4 +133,5 @@ void pf_pool_run(pf_task_fn fn, void *ctx, int64_t items, int threads) {
     }
     work(gen);
     while (__atomic_load_n(&job->done, __ATOMIC_ACQUIRE) < items) relax();
+    __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
 }

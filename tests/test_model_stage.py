@@ -215,3 +215,34 @@ def test_the_kernels_thread_pool_runs_thousands_of_small_jobs_exactly():
                     assert torch.equal(lin(x), want[i][j])
     finally:
         torch.set_num_threads(previous)
+
+
+def test_two_threads_calling_the_kernels_at_once_both_get_exact_results():
+    """Two engines' threads in one process: the second caller runs on its own thread while the
+    pool is busy; neither sees the other's items."""
+    import threading
+
+    _needs_layout("panels")
+    g = torch.Generator().manual_seed(2)
+    lin = Linear(torch.randn(16 * 40, 64, generator=g))
+    xs = [torch.randn(50, 64, generator=g) for _ in range(2)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    want = [lin(x) for x in xs]
+    torch.set_num_threads(2)
+    bad = []
+
+    def hammer(i):
+        for _ in range(300):
+            if not torch.equal(lin(xs[i]), want[i]):
+                bad.append(i)
+
+    try:
+        threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(previous)
+    assert bad == []
