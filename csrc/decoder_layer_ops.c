@@ -13,6 +13,7 @@
  */
 #include <math.h>
 
+#include "thread_pool.h"
 #include "vec_math.h"
 
 static float inv_rms(const float *x, int64_t n, float eps) {
@@ -28,7 +29,6 @@ static float inv_rms(const float *x, int64_t n, float eps) {
     return 1.0f / sqrtf(s / (float)n + eps);
 }
 
-void pf_pool_run(void (*fn)(void *, int64_t), void *ctx, int64_t items, int threads); /* thread_pool.c */
 
 /* The row loops: fn(ctx, r0, r1) over [0, rows), split into chunks for the kernels' thread pool
    when there are at least this many floats (prompts); a decode batch's rows stay on the calling

@@ -17,9 +17,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "thread_pool.h"
 #include "vec_math.h"
 
-void pf_pool_run(void (*fn)(void *, int64_t), void *ctx, int64_t items, int threads); /* thread_pool.c */
 
 #define NR 16        /* columns per panel */
 #define ROW_BLOCK 96 /* rows per work item: 16 tiles of 6 */

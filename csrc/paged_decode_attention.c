@@ -1,8 +1,8 @@
 /* Paged decode attention on CPU, float32: one query token per request, reading the request's
  * keys and values where they lie in the block pool (no gather into a contiguous copy).
  *
- * Place in the data flow: engine/native_attention.py (paraflex.engine) compiles this file once per
- * machine (cc -O3 -shared), loads it with ctypes and calls `pf_paged_decode_attention` from
+ * Place in the data flow: engine/native_build.py compiles this file once per machine, and
+ * engine/native_attention.py loads it with ctypes and calls `pf_paged_decode_attention` from
  * `paged_attention` for every layer of a CPU decode batch. The function first stores each
  * request's new key/value vectors into their slots (the last position of its context), then,
  * for every request, computes all its query heads' scores over the whole context (query head
@@ -18,9 +18,9 @@
  */
 #include <stdlib.h>
 
+#include "thread_pool.h"
 #include "vec_math.h"
 
-void pf_pool_run(void (*fn)(void *, int64_t), void *ctx, int64_t items, int threads); /* thread_pool.c */
 
 typedef struct {
     const float *q;             /* [B, kv_heads * group, head_dim] */

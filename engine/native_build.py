@@ -1,12 +1,13 @@
 """Build and load the engine's compiled CPU kernels (the C files of paraflex.csrc).
 
-Place in the data flow: `native_attention` and `native_ops` each own one `NativeLibrary`; the
-first call that needs a kernel loads it: the C file and the headers beside it are compiled once
-per machine with the system C compiler into a cache directory ($PARAFLEX_CACHE_DIR, default
-~/.cache/paraflex, or a per-user temp folder when home is not writable), keyed by the sources and
-the compiler flags (by the CPU's vector capability), then loaded with ctypes. No compiler, a
-failed build, or the library's switch variable set to 0 leaves the torch path in place (one
-log line says why).
+Place in the data flow: `native_attention`, `native_ops` and `model/linear` each own one
+`NativeLibrary`, all depending on `THREAD_POOL` (defined here); the first call that needs a
+kernel loads it: the C file and the headers beside it are compiled once per machine with the
+system C compiler into a cache directory ($PARAFLEX_CACHE_DIR, default ~/.cache/paraflex, or a
+per-user temp folder when home is not writable), keyed by the sources and the compiler flags (by
+the CPU's vector capability), then loaded with ctypes. No compiler or a failed build leaves the
+torch path in place with one warning; a library's switch variable set to 0 (or the pool's,
+PARAFLEX_NATIVE_POOL=0, for all of them) does so silently.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ class NativeLibrary:
         self.tried = True
         if os.environ.get(self.switch, "1") == "0":
             return None
-        if any(dep.load() is None for dep in self.depends):
-            log.warning("%s unavailable (a library it needs is); using the torch path", self.what)
+        missing = [dep.what for dep in self.depends if dep.load() is None]
+        if missing:  # the dependency said why, once
+            log.debug("%s unavailable (needs the %s); using the torch path", self.what, ", ".join(missing))
             return None
         try:
             path = build(self.source, self.extra_flags)

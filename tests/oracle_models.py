@@ -20,13 +20,14 @@ VOCAB = 320
 torch.set_num_threads(1)
 
 
-def build_llama(directory, num_layers=3, seed=0, llama3_rope=True, max_shard_size=None, tie_word_embeddings=False):
+def build_llama(directory, num_layers=3, seed=0, llama3_rope=True, max_shard_size=None, tie_word_embeddings=False,
+                vocab_size=VOCAB):
     torch.manual_seed(seed)
     kw = {}
     if llama3_rope:
         kw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
                       num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=256, rope_theta=50000.0, tie_word_embeddings=tie_word_embeddings,
                       bos_token_id=1, eos_token_id=2, **kw)

@@ -8,9 +8,9 @@ import torch
 from oracle_models import VOCAB, build_llama, build_qwen2, run_stages
 
 from paraflex.catalog import arch_from_hf_config
+from paraflex.engine import native_build
 from paraflex.engine.attention import AttentionMetadata
 from paraflex.engine.model import Stage
-from paraflex.engine import native_build
 from paraflex.engine.model import linear as linear_module
 from paraflex.engine.model.linear import Linear
 from paraflex.engine.model.rope import inv_frequencies
@@ -24,8 +24,6 @@ def _stages(directory, cuts):
         Stage(arch, a, b, load_stage_weights(str(directory), arch, a, b, source_kind="hf"))
         for a, b in cuts
     ]
-
-
 
 
 @pytest.mark.parametrize("builder,cuts", [
@@ -172,10 +170,11 @@ def test_bfloat16_weights_use_torch_mm(rows):
     assert biased.nbytes == (96 * 40 + 96) * w.element_size()
 
 
+@pytest.mark.parametrize("vocab", [VOCAB, VOCAB + 10])  # the second leaves a partial last panel
 @pytest.mark.parametrize("layout", ["panels", "onednn", "plain"])
-def test_tied_table_is_held_twice_only_beside_a_onednn_head(tmp_path, layout):
+def test_tied_table_is_held_twice_only_beside_a_onednn_head(tmp_path, layout, vocab):
     _needs_layout(layout)
-    build_llama(tmp_path, num_layers=2, tie_word_embeddings=True)
+    build_llama(tmp_path, num_layers=2, tie_word_embeddings=True, vocab_size=vocab)
     arch = arch_from_hf_config(str(tmp_path))
     assert arch.tie_embeddings
     with _layout(layout):
@@ -199,22 +198,24 @@ def test_tied_table_is_held_twice_only_beside_a_onednn_head(tmp_path, layout):
 
 def test_the_kernels_thread_pool_runs_thousands_of_small_jobs_exactly():
     """Back-to-back jobs of 1-40 items on 1-4 threads (workers spinning, sleeping, waking late)
-    each give the one-thread result: no item lost, none run twice, none from a stale job."""
+    each give the one-thread result into an output filled with NaN first: an item lost leaves
+    NaN, an item of a stale job run on these outputs would write the wrong panel's values."""
     _needs_layout("panels")
     g = torch.Generator().manual_seed(1)
     lins = [Linear(torch.randn(16 * n, 24, generator=g)) for n in (1, 3, 40)]
     xs = [torch.randn(rows, 24, generator=g) for rows in (1, 5, 100)]
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        want = [[lin(x) for x in xs] for lin in lins]
-        for round_ in range(300):
-            torch.set_num_threads(1 + round_ % 4)
-            for i, lin in enumerate(lins):
-                for j, x in enumerate(xs):
-                    assert torch.equal(lin(x), want[i][j])
-    finally:
-        torch.set_num_threads(previous)
+
+    def run(lin, x, threads):
+        out = torch.full((x.shape[0], lin.out_features), float("nan"))
+        linear_module.LIBRARY.lib.pf_linear(x.data_ptr(), x.shape[0], lin.in_features, lin.panels.data_ptr(),
+                                            None, lin.out_features, out.data_ptr(), threads)
+        return out
+
+    want = [[run(lin, x, 1) for x in xs] for lin in lins]
+    for round_ in range(300):
+        for i, lin in enumerate(lins):
+            for j, x in enumerate(xs):
+                assert torch.equal(run(lin, x, 1 + (round_ + i + j) % 4), want[i][j])
 
 
 def test_two_threads_calling_the_kernels_at_once_both_get_exact_results():

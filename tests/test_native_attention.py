@@ -78,21 +78,25 @@ def test_decode_batches_take_the_kernel_and_prompts_do_not(monkeypatch):
 
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
+    """An empty cache folder and nothing loaded (the kernel and the thread pool it needs)."""
     monkeypatch.setenv("PARAFLEX_CACHE_DIR", str(tmp_path))
-    native_attention.LIBRARY.forget()
+    for lib in (native_attention.LIBRARY, native_build.THREAD_POOL):
+        lib.forget()
     yield tmp_path
-    native_attention.LIBRARY.forget()  # the next test loads from the usual cache again
+    for lib in (native_attention.LIBRARY, native_build.THREAD_POOL):
+        lib.forget()  # the next test loads from the usual cache again
 
 
 def test_kernel_is_built_once_per_cache_dir(fresh_loader):
     lib = native_attention.load()
     assert lib is not None
-    built = [os.path.join(d, f) for d, _, fs in os.walk(fresh_loader) for f in fs]
-    assert len(built) == 1 and built[0].endswith(".so")
-    stamp = os.stat(built[0]).st_mtime_ns
+    built = sorted(os.path.join(d, f) for d, _, fs in os.walk(fresh_loader) for f in fs)
+    assert [os.path.basename(p).split("-")[0] for p in built] == ["paged_decode_attention", "thread_pool"]
+    stamps = [os.stat(p).st_mtime_ns for p in built]
     native_attention.LIBRARY.forget()
+    native_build.THREAD_POOL.forget()
     assert native_attention.load() is not None
-    assert os.stat(built[0]).st_mtime_ns == stamp  # loaded from the cache, not compiled again
+    assert [os.stat(p).st_mtime_ns for p in built] == stamps  # loaded from the cache, not compiled again
 
 
 def test_no_compiler_leaves_the_torch_path_with_one_warning(fresh_loader, monkeypatch, caplog):
@@ -100,8 +104,7 @@ def test_no_compiler_leaves_the_torch_path_with_one_warning(fresh_loader, monkey
     with caplog.at_level(logging.WARNING, logger="paraflex.engine.native_build"):
         assert native_attention.load() is None
         assert native_attention.load() is None
-    assert [r.getMessage() for r in caplog.records if "torch path" in r.getMessage()] != []
-    assert len(caplog.records) == 1
+    assert len(caplog.records) == 1 and "torch path" in caplog.records[0].getMessage()
     assert not native_attention.usable(torch.randn(1, 2, 8), torch.zeros(4, 2, 2, 1, 8))
 
 

@@ -141,7 +141,7 @@ def test_greedy_sampling_takes_the_compiled_argmax():
 
 
 def test_prompt_sized_rows_split_over_threads_give_the_same_results():
-    """Above 65,536 floats the row loops run on torch's threads: same values as one thread."""
+    """Above 65,536 floats the row loops run on the kernels' thread pool: same values as one thread."""
     g = torch.Generator().manual_seed(5)
     stream, x, weight = torch.randn(300, 512, generator=g), torch.randn(300, 512, generator=g), torch.randn(512)
     gate_up, qkv = torch.randn(300, 512, generator=g), torch.randn(300, 12 * 64, generator=g)

@@ -5,7 +5,7 @@ Place in the data flow: `Stage` owns a list of `DecoderLayer`s, one per layer of
 and calls them in order on the packed tokens of a batch, passing each layer's MLP output to the
 next (whose first norm adds it to the residual stream). Projections are fused at load time
 (Q|K|V and gate|up) so each layer is four matmuls, each a `Linear` (engine/model/linear.py:
-oneDNN-packed weights on CPU, transposed weights for `torch.mm` elsewhere).
+packed weights and a compiled kernel on CPU, transposed weights for `torch.mm` elsewhere).
 """
 
 from __future__ import annotations
