@@ -384,8 +384,8 @@ class GroupSim:
             s.replay_grows(es.grows)
             s.replay_counters(es.d, es.seq + es.received, es.formed, es.promotions)
             s.replay_ages(model, es.since, [(r.key[0], r.since) for r in es.replicas])
-        for nbytes in self.hops:
-            metrics.hop(nbytes)
+        metrics.hops += len(self.hops)  # (`metrics.hop` for each)
+        metrics.hop_bytes += sum(self.hops)
         for b, time in self.tokens:
             metrics.tokens([records[rid] for rid in b.rids], time)
         # what is under way at the cut
