@@ -147,6 +147,7 @@ class GroupSim:
         group = self.group
         horizon = self.horizon
         decide = self._decide
+        serve_pipe = self._serve_pipe
         hop = self._hop
         hops, tokens = self.hops, self.tokens
         back = self.back
@@ -200,7 +201,15 @@ class GroupSim:
                 es = group[i]
                 if es.running is None and (es.queue or es.nready):
                     try:
-                        decide(es, x, i == last)
+                        if es.nready:
+                            decide(es, x, i == last)
+                        else:  # only the pipeline's queue: `_decide` would serve it
+                            limit = es.limit
+                            promoted = limit and es.d - es.since > limit
+                            serve_pipe(es, x)
+                            if promoted:
+                                es.promotions += 1
+                            self.decided += 1
                     except Stop:
                         self.cut = x
                         self.held = [group[k] for k in order if k >= i and group[k].running is None
