@@ -80,7 +80,7 @@ class JointReplay:
                 or eng.scheduler.policy.name != "full-batch-first" or not cluster.dispatcher.outstanding(pkey[0])[pkey[1]]):
             return False
         route = [cluster.engines[e] for e in cluster.replicas[pkey[0]][pkey[1]]]
-        if not self._may_replay(eng, route, pkey[0]):
+        if not self._may_replay(eng, sb, route, pkey[0]):
             return False
         state = self._state(eng, sb, route, pkey, t)
         if state is None:
@@ -98,15 +98,16 @@ class JointReplay:
         return True
 
     @staticmethod
-    def _may_replay(first, route, model: str) -> bool:
+    def _may_replay(first, sb, route, model: str) -> bool:
         """Quick refusals (most attempts): a prefill running on the route, a running one-stage
-        batch or a pipeline request about to produce a request's last token."""
+        batch (`sb` on `first` included) or a pipeline request about to produce a request's
+        last token."""
         for eng in route:
             if eng.wake_pending or eng.scheduler.has_swapped:
                 return False
             ev = eng.running
-            if eng is not first and eng.busy and not isinstance(ev, ReplayEndEvent):
-                b = ev.batch
+            if eng is first or (eng.busy and not isinstance(ev, ReplayEndEvent)):
+                b = sb if eng is first else ev.batch
                 if b is None or b.kind != DECODE:
                     return False
                 if b.model != model:

@@ -77,7 +77,7 @@ class GroupEngine:
 
     __slots__ = ("eng", "j", "info", "d", "running", "blocks", "replicas", "queue", "since", "pkv", "pgen", "grows",
                  "busy", "received", "formed", "promotions", "limit", "taken", "messages", "batch_seq", "seq",
-                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready")
+                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready", "fns")
 
     def __init__(self, eng, j: int, info, limit: int):
         self.eng = eng
@@ -87,7 +87,8 @@ class GroupEngine:
         self.d = s.decisions
         self.batch_seq = s._batch_seq
         self.seq = s._seq
-        self.running = None  # (end, what): a ReplicaBatch, a PipeBatch, or the key of a held stage
+        self.running = None  # at the start (end, what): a ReplicaBatch, a PipeBatch, or the key of a held stage;
+        # in the simulation what runs (only whether it is None matters)
         self.blocks = eng.pool.num_free
         self.replicas: list[ReplicaBatch] = []
         self.nready = 0  # replicas waiting in their decode queue
@@ -108,6 +109,7 @@ class GroupEngine:
         self.started = None  # the one-stage batch this engine formed at the start (no event yet)
         self.queued: set = set()  # later stages: ids of the batches queued at the start
         self.served_queued = 0  # later stages: how many of them ran
+        self.fns: dict = {}  # the pipeline stage's decode time function per batch size
 
 
 class GroupSim:
@@ -131,69 +133,96 @@ class GroupSim:
         self.last = len(group) - 1
         self.held: list[GroupEngine] = []  # engines that decide for real at the cut instant
         self.cut = None
+        self.key0 = {rid: r.key for rid, r in self.req0.items()}  # first stage: each request's queue key
+        self.hop_cache: dict[int, tuple[int, float]] = {}
 
     def push(self, time: float, kind: int, j: int, what) -> None:
         heappush(self.heap, (time, kind, self.seq, j, what))
         self.seq += 1
 
     def run(self) -> None:
+        """The local events in the event loop's order: everything at an instant first, then
+        each engine touched at it decides, in engine order."""
         heap = self.heap
         group = self.group
         horizon = self.horizon
-        handle = self._handle
+        decide = self._decide
+        serve_pipe = self._serve_pipe
+        hop = self._hop
+        hops, tokens = self.hops, self.tokens
+        back = self.back
+        last_stage = self.last
+        gen0, key0 = self.gen0, self.key0.__getitem__
+        orders = _orders(len(group))
         while heap and heap[0][0] < horizon:
-            x, kind, _, j, what = heappop(heap)
-            handle(kind, group[j], what, x)
-            if heap and heap[0][0] == x:  # several events at this instant: all first, then decisions
-                woken = {j}
-                while heap and heap[0][0] == x:
-                    _, kind, _, j, what = heappop(heap)
-                    handle(kind, group[j], what, x)
-                    woken.add(j)
-                order = sorted(woken)
-            else:
-                order = (j,)
+            x = heap[0][0]
+            touched = 0
+            while True:
+                _, kind, _, j, what = heappop(heap)
+                es = group[j]
+                touched |= 1 << j
+                if kind == END:
+                    es.running = None
+                    cls = what.__class__
+                    if cls is ReplicaBatch:
+                        what.ready = True
+                        es.nready += 1
+                    elif cls is PipeBatch:
+                        if j < last_stage:
+                            nbytes, dt = hop(what.n)
+                            hops.append(nbytes)
+                            heappush(heap, (x + dt, ARRIVE, self.seq, j + 1, what))
+                        else:
+                            tokens.append((what, x))
+                            heappush(heap, (x + back, TOKENS, self.seq, 0, what))
+                        self.seq += 1
+                    # else: the end of a stage an earlier replay accounted for
+                elif kind == ARRIVE:
+                    q = es.queue
+                    if not q:
+                        es.since = es.d
+                    insort(q, what, key=_batch_head)
+                    es.received += 1
+                    es.arrivals.append((what, es.d, es.received))
+                else:  # tokens back at the first stage: its requests wait for the next batch
+                    q = es.queue
+                    if not q:
+                        es.since = es.d
+                    bid_of = es.bid_of
+                    for rid in what.rids:
+                        gen0[rid] += 1
+                        insort(q, rid, key=key0)
+                        del bid_of[rid]
+                if not heap or heap[0][0] != x:
+                    break
+            order = orders[touched]
             last = order[-1]
             for i in order:  # each engine touched at x decides (after everything at x)
                 es = group[i]
                 if es.running is None and (es.queue or es.nready):
                     try:
-                        self._decide(es, x, i == last)
+                        if es.nready:
+                            decide(es, x, i == last)
+                        else:  # only the pipeline's queue: `_decide` would serve it
+                            limit = es.limit
+                            promoted = limit and es.d - es.since > limit
+                            serve_pipe(es, x)
+                            if promoted:
+                                es.promotions += 1
+                            self.decided += 1
                     except Stop:
                         self.cut = x
                         self.held = [group[k] for k in order if k >= i and group[k].running is None
                                      and (group[k].queue or group[k].nready)]
                         return
 
-    def _handle(self, kind: int, es: GroupEngine, what, x: float) -> None:
-        if kind == END:
-            es.running = None
-            if isinstance(what, tuple):  # the end of a stage an earlier replay accounted for
-                pass
-            elif isinstance(what, ReplicaBatch):
-                what.ready = True
-                es.nready += 1
-            elif es.j < self.last:
-                nbytes = CostModel.hidden_bytes(self.arch, what.n)
-                self.hops.append(nbytes)
-                self.push(x + self.cluster.interconnect.transfer_time(nbytes), ARRIVE, es.j + 1, what)
-            else:
-                self.tokens.append((what, x))
-                self.push(x + self.back, TOKENS, 0, what)
-        elif kind == ARRIVE:
-            if not es.queue:
-                es.since = es.d
-            insort(es.queue, what, key=_batch_head)
-            es.received += 1
-            es.arrivals.append((what, es.d, es.received))
-        else:  # tokens back at the first stage: its requests wait for the next batch
-            if not es.queue:
-                es.since = es.d
-            gen0, req0 = self.gen0, self.req0
-            for rid in what.rids:
-                gen0[rid] += 1
-                insort(es.queue, rid, key=lambda r: req0[r].key)
-                es.bid_of.pop(rid)
+    def _hop(self, n: int) -> tuple[int, float]:
+        """(bytes, transfer time) of a hop of n tokens (the handlers' expressions), cached per n."""
+        h = self.hop_cache.get(n)
+        if h is None:
+            nbytes = CostModel.hidden_bytes(self.arch, n)
+            h = self.hop_cache[n] = (nbytes, self.cluster.interconnect.transfer_time(nbytes))
+        return h
 
     def _decide(self, es: GroupEngine, x: float, last: bool) -> None:
         """The decision `schedule` makes at x (every attempt succeeds: the serve checks KV);
@@ -201,16 +230,22 @@ class GroupSim:
         limit = es.limit
         d = es.d
         best = best_order = None
-        starving = []
-        for r in es.replicas:
-            if r.ready:
-                if limit and d - r.since > limit:
-                    starving.append((r.head, r))
-                if best is None or r.order < best_order:
-                    best, best_order = r, r.order
-        if es.queue:  # the pipeline's queue (None below)
-            head = self.req0[es.queue[0]].key if es.j == 0 else (es.queue[0].head, 0)
+        starving = None
+        if es.nready:
+            for r in es.replicas:
+                if r.ready:
+                    if limit and d - r.since > limit:
+                        if starving is None:
+                            starving = []
+                        starving.append((r.head, r))
+                    if best is None or r.order < best_order:
+                        best, best_order = r, r.order
+        q = es.queue
+        if q:  # the pipeline's queue (None below)
+            head = self.key0[q[0]] if es.j == 0 else (q[0].head, 0)
             if limit and d - es.since > limit:
+                if starving is None:
+                    starving = []
                 starving.append((head, None))
             if best is None or (SMALL, head) < best_order:
                 best = None
@@ -273,38 +308,48 @@ class GroupSim:
             x = end  # the engine decides at this end: r again
             self.decided += 1
         r.since = es.d  # served at decision d, back (non-empty again) before the next
-        es.running = (end, r)
-        self.push(end, END, es.j, r)
+        es.running = r
+        heappush(heap, (end, END, self.seq, es.j, r))
+        self.seq += 1
 
     def _serve_pipe(self, es: GroupEngine, x: float) -> None:
+        pkv = es.pkv
         if es.j == 0:  # the waiting requests form one batch (fewer than max_batch_size)
-            rids = es.queue
+            rids = es.queue  # (sorted by key: its head is the earliest arrival)
             req0, gen0 = self.req0, self.gen0
-            if any(req0[rid].max_new_tokens - gen0[rid] < 2 for rid in rids):
-                raise Stop  # its token would be a request's last
+            for rid in rids:
+                if req0[rid].max_new_tokens - gen0[rid] < 2:
+                    raise Stop  # its token would be a request's last
             bid = f"{self.pkey[0]}/e{es.eng.id}/{es.batch_seq + es.formed + 1}"
-            b = PipeBatch(list(rids), [es.pkv[rid][3] for rid in rids], bid, x, min(req0[rid].arrival for rid in rids))
+            b = PipeBatch(rids, [pkv[rid][3] for rid in rids], bid, x, self.key0[rids[0]][0])
         else:
             b = es.queue[0]
-        end = x + es.eng.decode_time_fn(es.info, b.n)(b.csum + b.n)
-        if not self._grow(es, [es.pkv[rid] for rid in b.rids]):
+        n = b.n
+        fn = es.fns.get(n)
+        if fn is None:
+            fn = es.fns[n] = es.eng.decode_time_fn(es.info, n)
+        end = x + fn(b.csum + n)
+        if not self._grow(es, [pkv[rid] for rid in b.rids]):
             raise Stop  # it would evict
         if es.j == 0:
             es.queue = []
             es.formed += 1
+            bid_of = es.bid_of
             for rid in b.rids:
-                es.bid_of[rid] = b.bid
+                bid_of[rid] = bid
         else:
             del es.queue[0]
             if id(b) in es.queued:
                 es.served_queued += 1
+            pgen = es.pgen
             for rid in b.rids:
-                es.pgen[rid] += 1
+                pgen[rid] += 1
         es.since = es.d
         es.d += 1
-        es.busy.append((x, end, b.n))
-        es.running = (end, b)
-        self.push(end, END, es.j, b)
+        es.busy.append((x, end, n))
+        es.running = b
+        heappush(self.heap, (end, END, self.seq, es.j, b))
+        self.seq += 1
 
     # ------------------------------------------------------------------ the cut
     def apply(self) -> None:
@@ -348,8 +393,8 @@ class GroupSim:
             s.replay_grows(es.grows)
             s.replay_counters(es.d, es.seq + es.received, es.formed, es.promotions)
             s.replay_ages(model, es.since, [(r.key[0], r.since) for r in es.replicas])
-        for nbytes in self.hops:
-            metrics.hop(nbytes)
+        metrics.hops += len(self.hops)  # (`metrics.hop` for each)
+        metrics.hop_bytes += sum(self.hops)
         for b, time in self.tokens:
             metrics.tokens([records[rid] for rid in b.rids], time)
         # what is under way at the cut
@@ -392,3 +437,14 @@ def _batch_head(b: PipeBatch) -> float:
 
 def _first(pair):
     return pair[0]
+
+
+_ORDERS: dict[int, list] = {}
+
+
+def _orders(n: int) -> list:
+    """For each bit mask of n engines, the engines set in it, in order."""
+    o = _ORDERS.get(n)
+    if o is None:
+        o = _ORDERS[n] = [tuple(i for i in range(n) if m >> i & 1) for m in range(1 << n)]
+    return o
