@@ -16,7 +16,8 @@
 #include "thread_pool.h"
 #include "vec_math.h"
 
-static float inv_rms(const float *x, int64_t n, float eps) {
+/* o = w * (x * (1 / sqrt(mean(x^2) + eps))) for one row of n floats. */
+static void norm_row(const float *x, const float *w, float *o, int64_t n, float eps) {
     v8f acc = {0};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -26,9 +27,9 @@ static float inv_rms(const float *x, int64_t n, float eps) {
     float s = 0;
     for (int k = 0; k < 8; k++) s += acc[k];
     for (; i < n; i++) s += x[i] * x[i];
-    return 1.0f / sqrtf(s / (float)n + eps);
+    const float inv = 1.0f / sqrtf(s / (float)n + eps);
+    for (i = 0; i < n; i++) o[i] = w[i] * (x[i] * inv);
 }
-
 
 /* The row loops: fn(ctx, r0, r1) over [0, rows), split into chunks for the kernels' thread pool
    when there are at least this many floats (prompts); a decode batch's rows stay on the calling
@@ -65,15 +66,9 @@ typedef struct {
     float eps;
 } norm_t;
 
-/* out[r] = w * (x[r] * inv_rms(x[r])) */
 static void norm_rows(const void *c, int64_t r0, int64_t r1) {
     const norm_t *a = (const norm_t *)c;
-    for (int64_t r = r0; r < r1; r++) {
-        const float *xr = a->x + r * a->n;
-        float *o = a->out + r * a->n;
-        const float inv = inv_rms(xr, a->n, a->eps);
-        for (int64_t i = 0; i < a->n; i++) o[i] = a->w[i] * (xr[i] * inv);
-    }
+    for (int64_t r = r0; r < r1; r++) norm_row(a->x + r * a->n, a->w, a->out + r * a->n, a->n, a->eps);
 }
 
 /* stream[r] += x[r], then out[r] = RMSNorm(stream[r]) */
@@ -83,12 +78,11 @@ static void add_norm_rows(const void *c, int64_t r0, int64_t r1) {
         float *sr = a->stream + r * a->n, *o = a->out + r * a->n;
         const float *xr = a->x + r * a->n;
         for (int64_t i = 0; i < a->n; i++) sr[i] += xr[i];
-        const float inv = inv_rms(sr, a->n, a->eps);
-        for (int64_t i = 0; i < a->n; i++) o[i] = a->w[i] * (sr[i] * inv);
+        norm_row(sr, a->w, o, a->n, a->eps);
     }
 }
 
-/* out[r] = w * (x[r] * inv_rms(x[r])) for rows r of n floats. */
+/* out[r] = RMSNorm(x[r]) (norm_row) for rows r of n floats. */
 void pf_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps, int num_threads) {
     const norm_t a = {NULL, x, w, out, n, eps};
     over_rows(norm_rows, &a, rows, n, num_threads);

@@ -39,6 +39,7 @@ static job_t jobs[JOB_SLOTS];
 static uint64_t word;         /* generation << 32 | next item to claim (atomic) */
 static int sleepers;          /* workers waiting on `wake` (atomic) */
 static int started;           /* workers started */
+static int busy;              /* a caller holds the pool (atomic) */
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 
@@ -117,8 +118,6 @@ static void ensure_workers(int count) {
     }
     pthread_mutex_unlock(&lock);
 }
-
-static int busy; /* a caller holds the pool (atomic) */
 
 /* See thread_pool.h. A second caller while the pool is busy (two engines' threads in one
    process), or a job of more than 2^32 items, runs its items on its own thread. */
