@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +57,6 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int64, tokens in KV after this step
     query_lens: torch.Tensor  # [B] int64 (on the CPU), new tokens of every request
     tokens_per_block: int
-    _context: list = field(default_factory=list, repr=False)  # [ContextIndex] once built
     _rows: dict = field(default_factory=dict, repr=False)  # pool geometry -> (read rows, write rows)
 
     @classmethod
@@ -118,12 +118,11 @@ class AttentionMetadata:
             tokens_per_block=tokens_per_block,
         )
 
+    @cached_property
     def context(self) -> "ContextIndex":
         """Where every context slot of the batch lies and who may attend it: built on first use
         (the torch path needs it; the compiled CPU decode kernel walks the block table itself)."""
-        if not self._context:
-            self._context.append(ContextIndex.build(self))
-        return self._context[0]
+        return ContextIndex.build(self)
 
     def rows(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """(row table of the pool view `kv`, read rows [L, 2*B*H*K*r], write rows [L, 2*T*H*r],
@@ -137,7 +136,7 @@ class AttentionMetadata:
         if cached is None:
             per_vec = head_dim // row
             dev = kv.device
-            ctx = self.context()
+            ctx = self.context
             # row of element 0 of (block, k/v, slot, head): block*stride/row + ((kv*tpb + slot)*H + head)*per_vec
             kvh = (torch.arange(2, device=dev)[:, None] * tpb * heads + torch.arange(heads, device=dev)[None, :])
             sub = torch.arange(per_vec, device=dev)
@@ -202,7 +201,7 @@ def paged_attention(
     table, read, write, row = meta.rows(kv)
     new = torch.stack((k, v)).to(kv.dtype)  # [2, T, Hkv, D]
     table.index_copy_(0, write[layer], new.view(-1, row))
-    context = meta.context()
+    context = meta.context
     b, max_q, max_k = meta.num_seqs, meta.max_query, context.read_block.shape[2]
     ctx = table.index_select(0, read[layer]).view(2, b, kv_heads, max_k, head_dim).to(q.dtype)
     keys, values = ctx[0], ctx[1]  # [B, Hkv, K, D]

@@ -36,15 +36,13 @@ def load() -> ctypes.CDLL | None:
 def usable(q: torch.Tensor, kv: torch.Tensor) -> bool:
     """Whether this decode batch can take the kernel: float32 on CPU, head_dim a multiple of the
     kernel's vector width (8), kernel loaded."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and kv.dtype == torch.float32
-            and q.shape[-1] % 8 == 0 and load() is not None)
+    return kv.dtype == torch.float32 and q.shape[-1] % 8 == 0 and LIBRARY.serves(q.device, q.dtype)
 
 
 def decode_attention(q, k, v, kv, block_table, context_lens, scale: float) -> torch.Tensor:
     """q [B, Hq, D], k/v [B, Hkv, D] (one new token per request), kv the model's pool view
     [blocks, 2, tpb, Hkv, D], block_table int64 [B, max_blocks] of this layer, context_lens int64
-    [B] (including the new token). Writes k/v into the pool; returns
-    [B, Hq * D]."""
+    [B] (including the new token). Writes k/v into the pool; returns [B, Hq * D]."""
     b, num_heads, head_dim = q.shape
     kv_heads, tpb = k.shape[1], kv.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

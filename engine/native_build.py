@@ -86,9 +86,10 @@ class NativeLibrary:
 
     `switch`: environment variable that turns it off when set to 0. `declare(lib)` sets the
     functions' ctypes signatures. `depends`: libraries loaded first with their symbols global
-    (the kernels call the thread pool's `pf_pool_run`); `global_symbols`: load this one so. `hold_gil`: load with ctypes.PyDLL (the GIL stays held during
-    calls: right for calls of microseconds, where releasing and taking it back costs more and can
-    hand the interpreter to another thread); else ctypes.CDLL (released: long kernels)."""
+    (the kernels call the thread pool's `pf_pool_run`); `global_symbols`: load this one so.
+    `hold_gil`: load with ctypes.PyDLL (the GIL stays held during calls: right for calls of
+    microseconds, where releasing and taking it back costs more and can hand the interpreter to
+    another thread); else ctypes.CDLL (released: long kernels)."""
 
     def __init__(self, source: str, switch: str, what: str, declare: Callable[[ctypes.CDLL], None], *,
                  extra_flags: tuple[str, ...] = (), depends: tuple["NativeLibrary", ...] = (),
@@ -119,6 +120,11 @@ class NativeLibrary:
         self.declare(lib)
         self.lib = lib
         return lib
+
+    def serves(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether this library runs tensors of `device` and `dtype`: every kernel here is for
+        float32 on CPU, and only once the library has loaded."""
+        return device.type == "cpu" and dtype == torch.float32 and self.load() is not None
 
     def forget(self) -> None:
         """Load again on the next call (tests of the build rules)."""

@@ -36,7 +36,7 @@ LIBRARY = NativeLibrary("decoder_layer_ops.c", "PARAFLEX_NATIVE_OPS", "compiled 
 
 def applies(x: torch.Tensor) -> bool:
     """Whether `x`'s ops run compiled: float32 on CPU, library loaded."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and LIBRARY.load() is not None
+    return LIBRARY.serves(x.device, x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

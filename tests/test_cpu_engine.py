@@ -98,7 +98,7 @@ def test_decode_batch_of_uneven_contexts_matches_contiguous_attention(contexts, 
                         torch.cat([ks[i][:-1] for i in prefix]), torch.cat([vs[i][:-1] for i in prefix]),
                         kv, 0, meta0, d ** -0.5)
     meta = AttentionMetadata.build([1] * len(contexts), contexts, [tables], tpb)
-    assert meta.query_index is None and (meta.context().bias is None) == (len(set(contexts)) == 1)
+    assert meta.query_index is None and (meta.context.bias is None) == (len(set(contexts)) == 1)
     q = torch.randn(len(contexts), hq, d, generator=g)
     ref = torch.cat([_decode_reference(q[i:i + 1], ks[i], vs[i]) for i in range(len(contexts))])
     k_new, v_new = torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs])

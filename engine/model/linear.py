@@ -45,7 +45,7 @@ LIBRARY = NativeLibrary("linear_f32.c", "PARAFLEX_NATIVE_LINEAR", "compiled CPU 
 
 
 def native_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and LIBRARY.load() is not None
+    return LIBRARY.serves(device, dtype)
 
 
 def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
