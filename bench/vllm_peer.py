@@ -56,15 +56,19 @@ def _free_port() -> int:
 
 
 class VllmServer:
-    """`vllm serve` (CPU build) of `checkpoint` under `python`, float32, `threads` OpenMP threads
-    bound to cores 0..threads-1, at most `max_batch` sequences; `url` once it answers /health."""
+    """`vllm serve` (CPU build) of `checkpoint` under `python`, float32, its worker's `threads`
+    OpenMP threads bound to cores 0..threads-1 (`VLLM_CPU_OMP_THREADS_BIND`), Intel OpenMP
+    preloaded as vLLM's CPU guide asks, at most `max_batch` sequences, other settings vLLM's
+    defaults; `url` once it answers /health. (tcmalloc, which the guide also suggests, is not
+    installed here.)"""
 
     def __init__(self, python: str, checkpoint: str, threads: int, max_batch: int, timeout: float = 900.0):
         port = _free_port()
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2",
-               "OMP_NUM_THREADS": str(threads), "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
                "VLLM_LOGGING_LEVEL": "WARNING"}
         env.pop("PYTHONPATH", None)
+        env.pop("OMP_NUM_THREADS", None)  # vLLM warns it slows its non-worker processes; the bind sets the worker's
         iomp = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(python))), "lib", "libiomp5.so")
         if os.path.exists(iomp):  # vLLM's CPU guide: Intel OpenMP preloaded (the package installs it)
             env["LD_PRELOAD"] = ":".join(filter(None, [iomp, env.get("LD_PRELOAD")]))
