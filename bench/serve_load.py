@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 
+import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is no package: find serve_client.py
@@ -230,6 +231,14 @@ def paraflex_run(url: str, prompts: list[list[int]], out_len: int, batch: int, t
             "tpot_ms": 1000 * float(np.median([r.tpot for r in results]))}
 
 
+def greedy_text(url: str, prompt: list[int], n: int = 16) -> str:
+    """The first `n` greedy tokens' text for `prompt` (non-streaming /v1/completions)."""
+    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
 def _median_run(runs: list[dict]) -> dict:
     return {k: float(np.median([r[k] for r in runs])) for k in ("tok_s", "ttft_ms", "tpot_ms")}
 
@@ -258,6 +267,9 @@ def peer_phase(args, rng) -> dict:
                     vllm = vllm_peer.VllmServer(args.vllm_python, checkpoint, threads, max(batches))
                     for b in batches:  # warm-up at every batch size (vLLM's first batch of a size is slower)
                         paraflex_run(vllm.url, prompts, 8, b, args.request_timeout)
+                    ours_text, vllm_text = greedy_text(server.url, prompts[0]), greedy_text(vllm.url, prompts[0])
+                    print(f"  same model check, 16 greedy tokens: {'identical' if ours_text == vllm_text else 'DIFFERENT'}"
+                          f" (ParaFlex {ours_text!r}, vLLM {vllm_text!r})", flush=True)
                 for rnd in range(args.rounds):
                     for b in batches:
                         load0 = os.getloadavg()[0]

