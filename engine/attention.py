@@ -27,7 +27,9 @@ row numbers of all layers are computed once per step (`AttentionMetadata.rows`) 
 by the layers. Decode (one query per request) multiplies by the grouped queries directly
 (``[B, kv_heads, group, D] @ K^T``, masked softmax, ``@ V``): the same operations in the same
 order as `transformers`' eager attention. Prompts use `scaled_dot_product_attention` (its
-tiled kernel keeps long prompts from materialising the full score matrix).
+tiled kernel keeps long prompts from materialising the full score matrix); whole prompts with
+nothing cached (`AttentionMetadata.fresh`) attend their own new keys/values with the causal
+flag, without reading the context back or building its mask.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int64, tokens in KV after this step
     query_lens: torch.Tensor  # [B] int64 (on the CPU), new tokens of every request
     tokens_per_block: int
+    fresh: bool = False  # every request's context is its new tokens (whole prompts, nothing cached)
     _rows: dict = field(default_factory=dict, repr=False)  # pool geometry -> (read rows, write rows)
 
     @classmethod
@@ -116,6 +119,7 @@ class AttentionMetadata:
             context_lens=c_lens.to(dev),
             query_lens=q_lens,
             tokens_per_block=tokens_per_block,
+            fresh=query_lens == context_lens,
         )
 
     @cached_property
@@ -124,30 +128,32 @@ class AttentionMetadata:
         (the torch path needs it; the compiled CPU decode kernel walks the block table itself)."""
         return ContextIndex.build(self)
 
-    def rows(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """(row table of the pool view `kv`, read rows [L, 2*B*H*K*r], write rows [L, 2*T*H*r],
-        row size) where r = head_dim // row size; computed once per pool geometry."""
+    def rows(self, kv: torch.Tensor, read: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
+        """(row table of the pool view `kv`, read rows [L, 2*B*H*K*r] (None unless `read`),
+        write rows [L, 2*T*H*r], row size) where r = head_dim // row size; computed once per
+        pool geometry (the read rows on first use)."""
         num_blocks, _, tpb, heads, head_dim = kv.shape
         stride = kv.stride(0)
         row = math.gcd(stride, head_dim)
         table = torch.as_strided(kv, (num_blocks * stride // row, row), (row, 1), kv.storage_offset())
         key = (stride, tpb, heads, head_dim)
+        per_vec = head_dim // row
+        dev = kv.device
+        # row of element 0 of (block, k/v, slot, head): block*stride/row + ((kv*tpb + slot)*H + head)*per_vec
+        kvh = (torch.arange(2, device=dev)[:, None] * tpb * heads + torch.arange(heads, device=dev)[None, :])
+        sub = torch.arange(per_vec, device=dev)
         cached = self._rows.get(key)
         if cached is None:
-            per_vec = head_dim // row
-            dev = kv.device
-            ctx = self.context
-            # row of element 0 of (block, k/v, slot, head): block*stride/row + ((kv*tpb + slot)*H + head)*per_vec
-            kvh = (torch.arange(2, device=dev)[:, None] * tpb * heads + torch.arange(heads, device=dev)[None, :])
-            sub = torch.arange(per_vec, device=dev)
-            layers = ctx.read_block.shape[0]
-            base = ctx.read_block * (stride // row) + (ctx.read_offset * heads * per_vec)  # [L, B, K]
-            read = (base[:, None, :, None, :, None] + (kvh * per_vec)[None, :, None, :, None, None]
-                    + sub).reshape(layers, -1)  # [L, 2, B, H, K, per_vec]
             wbase = self.write_block * (stride // row) + self.write_offset * heads * per_vec  # [L, T]
             write = (wbase[:, None, :, None, None] + (kvh * per_vec)[None, :, None, :, None]
-                     + sub).reshape(layers, -1)  # [L, 2, T, H, per_vec]
-            cached = self._rows[key] = (read, write)
+                     + sub).reshape(wbase.shape[0], -1)  # [L, 2, T, H, per_vec]
+            cached = self._rows[key] = [None, write]
+        if read and cached[0] is None:
+            ctx = self.context
+            layers = ctx.read_block.shape[0]
+            base = ctx.read_block * (stride // row) + (ctx.read_offset * heads * per_vec)  # [L, B, K]
+            cached[0] = (base[:, None, :, None, :, None] + (kvh * per_vec)[None, :, None, :, None, None]
+                         + sub).reshape(layers, -1)  # [L, 2, B, H, K, per_vec]
         return table, cached[0], cached[1], row
 
 
@@ -198,9 +204,12 @@ def paged_attention(
     kv_heads = k.shape[1]
     if meta.query_index is None and native_attention.usable(q, kv):
         return native_attention.decode_attention(q, k, v, kv, meta.block_table[layer], meta.context_lens, scale)
-    table, read, write, row = meta.rows(kv)
+    fresh = meta.fresh and meta.query_index is not None
+    table, read, write, row = meta.rows(kv, read=not fresh)
     new = torch.stack((k, v)).to(kv.dtype)  # [2, T, Hkv, D]
     table.index_copy_(0, write[layer], new.view(-1, row))
+    if fresh:
+        return _fresh_prompts(q, k, v, meta, scale)
     context = meta.context
     b, max_q, max_k = meta.num_seqs, meta.max_query, context.read_block.shape[2]
     ctx = table.index_select(0, read[layer]).view(2, b, kv_heads, max_k, head_dim).to(q.dtype)
@@ -219,3 +228,26 @@ def paged_attention(
         scale=scale, enable_gqa=num_heads != kv_heads,
     )  # [B, Hq, Q, D]
     return out.transpose(1, 2).reshape(b * max_q, num_heads * head_dim)[meta.query_index]
+
+
+def _fresh_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                   scale: float) -> torch.Tensor:
+    """Whole prompts (no cached context): each attends its own new keys/values causally, so
+    the pool is not read back and the kernel skips the blocks above the diagonal. Prompts of
+    one length need no padding; shorter ones are padded to the longest (a padded key lies
+    after every real query of its prompt, so causality hides it; padded query rows are
+    dropped)."""
+    num_tokens, num_heads, head_dim = q.shape
+    b, max_q = meta.num_seqs, meta.max_query
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, Q, D]
+        if num_tokens != b * max_q:
+            full = x.new_zeros(b * max_q, *x.shape[1:])
+            full[meta.query_index] = x
+            x = full
+        return x.view(b, max_q, *x.shape[1:]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale,
+                                         enable_gqa=num_heads != k.shape[1])  # [B, Hq, Q, D]
+    out = out.transpose(1, 2).reshape(b * max_q, num_heads * head_dim)
+    return out if num_tokens == b * max_q else out[meta.query_index]

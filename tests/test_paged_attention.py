@@ -86,3 +86,33 @@ def test_swap_plans_copy_blocks_to_host_and_back():
     view[2].zero_()
     cache.swap_in([(2, 3), (0, 0)])
     assert view[3].eq(3.0).all() and view[0].eq(4.0).all()
+
+
+@given(prompt_lens=st.lists(st.integers(1, 12), min_size=1, max_size=4), tpb=st.sampled_from([1, 4, 16]),
+       seed=st.integers(0, 10_000))
+@settings(max_examples=30, deadline=None)
+def test_whole_prompts_attend_their_own_keys_and_leave_them_in_the_pool(prompt_lens, tpb, seed):
+    """Whole prompts (nothing cached: the causal path over the new keys, prompts of one length
+    unpadded, of several lengths padded) give plain causal attention, and a decode step after
+    them reads the keys and values they wrote."""
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache(num_blocks=200, block_bytes=tpb * 2 * HKV * D * 4, host_num_blocks=0)
+    kv = cache.model_view(HKV, D, torch.float32)
+    free = torch.randperm(200, generator=g).tolist()
+    tables = [[[free.pop() for _ in range(-(-(n + 1) // tpb))] for n in prompt_lens]]
+    ks = [torch.randn(n + 1, HKV, D, generator=g) for n in prompt_lens]
+    vs = [torch.randn(n + 1, HKV, D, generator=g) for n in prompt_lens]
+    qs = [torch.randn(n, HQ, D, generator=g) for n in prompt_lens]
+    meta = AttentionMetadata.build(prompt_lens, prompt_lens, tables, tpb)
+    assert meta.fresh
+    out = paged_attention(torch.cat(qs), torch.cat([k[:-1] for k in ks]), torch.cat([v[:-1] for v in vs]),
+                          kv, 0, meta, D ** -0.5)
+    ref = torch.cat([_reference(q, k[:-1], v[:-1]) for q, k, v in zip(qs, ks, vs)])
+    assert torch.allclose(out, ref, atol=1e-5)
+    step = AttentionMetadata.build([1] * len(prompt_lens), [n + 1 for n in prompt_lens], tables, tpb)
+    assert not step.fresh
+    q1 = torch.randn(len(prompt_lens), HQ, D, generator=g)
+    out1 = paged_attention(q1[:, None].reshape(-1, HQ, D), torch.stack([k[-1] for k in ks]),
+                           torch.stack([v[-1] for v in vs]), kv, 0, step, D ** -0.5)
+    ref1 = torch.cat([_reference(q1[i:i + 1], k, v) for i, (k, v) in enumerate(zip(ks, vs))])
+    assert torch.allclose(out1, ref1, atol=1e-5)
