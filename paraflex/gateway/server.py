@@ -9,6 +9,7 @@ by handle.
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -41,15 +42,33 @@ def base_url(sock: socket.socket) -> str:
     return f"http://{host}:{port}"
 
 
-def _server(app: FastAPI) -> uvicorn.Server:
+class _Server(uvicorn.Server):
+    """uvicorn's server, remembering the shutdown signals its handlers caught."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.caught: list[int] = []
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.caught.append(sig)
+        super().handle_exit(sig, frame)
+
+
+def _server(app: FastAPI) -> _Server:
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                             lifespan="off")
-    return uvicorn.Server(config)
+    return _Server(config)
 
 
 def serve(app: FastAPI, sock: socket.socket) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn's handlers), then return."""
-    _server(app).run(sockets=[sock])
+    """Serve until SIGINT/SIGTERM (uvicorn's handlers), then return; after a Ctrl-C, raise
+    KeyboardInterrupt (the CLI exits 130). uvicorn re-raises the signal it caught as it leaves,
+    but asyncio's runner turns that SIGINT into a cancellation of its main task, which is lost
+    when the task has already finished: the interrupt must not depend on that race."""
+    server = _server(app)
+    server.run(sockets=[sock])
+    if signal.SIGINT in server.caught:
+        raise KeyboardInterrupt
 
 
 class ServerThread:
