@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -96,14 +97,20 @@ class VllmServer:
         raise SystemExit(f"serve_load: vllm serve did not answer /health within {timeout:.0f} s; its log: {self.log.name}")
 
     def stop(self) -> None:
-        """SIGINT to its process group (vLLM starts an engine-core child), then SIGKILL after 30 s."""
+        """SIGINT to its process group (vLLM starts engine-core and worker children), up to 30 s
+        to shut down, then SIGKILL to whatever of the group is left."""
+        group = self.proc.pid  # start_new_session: the server leads its own group
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 2)
+            os.killpg(group, signal.SIGINT)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
+                pass
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
         self.log.close()
 
 
