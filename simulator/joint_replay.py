@@ -31,6 +31,12 @@ times are the event handlers' float expressions. It goes on while each decision 
 apply in bulk (no request's last token, KV growth within free blocks, its end before the
 horizon: the first new request the dispatcher may send into the group, `_skip_arrivals`).
 
+At the horizon the replay waits with its state intact (`arrival`; the engines stay busy, the
+events it took over do nothing): when that request is dispatched (`Cluster.admit`), the replay
+goes on to its next horizon if the request went to a replica outside the group (the group's
+replicas keep their counts, so the dispatcher's choice is the step-by-step one), else it is cut
+at that instant, after the group's events there and before the request joins.
+
 The cut, at the first instant it cannot replay: everything before is applied in bulk (per
 engine the metrics in time order, the requests' states, queues and their ages, the KV growth in
 decision order, the decision, message and batch counters; `EngineScheduler.replay_*`); what is
@@ -42,6 +48,7 @@ tests/test_sim_joint_replay.py (whole runs identical to step by step).
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 
 from paraflex.engine.messages import DECODE
 from paraflex.engine.request import BLOCKED, RUNNING
@@ -49,6 +56,7 @@ from paraflex.simulator.events import ReplayEndEvent
 from paraflex.simulator.joint_sim import (ARRIVE, END, FULL, SMALL, TOKENS, GroupEngine, GroupSim, PipeBatch, ReplicaBatch,
                                           kv_of)
 
+INF = float("inf")
 AWAITING = (BLOCKED, RUNNING)  # a first stage's requests whose coming token is under way
 
 
@@ -68,6 +76,7 @@ class JointReplay:
                         pipes[e].append((model, rho))
         self.pipe_of = [p[0] if len(p) == 1 else None for p in pipes]
         self.decisions = 0  # decisions replayed (for the summary)
+        self.suspended: list[GroupSim] = []  # replays waiting at their horizon (`arrival`)
 
     # ------------------------------------------------------------------ entry
     def advance(self, eng, sb, t: float) -> bool:
@@ -86,16 +95,44 @@ class JointReplay:
         if state is None:
             return False
         group, events, gen0 = state
-        horizon = self._horizon(route, group, t)
-        sim = GroupSim(self.cluster, group, pkey, gen0, horizon)
+        bounds = self._bounds(route, group)
+        sim = GroupSim(self.cluster, group, pkey, gen0, self.ff.arrival_horizon(bounds[0], t, INF, *bounds[1:]))
+        sim.bounds = bounds
         for ev in events:
             sim.push(*ev)
         sim.run()
         if not sim.decided:
             return False
-        sim.apply()
-        self.decisions += sim.decided
+        sim.take()
+        self._settle(sim)
         return True
+
+    def _settle(self, sim: GroupSim) -> None:
+        """After `sim.run`: wait at the horizon it reached, else cut."""
+        if sim.cut is None and sim.heap:  # at the horizon: a new request that may come into the group
+            sim.suspend()
+            self.suspended.append(sim)
+        else:
+            sim.apply()
+            self.decisions += sim.decided
+
+    def arrival(self, route, t: float) -> None:
+        """A new request is dispatched at t to the replica on `route` (engine ids): a replay
+        waiting at t goes on to its next horizon if the request goes elsewhere (and no other
+        new request of its models comes at t), else it is cut at t, before the request joins.
+        (A replay never waits past a request that may come into its group, so only those
+        waiting at t are concerned.)"""
+        for sim in self.suspended[:]:
+            if sim.horizon != t:
+                continue
+            self.suspended.remove(sim)
+            models, seen, frozen = sim.bounds
+            if seen.isdisjoint(route) and not self._more_at(models, t):
+                sim.horizon = self.ff.arrival_horizon(models, t, INF, seen, frozen)
+                sim.run()
+            else:
+                sim.stop_at(t)
+            self._settle(sim)
 
     @staticmethod
     def _may_replay(first, sb, route, model: str) -> bool:
@@ -303,13 +340,22 @@ class JointReplay:
         return PipeBatch([e.req_id for e in msg.decodes], [e.position for e in msg.decodes], msg.batch_id, msg.formed_at,
                       min(s.request(e.req_id).arrival for e in msg.decodes))
 
-    def _horizon(self, route, group: list[GroupEngine], t: float) -> float:
-        """The first new request the dispatcher may send into the group (every route touching
-        the group lies inside it, so nothing else can reach it)."""
-        ff = self.ff
-        seen = {eng.id for eng in route}
+    @staticmethod
+    def _bounds(route, group: list[GroupEngine]):
+        """(models resident on the group, its engine ids, its replicas): what bounds its
+        horizon, the first new request the dispatcher may send into the group (every route
+        touching the group lies inside it, so nothing else can reach it; the group's replicas
+        keep their counts, since the replay stops before a request's last token)."""
         frozen = {r.key for es in group for r in es.replicas}
-        model = group[0].info.model
-        frozen.add((model, group[0].info.replica))
-        models = {m for eng in route for m in ff.models_on[eng.id]}
-        return ff.arrival_horizon(models, t, float("inf"), seen, frozen)
+        frozen.add((group[0].info.model, group[0].info.replica))
+        models = {m for es in group for m in es.eng.stages}
+        return models, {eng.id for eng in route}, frozen
+
+    def _more_at(self, models, t: float) -> bool:
+        """True if more than one new request of `models` comes at t."""
+        n = 0
+        for m in models:
+            ts = self.ff.arrivals.get(m)
+            if ts:
+                n += bisect_right(ts, t) - bisect_left(ts, t)
+        return n > 1

@@ -12,6 +12,7 @@ real events (`Cluster.hold`, `send_batch`, `send_tokens`).
 
 from __future__ import annotations
 
+import math
 from bisect import insort
 from heapq import heappop, heappush
 
@@ -133,8 +134,10 @@ class GroupSim:
         self.last = len(group) - 1
         self.held: list[GroupEngine] = []  # engines that decide for real at the cut instant
         self.cut = None
+        self.stop = -1.0  # an instant at which the group's engines must not decide (`stop_at`)
         self.key0 = {rid: r.key for rid, r in self.req0.items()}  # first stage: each request's queue key
         self.hop_cache: dict[int, tuple[int, float]] = {}
+        self.bounds = None  # (models, engine ids, frozen replicas) for `FastForward.arrival_horizon`
 
     def push(self, time: float, kind: int, j: int, what) -> None:
         heappush(self.heap, (time, kind, self.seq, j, what))
@@ -196,6 +199,10 @@ class GroupSim:
                 if not heap or heap[0][0] != x:
                     break
             order = orders[touched]
+            if x == self.stop:  # a new request reaches the group at x: its engines decide for real, after it
+                self.cut = x
+                self.held = [group[k] for k in order if group[k].running is None and (group[k].queue or group[k].nready)]
+                return
             last = order[-1]
             for i in order:  # each engine touched at x decides (after everything at x)
                 es = group[i]
@@ -352,25 +359,49 @@ class GroupSim:
         self.seq += 1
 
     # ------------------------------------------------------------------ the cut
+    def take(self) -> None:
+        """Take the replaced events off the heap's duty (they then do nothing)."""
+        cluster = self.cluster
+        model = self.pkey[0]
+        for es in self.group:
+            for ev in es.messages:
+                cluster.take_message(ev)
+            ev = es.taken
+            if ev is not None:
+                if not isinstance(ev, ReplayEndEvent) and ev.batch.model != model:
+                    es.started = ev.batch  # a one-stage batch running at the start
+                cluster.take_over(es.eng)
+
+    def suspend(self) -> None:
+        """Wait at the horizon (a new request that may come into the group) with the state
+        intact: the engines stay busy (nothing else can reach them) until `JointReplay.arrival`
+        resumes the replay or cuts it."""
+        for es in self.group:
+            es.eng.busy = True
+
+    def stop_at(self, x: float) -> None:
+        """Cut at x (the horizon) before the group's decisions at x: the group's events at x
+        come first (a new request comes after them at one instant), then the new request, then
+        the engines decide for real."""
+        self.stop = x
+        self.horizon = math.nextafter(x, math.inf)
+        self.run()
+        if self.cut is None:  # nothing of the group happens at x
+            self.cut = x
+
     def apply(self) -> None:
-        """Apply the replayed decisions in bulk and hand what is still under way to real events."""
+        """Apply the replayed decisions in bulk (after `take`) and hand what is still under
+        way to real events."""
         cluster = self.cluster
         metrics = cluster.metrics
         records = cluster.records
         model = self.pkey[0]
         group = self.group
-        for es in group:  # take the replaced events off the heap's duty
-            for ev in es.messages:
-                cluster.take_message(ev)
-            ev = es.taken
-            batch = es.started
-            if ev is not None:
-                if not isinstance(ev, ReplayEndEvent) and ev.batch.model != model:
-                    batch = ev.batch
-                cluster.take_over(es.eng)
-            if batch is not None:  # a one-stage batch ran: its tokens are back at once
+        for es in group:
+            es.eng.busy = False  # (a suspended replay kept them busy; `hold` below)
+            if es.started is not None:  # a one-stage batch ran: its tokens are back at once
                 s = es.eng.scheduler
-                s.receive_tokens(s.complete(batch).token_message)
+                s.receive_tokens(s.complete(es.started).token_message)
         for es in group:
             eng = es.eng
             s = eng.scheduler
