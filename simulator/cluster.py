@@ -145,8 +145,11 @@ class Cluster:
         if swapped:
             self.metrics.swap(len(sb.swap_out) * eng.block_bytes, len(sb.swap_in) * eng.block_bytes)
         run, decodes, tokens = eng.batch_time(eng.stages[sb.model], sb)
+        self.start_batch(eng, sb, t, t + eng.swap_time(swapped) + run, decodes, tokens)
+
+    def start_batch(self, eng: SimEngine, sb, t: float, end: float, decodes: int, tokens: int) -> None:
+        """`eng` executes `sb` (`decodes` decode requests, `tokens` new tokens) from t to `end`."""
         eng.busy = True
-        end = t + eng.swap_time(swapped) + run
         eng.pending.append(end)
         self.route_pending[(sb.model, eng.stages[sb.model].replica)].append(end)
         eng.running = ev = StageEndEvent(end, eng, sb, t, decodes, tokens)

@@ -202,24 +202,33 @@ def test_paper_base_case_pipeline_is_replayed(monkeypatch):
 
 class _Arrivals:
     """Counts what waiting replays do at their horizon: go on (the new request went outside
-    the group) or cut (it came in, or another new request of the group's models came at once)."""
+    the group) or cut (it came in, or another new request of the group's models came at once);
+    and the last tokens replayed."""
 
     def __init__(self, monkeypatch):
-        self.resumed = self.cut = 0
-        real_arrival, real_stop = JointReplay.arrival, GroupSim.stop_at
+        self.resumed = self.cut = self.finishes = 0
+        self.inside = False
+        real_arrival, real_cut, real_finished = JointReplay.arrival, GroupSim.cut_paused, JointReplay.finished
 
         def arrival(replay, route, t):
-            waiting = sum(sim.horizon == t for sim in replay.suspended)
+            waiting = sum(sim.paused[0] == t for sim in replay.suspended)
             cut = self.cut
+            self.inside = True
             real_arrival(replay, route, t)
+            self.inside = False
             self.resumed += waiting - (self.cut - cut)
 
-        def stop_at(sim, x):
-            self.cut += 1
-            real_stop(sim, x)
+        def cut_paused(sim):
+            self.cut += self.inside
+            real_cut(sim)
+
+        def finished(replay, sim, t):
+            self.finishes += sum(len(rids) for _, rids in sim.finishing)
+            real_finished(replay, sim, t)
 
         monkeypatch.setattr(JointReplay, "arrival", arrival)
-        monkeypatch.setattr(GroupSim, "stop_at", stop_at)
+        monkeypatch.setattr(GroupSim, "cut_paused", cut_paused)
+        monkeypatch.setattr(JointReplay, "finished", finished)
 
 
 def _finish_of(cfg, reqs, rid: int) -> float:
@@ -308,3 +317,44 @@ def test_random_requests_around_waiting_replays(spec, outputs, max_batch):
                            ("p", 0.2, 3, outputs[1])] + sorted(spec, key=lambda r: r[1]))
     fast, plain = _both(cfg, _layout(cfg), requests=reqs)
     _assert_identical(fast, plain)
+
+
+def _finish_race(arrival: float | None):
+    """a's replicas 0 and 1 (engines 0 and 2, in p's group) hold two requests each, replica 2
+    (engine 3) one; request 3 (on replica 0) is short and finishes inside a replay. Before its
+    finish a new request of a goes to replica 2 (outside), from its finish on to replica 0."""
+    spec = [("p", 0.0, 6, 400), ("a", 0.001, 5, 400), ("a", 0.002, 5, 400), ("a", 0.003, 4, 400),
+            ("a", 0.004, 3, 40), ("a", 0.005, 4, 400), ("b", 0.006, 3, 300)]
+    if arrival is not None:
+        spec.append(("a", arrival, 4, 60))
+    return _long_requests(spec)
+
+
+@pytest.mark.parametrize("shift", [-1, 0, 1])
+def test_finish_inside_the_replay_just_before_a_request(monkeypatch, shift):
+    """Request 4 finishes inside a replay (its replica's batch goes on with one member); a
+    new request of a arrives just before, exactly at, or just after that finish: the
+    dispatcher sees the finish at its time (replica 2 outside, then replica 0 inside)."""
+    import math
+
+    cfg = _config(0.1, 8)
+    done = _finish_of(cfg, _finish_race(None), 4)
+    at = {-1: math.nextafter(done, 0.0), 0: done, 1: math.nextafter(done, math.inf)}[shift]
+    arrivals = _Arrivals(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=_finish_race(at))
+    _assert_identical(fast, plain)
+    assert plain.metrics.requests[7].replica == (2 if shift < 0 else 0)
+    assert arrivals.finishes >= 1
+
+
+def test_finishes_inside_the_replay_empty_a_replica(monkeypatch):
+    """One-stage requests finish one after another inside the replays (a replica's batch
+    shrinks, then empties), with the pipeline's batches in flight; KV freed in order with
+    the growth under memory pressure."""
+    cfg = _config(0.02, 8)
+    reqs = _long_requests([("p", 0.0, 6, 300), ("a", 0.001, 5, 30), ("a", 0.002, 5, 60), ("b", 0.003, 9, 45),
+                           ("b", 0.004, 4, 90), ("d", 0.005, 3, 70), ("a", 0.006, 6, 120), ("b", 0.007, 2, 20)])
+    arrivals = _Arrivals(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
+    _assert_identical(fast, plain)
+    assert arrivals.finishes >= 4
