@@ -155,11 +155,6 @@ class GroupSim:
         each engine touched at it decides, in engine order. Pauses after the events of an
         instant with last tokens (`finishing`: the dispatcher must see them at their time) or
         at the horizon; a later `run` goes on with that instant's decisions."""
-        if self.paused is not None:
-            x, order = self.paused
-            self.paused = None
-            if not self._decide_all(x, order):
-                return
         heap = self.heap
         group = self.group
         horizon = self.horizon
@@ -171,90 +166,90 @@ class GroupSim:
         last_stage = self.last
         gen0, key0 = self.gen0, self.key0.__getitem__
         orders = _orders(len(group))
-        decide_all = self._decide_all
         finished = self._finished
-        while heap and heap[0][0] <= horizon:
-            x = heap[0][0]
-            touched = 0
-            while True:
-                _, kind, _, j, what = heappop(heap)
-                es = group[j]
-                touched |= 1 << j
-                if kind == END:
-                    es.running = None
-                    cls = what.__class__
-                    if cls is ReplicaBatch:
-                        if what.left:
-                            what.ready = True
-                            es.nready += 1
-                        else:
-                            finished(es, what)
-                    elif cls is PipeBatch:
-                        if j < last_stage:
-                            nbytes, dt = hop(what.n)
-                            hops.append(nbytes)
-                            heappush(heap, (x + dt, ARRIVE, self.seq, j + 1, what))
-                        else:
-                            tokens.append((what, x))
-                            heappush(heap, (x + back, TOKENS, self.seq, 0, what))
-                        self.seq += 1
-                    # else: the end of a stage an earlier replay accounted for
-                elif kind == ARRIVE:
-                    q = es.queue
-                    if not q:
-                        es.since = es.d
-                    insort(q, what, key=_batch_head)
-                    es.received += 1
-                    es.arrivals.append((what, es.d, es.received))
-                else:  # tokens back at the first stage: its requests wait for the next batch
-                    q = es.queue
-                    if not q:
-                        es.since = es.d
-                    bid_of = es.bid_of
-                    for rid in what.rids:
-                        gen0[rid] += 1
-                        insort(q, rid, key=key0)
-                        del bid_of[rid]
-                if not heap or heap[0][0] != x:
-                    break
-            order = orders[touched]
-            if self.finishing or x == horizon:
-                self.paused = (x, order)
+        paused, self.paused = self.paused, None  # a paused instant's decisions come first
+        while True:
+            if paused is not None:
+                x, order = paused
+                paused = None
+            elif heap and heap[0][0] <= horizon:
+                x = heap[0][0]
+                touched = 0
+                while True:
+                    _, kind, _, j, what = heappop(heap)
+                    es = group[j]
+                    touched |= 1 << j
+                    if kind == END:
+                        es.running = None
+                        cls = what.__class__
+                        if cls is ReplicaBatch:
+                            if what.left:
+                                what.ready = True
+                                es.nready += 1
+                            else:
+                                finished(es, what)
+                        elif cls is PipeBatch:
+                            if j < last_stage:
+                                nbytes, dt = hop(what.n)
+                                hops.append(nbytes)
+                                heappush(heap, (x + dt, ARRIVE, self.seq, j + 1, what))
+                            else:
+                                tokens.append((what, x))
+                                heappush(heap, (x + back, TOKENS, self.seq, 0, what))
+                            self.seq += 1
+                        # else: the end of a stage an earlier replay accounted for
+                    elif kind == ARRIVE:
+                        q = es.queue
+                        if not q:
+                            es.since = es.d
+                        insort(q, what, key=_batch_head)
+                        es.received += 1
+                        es.arrivals.append((what, es.d, es.received))
+                    else:  # tokens back at the first stage: its requests wait for the next batch
+                        q = es.queue
+                        if not q:
+                            es.since = es.d
+                        bid_of = es.bid_of
+                        for rid in what.rids:
+                            gen0[rid] += 1
+                            insort(q, rid, key=key0)
+                            del bid_of[rid]
+                    if not heap or heap[0][0] != x:
+                        break
+                order = orders[touched]
+                if self.finishing or x == horizon:
+                    self.paused = (x, order)
+                    return
+            else:
+                if heap:  # at the horizon, nothing of the group happens there
+                    self.paused = (horizon, ())
                 return
-            if not decide_all(x, order):
-                return
-        if heap:  # at the horizon, nothing of the group happens there
-            self.paused = (horizon, ())
-
-    def _decide_all(self, x: float, order) -> bool:
-        """Each engine of `order` (touched at x) decides, in order; False if one cannot
-        (the cut: it and the later ones decide for real)."""
-        group = self.group
-        last = order[-1] if order else -1
-        for i in order:
-            es = group[i]
-            if es.running is None and (es.queue or es.nready):
-                try:
-                    if es.nready:
-                        self._decide(es, x, i == last)
-                    else:  # only the pipeline's queue: `_decide` would serve it
-                        limit = es.limit
-                        promoted = limit and es.d - es.since > limit
-                        self._serve_pipe(es, x)
-                        if promoted:
-                            es.promotions += 1
-                        self.decided += 1
-                except Stop:
-                    self.cut = x
-                    self.held = [group[k] for k in order if k >= i and group[k].running is None
-                                 and (group[k].queue or group[k].nready)]
-                    return False
-        return True
+            last = order[-1] if order else -1
+            for i in order:  # each engine touched at x decides (after everything at x)
+                es = group[i]
+                if es.running is None and (es.queue or es.nready):
+                    try:
+                        if es.nready:
+                            decide(es, x, i == last)
+                        else:  # only the pipeline's queue: `_decide` would serve it
+                            limit = es.limit
+                            promoted = limit and es.d - es.since > limit
+                            serve_pipe(es, x)
+                            if promoted:
+                                es.promotions += 1
+                            self.decided += 1
+                    except Stop:
+                        self._hold(x, order[order.index(i):])
+                        return
 
     def cut_paused(self) -> None:
         """Cut at the paused instant: the engines touched there decide for real."""
         x, order = self.paused
         self.paused = None
+        self._hold(x, order)
+
+    def _hold(self, x: float, order) -> None:
+        """The cut at x: the engines of `order` with work and nothing running decide for real."""
         self.cut = x
         self.held = [self.group[k] for k in order if self.group[k].running is None
                      and (self.group[k].queue or self.group[k].nready)]
