@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from paraflex.engine.messages import DECODE
 from paraflex.engine.queues import ResidentStage
-from paraflex.engine.request import BLOCKED, RUNNING, WAITING_DECODE, StageRequest
+from paraflex.engine.request import BLOCKED, FINISHED, RUNNING, WAITING_DECODE, StageRequest
 from paraflex.engine.scheduled import ProtocolError, ScheduledBatch
 
 
@@ -138,10 +138,42 @@ class BulkAdvance:
         self.receive_batch(msg)
 
     def replay_grows(self, grows: list) -> None:
-        """The replayed decisions' KV growth: (allocation, target tokens) in decision order."""
-        grow = self.pool.grow
+        """The replayed decisions' KV growth, (allocation, target tokens), and the frees of the
+        requests that finished, (None, request id), in their order."""
+        pool = self.pool
+        grow = pool.grow
         for alloc, target in grows:
-            grow(alloc, target)
+            if alloc is None:
+                pool.release(target)
+            else:
+                grow(alloc, target)
+
+    def replay_finish(self, model: str, req_ids: list[str]) -> None:
+        """One-stage replica members (waiting in its decode queue) that produced their last
+        token in the replay: gone, as `receive_tokens` leaves them; their KV is freed by
+        `replay_grows`, in order with the growth."""
+        st = self._check_bulk(model, 0, 1)
+        q = st.decode_q
+        for rid in req_ids:
+            req = self._bulk_member(rid, WAITING_DECODE)
+            q.remove(req)
+            req.state = FINISHED
+            del self._reqs[rid]
+            self._chunk_keys.pop(rid, None)
+            self._remember(rid, FINISHED)
+
+    def replay_form(self, model: str, n: int, now: float) -> ScheduledBatch:
+        """The decision forming a one-stage replica's decode batch of its n waiting members
+        (the whole queue) at `now`, as `schedule` makes it (the replay proved the choice and
+        that the KV fits; a starvation promotion is counted with `replay_counters`)."""
+        st = self._check_bulk(model, 0, 1)
+        if len(st.decode_q.items) != n:
+            raise ProtocolError(f"replay_form: {model}'s decode queue on engine {self.engine_id} does not hold {n} requests")
+        batch = self.try_first_decode(st, n, now)
+        if batch is None or len(batch.requests) != n or batch.swap_out or batch.swap_in:
+            raise ProtocolError(f"replay_form: {model}'s {n} requests on engine {self.engine_id} do not fit")
+        self.decisions += 1
+        return batch
 
     def replay_counters(self, decisions: int, seq: int, formed: int, promotions: int) -> None:
         """After the replayed decisions: the decision count, the sequence number (received

@@ -4,8 +4,8 @@ handlers the events call.
 The fast paths (same results): the decode fast-forward (fast_forward.py) and the joint replay
 of a pipeline with the one-stage replicas on its engines (joint_replay.py), offered each decode
 batch an engine forms (`wakeup`); the joint replay takes over stage-end and message events of
-its group (`take_over`, `take_message`) and hands back what runs at its cut (`hold`,
-`send_batch`, `send_tokens`).
+its group (`take_over`, `take_message`), hands back what runs at its cut (`hold`,
+`send_batch`, `send_tokens`), and hears of each new request while it waits at one (`admit`).
 
 Built by runner.py from a `SystemLayout` (systems.py). Request flow, as in the real system
 (paper §3, §5, §6): the gateway sends a request to the replica with the fewest outstanding
@@ -117,7 +117,10 @@ class Cluster:
         self.records[rid] = rec
         replica = self.dispatcher.pick(req.model)
         rec.replica = replica
-        eng = self.engines[self.replicas[req.model][replica][0]]
+        route = self.replicas[req.model][replica]
+        if self.joint is not None and self.joint.suspended:
+            self.joint.arrival(route, t)  # a replay waiting for this request goes on or is cut first
+        eng = self.engines[route[0]]
         eng.scheduler.add_request(rid, req.model, req.prompt_len, req.output_len, t)
         self._wake(eng, t)
 
@@ -142,8 +145,11 @@ class Cluster:
         if swapped:
             self.metrics.swap(len(sb.swap_out) * eng.block_bytes, len(sb.swap_in) * eng.block_bytes)
         run, decodes, tokens = eng.batch_time(eng.stages[sb.model], sb)
+        self.start_batch(eng, sb, t, t + eng.swap_time(swapped) + run, decodes, tokens)
+
+    def start_batch(self, eng: SimEngine, sb, t: float, end: float, decodes: int, tokens: int) -> None:
+        """`eng` executes `sb` (`decodes` decode requests, `tokens` new tokens) from t to `end`."""
         eng.busy = True
-        end = t + eng.swap_time(swapped) + run
         eng.pending.append(end)
         self.route_pending[(sb.model, eng.stages[sb.model].replica)].append(end)
         eng.running = ev = StageEndEvent(end, eng, sb, t, decodes, tokens)

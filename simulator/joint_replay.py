@@ -28,27 +28,43 @@ decides after everything at that instant (as the event loop delivers) and picks 
 else the least (policy class, head key); at the first stage the pipeline's waiting requests
 form one batch; a later stage runs its oldest received batch. Stage times, hops and token
 times are the event handlers' float expressions. It goes on while each decision is one it can
-apply in bulk (no request's last token, KV growth within free blocks, its end before the
-horizon: the first new request the dispatcher may send into the group, `_skip_arrivals`).
+apply in bulk (no pipeline request's last token, KV growth within free blocks) up to the
+horizon: the first new request the dispatcher may send into the group (`_skip_arrivals`).
+
+A one-stage step with last tokens is replayed: at its end its finished members leave the batch
+(their KV freed, in order with the growth; the others go on as a smaller batch) and the replay
+pauses after that instant's events; a `ReplayFinishEvent` at that instant, before any new
+request there, finishes them outside the group (records, the dispatcher's counts: `finished`),
+and the replay goes on with a horizon computed from the new counts.
+
+At the horizon the replay waits with its state intact (`arrival`; the engines stay busy, the
+events it took over do nothing): when that request is dispatched (`Cluster.admit`), the replay
+goes on to its next horizon if the request went to a replica outside the group (the counts it
+saw are the step-by-step ones: the finishes before it were applied at their time), else it is
+cut at that instant, after the group's events there and before the request joins.
 
 The cut, at the first instant it cannot replay: everything before is applied in bulk (per
 engine the metrics in time order, the requests' states, queues and their ages, the KV growth in
 decision order, the decision, message and batch counters; `EngineScheduler.replay_*`); what is
 running then ends with a `ReplayEndEvent` (its effects applied, the engine decides for real
-at its end); messages still in flight become real `BatchArrivalEvent`s / `TokenArrivalEvent`s.
+at its end), except a one-stage step with last tokens, which is formed for real at its start
+(`replay_form`) and ends with its `StageEndEvent`; messages still in flight become real
+`BatchArrivalEvent`s / `TokenArrivalEvent`s.
 The simulation and the cut live in joint_sim.py. Exactness is pinned by
 tests/test_sim_joint_replay.py (whole runs identical to step by step).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 
 from paraflex.engine.messages import DECODE
 from paraflex.engine.request import BLOCKED, RUNNING
-from paraflex.simulator.events import ReplayEndEvent
+from paraflex.simulator.events import ReplayEndEvent, ReplayFinishEvent
 from paraflex.simulator.joint_sim import (ARRIVE, END, FULL, SMALL, TOKENS, GroupEngine, GroupSim, PipeBatch, ReplicaBatch,
                                           kv_of)
 
+INF = float("inf")
 AWAITING = (BLOCKED, RUNNING)  # a first stage's requests whose coming token is under way
 
 
@@ -68,6 +84,7 @@ class JointReplay:
                         pipes[e].append((model, rho))
         self.pipe_of = [p[0] if len(p) == 1 else None for p in pipes]
         self.decisions = 0  # decisions replayed (for the summary)
+        self.suspended: list[GroupSim] = []  # replays waiting at their horizon (`arrival`)
 
     # ------------------------------------------------------------------ entry
     def advance(self, eng, sb, t: float) -> bool:
@@ -86,16 +103,68 @@ class JointReplay:
         if state is None:
             return False
         group, events, gen0 = state
-        horizon = self._horizon(route, group, t)
-        sim = GroupSim(self.cluster, group, pkey, gen0, horizon)
+        bounds = self._bounds(route, group)
+        sim = GroupSim(self.cluster, group, pkey, gen0, self.ff.arrival_horizon(bounds[0], t, INF, *bounds[1:]))
+        sim.bounds = bounds
         for ev in events:
             sim.push(*ev)
         sim.run()
         if not sim.decided:
             return False
-        sim.apply()
-        self.decisions += sim.decided
+        sim.take()
+        self._settle(sim)
         return True
+
+    def _settle(self, sim: GroupSim) -> None:
+        """After `sim.run`: wait for the main loop at last tokens (`finished`) or at the
+        horizon (`arrival`), else cut."""
+        if sim.cut is None and sim.paused is not None:
+            sim.suspend()
+            if sim.finishing:
+                self.cluster.loop.schedule(ReplayFinishEvent(sim.paused[0], sim))
+            else:
+                self.suspended.append(sim)
+        else:
+            sim.apply()
+            self.decisions += sim.decided
+
+    def arrival(self, route, t: float) -> None:
+        """A new request is dispatched at t to the replica on `route` (engine ids): a replay
+        waiting at t goes on to its next horizon if the request goes elsewhere (and no other
+        new request of its models comes at t), else it is cut at t, before the request joins.
+        (A replay never waits past a request that may come into its group, so only those
+        waiting at t are concerned.)"""
+        for sim in self.suspended[:]:
+            if sim.paused[0] != t:
+                continue
+            self.suspended.remove(sim)
+            models, seen, frozen = sim.bounds
+            if seen.isdisjoint(route) and self._arrivals_at(models, t) == 1:
+                sim.horizon = self.ff.arrival_horizon(models, t, INF, seen, frozen)
+                sim.run()
+            else:
+                sim.cut_paused()
+            self._settle(sim)
+
+    def finished(self, sim: GroupSim, t: float) -> None:
+        """The replay's last tokens at t (`ReplayFinishEvent`, before any new request at t):
+        the requests finish as `Cluster._emit_tokens` finishes them (records, dispatcher);
+        the replay goes on with the dispatcher's new counts, or is cut at t if a new request
+        of the group's models comes at t."""
+        cluster = self.cluster
+        records, metrics, done = cluster.records, cluster.metrics, cluster.dispatcher.done
+        for (model, rho), rids in sim.finishing:
+            for rid in rids:
+                metrics.finish(records.pop(rid), t)
+                done(model, rho)
+        sim.finishing = []
+        models, seen, frozen = sim.bounds
+        if self._arrivals_at(models, t):
+            sim.cut_paused()
+        else:
+            sim.horizon = self.ff.arrival_horizon(models, t, INF, seen, frozen)
+            sim.run()
+        self._settle(sim)
 
     @staticmethod
     def _may_replay(first, sb, route, model: str) -> bool:
@@ -255,7 +324,7 @@ class JointReplay:
                 if nr > max_batch:
                     return None
                 r = ReplicaBatch((m, rinfo.replica), reqs, FULL if nr >= max_batch else SMALL,
-                             eng.decode_time_fn(rinfo, nr), [records[x.req_id] for x in reqs])
+                             eng.decode_time_fn(rinfo, nr), [records[x.req_id] for x in reqs], rinfo)
                 if running is not None and running.model == m:  # its step ends, its tokens come back
                     if r.left < 2:
                         return None
@@ -303,13 +372,22 @@ class JointReplay:
         return PipeBatch([e.req_id for e in msg.decodes], [e.position for e in msg.decodes], msg.batch_id, msg.formed_at,
                       min(s.request(e.req_id).arrival for e in msg.decodes))
 
-    def _horizon(self, route, group: list[GroupEngine], t: float) -> float:
-        """The first new request the dispatcher may send into the group (every route touching
-        the group lies inside it, so nothing else can reach it)."""
-        ff = self.ff
-        seen = {eng.id for eng in route}
+    @staticmethod
+    def _bounds(route, group: list[GroupEngine]):
+        """(models resident on the group, its engine ids, its replicas): what bounds its
+        horizon, the first new request the dispatcher may send into the group (every route
+        touching the group lies inside it, so nothing else can reach it; the group's replicas
+        keep their counts, since the replay stops before a request's last token)."""
         frozen = {r.key for es in group for r in es.replicas}
-        model = group[0].info.model
-        frozen.add((model, group[0].info.replica))
-        models = {m for eng in route for m in ff.models_on[eng.id]}
-        return ff.arrival_horizon(models, t, float("inf"), seen, frozen)
+        frozen.add((group[0].info.model, group[0].info.replica))
+        models = {m for es in group for m in es.eng.stages}
+        return models, {eng.id for eng in route}, frozen
+
+    def _arrivals_at(self, models, t: float) -> int:
+        """How many new requests of `models` come at t."""
+        n = 0
+        for m in models:
+            ts = self.ff.arrivals.get(m)
+            if ts:
+                n += bisect_right(ts, t) - bisect_left(ts, t)
+        return n

@@ -5,14 +5,14 @@ Place in the data flow: `JointReplay.advance` (joint_replay.py) captures the sta
 pipeline's engines (`GroupEngine`, `PipeBatch`, `ReplicaBatch`) and runs a `GroupSim` over them:
 a small event simulation (stage ends, batch arrivals, token returns, in the event loop's order
 at one instant) whose decisions are those `EngineScheduler.schedule` makes (see
-joint_replay.py), up to the cut; `GroupSim.apply` then applies everything before the cut in
+joint_replay.py), pausing at last tokens and at the horizon for the main loop, up to the cut; `GroupSim.apply` then applies everything before the cut in
 bulk (metrics, scheduler states via `EngineScheduler.replay_*`) and hands what is under way to
 real events (`Cluster.hold`, `send_batch`, `send_tokens`).
 """
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_right, insort
 from heapq import heappop, heappush
 
 from paraflex.costmodel import CostModel
@@ -21,6 +21,7 @@ from paraflex.simulator.events import ReplayEndEvent
 
 FULL, SMALL = 0, 2  # full-batch-first's classes of decode queues
 END, ARRIVE, TOKENS = 10, 20, 30  # local events, in the event loop's order at one instant
+INF = float("inf")
 
 
 class Stop(Exception):
@@ -47,23 +48,28 @@ class ReplicaBatch:
     """A one-stage replica's decode batch on its engine."""
 
     __slots__ = ("key", "rids", "recs", "order", "head", "since", "ready", "csum", "n", "fn", "left", "kv",
-                 "formed", "times")
+                 "formed", "times", "rems", "keys", "info", "fin", "done")
 
-    def __init__(self, key, reqs, cls, fn, recs):
+    def __init__(self, key, reqs, cls, fn, recs, info):
         self.key = key
         self.rids = [r.req_id for r in reqs]
         self.recs = recs
-        self.head = min(r.key for r in reqs)
+        self.keys = [r.key for r in reqs]
+        self.head = min(self.keys)
         self.order = (cls, self.head)  # its place in the policy's order
         self.since = 0
         self.ready = False
         self.n = len(reqs)
         self.csum = sum(r.context_len for r in reqs)
         self.fn = fn
-        self.left = min(r.max_new_tokens - r.generated for r in reqs)  # tokens to its first last token
+        self.rems = [r.max_new_tokens - r.generated for r in reqs]  # each member's tokens to come at the start
+        self.left = min(self.rems)  # steps to its first last token (a step with left == 1 finishes requests)
         self.kv = [kv_of(r) for r in reqs]
+        self.info = info  # its StageInfo (a new step time function when members leave)
         self.formed = 0  # batches formed by replayed decisions
-        self.times: list[float] = []  # its token times
+        self.times: list[float] = []  # its token times (every step since the start)
+        self.fin = None  # (formation time, index in the engine's grows) of its step with last tokens, running
+        self.done: list = []  # (request ids, records, steps) of the members that finished, in order
 
 
 def kv_of(req) -> list:
@@ -133,8 +139,12 @@ class GroupSim:
         self.last = len(group) - 1
         self.held: list[GroupEngine] = []  # engines that decide for real at the cut instant
         self.cut = None
+        self.paused = None  # (instant, engines touched): its events done, its decisions not yet
+        self.finishing: list = []  # (replica key, request ids) of the last tokens at the paused instant
+        self.raw = (-1.0, -1.0)  # (t, the first new request of the group's models after t)
         self.key0 = {rid: r.key for rid, r in self.req0.items()}  # first stage: each request's queue key
         self.hop_cache: dict[int, tuple[int, float]] = {}
+        self.bounds = None  # (models, engine ids, frozen replicas) for `FastForward.arrival_horizon`
 
     def push(self, time: float, kind: int, j: int, what) -> None:
         heappush(self.heap, (time, kind, self.seq, j, what))
@@ -142,7 +152,9 @@ class GroupSim:
 
     def run(self) -> None:
         """The local events in the event loop's order: everything at an instant first, then
-        each engine touched at it decides, in engine order."""
+        each engine touched at it decides, in engine order. Pauses after the events of an
+        instant with last tokens (`finishing`: the dispatcher must see them at their time) or
+        at the horizon; a later `run` goes on with that instant's decisions."""
         heap = self.heap
         group = self.group
         horizon = self.horizon
@@ -154,49 +166,65 @@ class GroupSim:
         last_stage = self.last
         gen0, key0 = self.gen0, self.key0.__getitem__
         orders = _orders(len(group))
-        while heap and heap[0][0] < horizon:
-            x = heap[0][0]
-            touched = 0
-            while True:
-                _, kind, _, j, what = heappop(heap)
-                es = group[j]
-                touched |= 1 << j
-                if kind == END:
-                    es.running = None
-                    cls = what.__class__
-                    if cls is ReplicaBatch:
-                        what.ready = True
-                        es.nready += 1
-                    elif cls is PipeBatch:
-                        if j < last_stage:
-                            nbytes, dt = hop(what.n)
-                            hops.append(nbytes)
-                            heappush(heap, (x + dt, ARRIVE, self.seq, j + 1, what))
-                        else:
-                            tokens.append((what, x))
-                            heappush(heap, (x + back, TOKENS, self.seq, 0, what))
-                        self.seq += 1
-                    # else: the end of a stage an earlier replay accounted for
-                elif kind == ARRIVE:
-                    q = es.queue
-                    if not q:
-                        es.since = es.d
-                    insort(q, what, key=_batch_head)
-                    es.received += 1
-                    es.arrivals.append((what, es.d, es.received))
-                else:  # tokens back at the first stage: its requests wait for the next batch
-                    q = es.queue
-                    if not q:
-                        es.since = es.d
-                    bid_of = es.bid_of
-                    for rid in what.rids:
-                        gen0[rid] += 1
-                        insort(q, rid, key=key0)
-                        del bid_of[rid]
-                if not heap or heap[0][0] != x:
-                    break
-            order = orders[touched]
-            last = order[-1]
+        finished = self._finished
+        paused, self.paused = self.paused, None  # a paused instant's decisions come first
+        while True:
+            if paused is not None:
+                x, order = paused
+                paused = None
+            elif heap and heap[0][0] <= horizon:
+                x = heap[0][0]
+                touched = 0
+                while True:
+                    _, kind, _, j, what = heappop(heap)
+                    es = group[j]
+                    touched |= 1 << j
+                    if kind == END:
+                        es.running = None
+                        cls = what.__class__
+                        if cls is ReplicaBatch:
+                            if what.left:
+                                what.ready = True
+                                es.nready += 1
+                            else:
+                                finished(es, what)
+                        elif cls is PipeBatch:
+                            if j < last_stage:
+                                nbytes, dt = hop(what.n)
+                                hops.append(nbytes)
+                                heappush(heap, (x + dt, ARRIVE, self.seq, j + 1, what))
+                            else:
+                                tokens.append((what, x))
+                                heappush(heap, (x + back, TOKENS, self.seq, 0, what))
+                            self.seq += 1
+                        # else: the end of a stage an earlier replay accounted for
+                    elif kind == ARRIVE:
+                        q = es.queue
+                        if not q:
+                            es.since = es.d
+                        insort(q, what, key=_batch_head)
+                        es.received += 1
+                        es.arrivals.append((what, es.d, es.received))
+                    else:  # tokens back at the first stage: its requests wait for the next batch
+                        q = es.queue
+                        if not q:
+                            es.since = es.d
+                        bid_of = es.bid_of
+                        for rid in what.rids:
+                            gen0[rid] += 1
+                            insort(q, rid, key=key0)
+                            del bid_of[rid]
+                    if not heap or heap[0][0] != x:
+                        break
+                order = orders[touched]
+                if self.finishing or x == horizon:
+                    self.paused = (x, order)
+                    return
+            else:
+                if heap:  # at the horizon, nothing of the group happens there
+                    self.paused = (horizon, ())
+                return
+            last = order[-1] if order else -1
             for i in order:  # each engine touched at x decides (after everything at x)
                 es = group[i]
                 if es.running is None and (es.queue or es.nready):
@@ -211,10 +239,65 @@ class GroupSim:
                                 es.promotions += 1
                             self.decided += 1
                     except Stop:
-                        self.cut = x
-                        self.held = [group[k] for k in order if k >= i and group[k].running is None
-                                     and (group[k].queue or group[k].nready)]
+                        self._hold(x, order[order.index(i):])
                         return
+
+    def cut_paused(self) -> None:
+        """Cut at the paused instant: the engines touched there decide for real."""
+        x, order = self.paused
+        self.paused = None
+        self._hold(x, order)
+
+    def _hold(self, x: float, order) -> None:
+        """The cut at x: the engines of `order` with work and nothing running decide for real."""
+        self.cut = x
+        self.held = [self.group[k] for k in order if self.group[k].running is None
+                     and (self.group[k].queue or self.group[k].nready)]
+
+    def _finished(self, es: GroupEngine, r: ReplicaBatch) -> None:
+        """r's step with last tokens ended: those members finish (their KV is freed here, in
+        order with the growth; `finishing` for the dispatcher and the records), the others
+        go on as a smaller batch."""
+        s = len(r.times)
+        keep = [i for i, rem in enumerate(r.rems) if rem > s]
+        gone = [r.rids[i] for i, rem in enumerate(r.rems) if rem <= s]
+        for i, rem in enumerate(r.rems):
+            if rem <= s:
+                kv = r.kv[i]
+                es.blocks += kv[0] // kv[1] * kv[2]
+                es.grows.append((None, r.rids[i]))
+        r.done.append((gone, [r.recs[i] for i in range(r.n) if r.rems[i] <= s], s))
+        self.finishing.append((r.key, gone))
+        r.fin = None
+        r.rids = [r.rids[i] for i in keep]
+        r.recs = [r.recs[i] for i in keep]
+        r.kv = [r.kv[i] for i in keep]
+        r.keys = [r.keys[i] for i in keep]
+        r.rems = [r.rems[i] for i in keep]
+        r.n = n = len(keep)
+        if n:
+            r.csum = sum(kv[3] for kv in r.kv)
+            r.fn = es.eng.decode_time_fn(r.info, n)
+            r.head = min(r.keys)
+            r.order = (FULL if n >= es.eng.scheduler.max_batch_size else SMALL, r.head)
+            r.left = min(r.rems) - s
+            r.ready = True
+            es.nready += 1
+
+    def _raw_after(self, x: float) -> float:
+        """The first new request of the group's models after x (any replica)."""
+        t, nxt = self.raw
+        if not (t <= x < nxt):
+            nxt = INF
+            arrivals = self.cluster.fast_forward.arrivals
+            for m in self.bounds[0]:
+                ts = arrivals.get(m)
+                if ts:
+                    i = bisect_right(ts, x)
+                    if i < len(ts) and ts[i] < nxt:
+                        nxt = ts[i]
+            self.raw = (x, nxt)
+        return nxt
 
     def _hop(self, n: int) -> tuple[int, float]:
         """(bytes, transfer time) of a hop of n tokens (the handlers' expressions), cached per n."""
@@ -283,16 +366,20 @@ class GroupSim:
 
     def _serve_replica(self, es: GroupEngine, r: ReplicaBatch, x: float, last: bool) -> None:
         """Run r's decode batch from x; while r is alone on its engine and nothing can reach the
-        engine before its step ends (the next local event comes later, and with `last` no
-        other decision at x can add an earlier one), its next decisions are r again: chain
-        them here."""
-        if r.left < 2 or not self._grow(es, r.kv):
-            raise Stop  # a request's last token, or eviction
+        engine before its step ends (the next local event and the next new request of the
+        group's models come later, and with `last` no other decision at x can add an earlier
+        event), its next decisions are r again: chain them here (never a step with last tokens)."""
+        g = len(es.grows)
+        if not self._grow(es, r.kv):
+            raise Stop  # eviction
+        if r.left == 1:  # its members' last tokens (at its end, `_finished`)
+            r.fin = (x, g)
         r.ready = False
         es.nready -= 1
         heap = self.heap
-        bound = min(heap[0][0], self.horizon) if heap else self.horizon
         alone = last and not es.queue and not es.nready
+        if alone:  # (a step chained here must end before any new request: a finish elsewhere may move the horizon)
+            bound = min(heap[0][0] if heap else INF, self.horizon, self._raw_after(x))
         fn, n, kv, times, busy = r.fn, r.n, r.kv, r.times, es.busy
         while True:
             end = x + fn(r.csum + n)  # (it may end past the horizon: its end is handed over at the cut)
@@ -352,33 +439,58 @@ class GroupSim:
         self.seq += 1
 
     # ------------------------------------------------------------------ the cut
+    def take(self) -> None:
+        """Take the replaced events off the heap's duty (they then do nothing)."""
+        cluster = self.cluster
+        model = self.pkey[0]
+        for es in self.group:
+            for ev in es.messages:
+                cluster.take_message(ev)
+            ev = es.taken
+            if ev is not None:
+                if not isinstance(ev, ReplayEndEvent) and ev.batch.model != model:
+                    es.started = ev.batch  # a one-stage batch running at the start
+                cluster.take_over(es.eng)
+
+    def suspend(self) -> None:
+        """Wait at the horizon (a new request that may come into the group) with the state
+        intact: the engines stay busy (nothing else can reach them) until `JointReplay.arrival`
+        resumes the replay or cuts it."""
+        for es in self.group:
+            es.eng.busy = True
+
     def apply(self) -> None:
-        """Apply the replayed decisions in bulk and hand what is still under way to real events."""
+        """Apply the replayed decisions in bulk (after `take`) and hand what is still under
+        way to real events."""
         cluster = self.cluster
         metrics = cluster.metrics
         records = cluster.records
         model = self.pkey[0]
         group = self.group
-        for es in group:  # take the replaced events off the heap's duty
-            for ev in es.messages:
-                cluster.take_message(ev)
-            ev = es.taken
-            batch = es.started
-            if ev is not None:
-                if not isinstance(ev, ReplayEndEvent) and ev.batch.model != model:
-                    batch = ev.batch
-                cluster.take_over(es.eng)
-            if batch is not None:  # a one-stage batch ran: its tokens are back at once
+        for es in group:
+            es.eng.busy = False  # (a suspended replay kept them busy; `hold` below)
+            if es.started is not None:  # a one-stage batch ran: its tokens are back at once
                 s = es.eng.scheduler
-                s.receive_tokens(s.complete(batch).token_message)
+                s.receive_tokens(s.complete(es.started).token_message)
+            for r in es.replicas:
+                if r.fin is not None:  # its step with last tokens runs: formed for real below, not replayed
+                    del es.grows[r.fin[1]:]
+                    es.busy.pop()
+                    r.times.pop()
+                    r.formed -= 1
+                    es.formed -= 1
+                    es.d -= 1
         for es in group:
             eng = es.eng
             s = eng.scheduler
             metrics.decode_steps(eng.id, es.busy)
             for r in es.replicas:
-                if r.formed:
+                for rids, recs, steps in r.done:
+                    s.replay_finish(r.key[0], rids)
+                    metrics.token_steps(recs, r.times[:steps])
+                if r.formed and r.rids:
                     s.replay_first_decode(r.key[0], r.rids, r.formed, r.since, False)
-                if r.times:
+                if r.times and r.rids:
                     metrics.token_steps(r.recs, r.times)
             if es.j == 0:
                 members = [(rid, kv[3], self.gen0[rid], es.bid_of.get(rid)) for rid, kv in es.pkv.items()]
@@ -401,7 +513,11 @@ class GroupSim:
         pkey = self.pkey
         for time, kind, _, j, what in sorted(self.heap):
             es = group[j]
-            if kind == END:
+            if kind == END and isinstance(what, ReplicaBatch) and what.fin is not None:
+                eng = es.eng  # the step with last tokens, as `schedule` forms it at its start
+                start = what.fin[0]
+                cluster.start_batch(eng, eng.scheduler.replay_form(what.key[0], what.n, start), start, time, what.n, what.n)
+            elif kind == END:
                 cluster.hold(es.eng, what if isinstance(what, tuple) else what.key if isinstance(what, ReplicaBatch) else pkey,
                              time)
                 if isinstance(what, PipeBatch):

@@ -18,6 +18,7 @@ from paraflex.config import Config, WorkloadConfig
 from paraflex.engine.queue_heaps import QueueHeaps
 from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
 from paraflex.simulator.joint_replay import JointReplay
+from paraflex.simulator.joint_sim import GroupSim
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.systems import SystemLayout
 from paraflex.simulator.workload import SimRequest
@@ -57,19 +58,21 @@ def _layout(config: Config, policy: str = "full-batch-first") -> SystemLayout:
 
 
 class _Spy:
-    """Counts the decisions the joint replay replays (wraps JointReplay.advance)."""
+    """Counts the decisions the joint replay replays (keeps each run's JointReplay)."""
 
     def __init__(self, monkeypatch):
-        self.decisions = 0
-        real = JointReplay.advance
+        self.replays = []
+        real = JointReplay.__init__
 
-        def advance(replay, *args):
-            before = replay.decisions
-            out = real(replay, *args)
-            self.decisions += replay.decisions - before
-            return out
+        def init(replay, *args):
+            real(replay, *args)
+            self.replays.append(replay)
 
-        monkeypatch.setattr(JointReplay, "advance", advance)
+        monkeypatch.setattr(JointReplay, "__init__", init)
+
+    @property
+    def decisions(self) -> int:
+        return sum(r.decisions for r in self.replays)
 
 
 def _both(cfg, layout, requests=None, rate=1.0, seed=0, check=False):
@@ -195,3 +198,163 @@ def test_paper_base_case_pipeline_is_replayed(monkeypatch):
     res = simulate(cfg, SimSettings(system="paraflex", rate=4.0, seed=0), layout=layout)
     assert spy.decisions > 1000
     assert res.summary["events"] < 15 * res.summary["requests"]
+
+
+class _Arrivals:
+    """Counts what waiting replays do at their horizon: go on (the new request went outside
+    the group) or cut (it came in, or another new request of the group's models came at once);
+    and the last tokens replayed."""
+
+    def __init__(self, monkeypatch):
+        self.resumed = self.cut = self.finishes = 0
+        self.inside = False
+        real_arrival, real_cut, real_finished = JointReplay.arrival, GroupSim.cut_paused, JointReplay.finished
+
+        def arrival(replay, route, t):
+            waiting = sum(sim.paused[0] == t for sim in replay.suspended)
+            cut = self.cut
+            self.inside = True
+            real_arrival(replay, route, t)
+            self.inside = False
+            self.resumed += waiting - (self.cut - cut)
+
+        def cut_paused(sim):
+            self.cut += self.inside
+            real_cut(sim)
+
+        def finished(replay, sim, t):
+            self.finishes += sum(len(rids) for _, rids in sim.finishing)
+            real_finished(replay, sim, t)
+
+        monkeypatch.setattr(JointReplay, "arrival", arrival)
+        monkeypatch.setattr(GroupSim, "cut_paused", cut_paused)
+        monkeypatch.setattr(JointReplay, "finished", finished)
+
+
+def _finish_of(cfg, reqs, rid: int) -> float:
+    """When request `rid` finishes step by step."""
+    plain = simulate(cfg, SimSettings(system="group", rate=1.0, fast_forward=False), layout=_layout(cfg), requests=reqs)
+    return plain.metrics.requests[rid].finish
+
+
+def _outside_race(arrival: float | None):
+    """p decodes on engines 0-2 beside a's replicas 0 (engine 0) and 1 (engine 2), each
+    holding one long request; a's replica 2 (engine 3, outside the group) holds a short one.
+    A new request of a at `arrival` goes to replica 0 (inside) while replica 2's request runs,
+    to replica 2 (outside) once it finished (ties go to the lowest replica)."""
+    spec = [("p", 0.0, 6, 300), ("a", 0.001, 5, 400), ("a", 0.002, 5, 400), ("a", 0.003, 4, 30), ("b", 0.004, 3, 250)]
+    if arrival is not None:
+        spec.append(("a", arrival, 4, 60))
+    return _long_requests(spec)
+
+
+def test_replay_goes_on_past_a_request_dispatched_outside(monkeypatch):
+    """The replay waits at the new request of a (it may come into the group: replica 2 is
+    busy when the replay starts); the request goes outside, and the replay goes on."""
+    cfg = _config(0.1, 8)
+    done = _finish_of(cfg, _outside_race(None), 3)
+    spy, arrivals = _Spy(monkeypatch), _Arrivals(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=_outside_race(done + 0.05))
+    _assert_identical(fast, plain)
+    assert plain.metrics.requests[5].replica == 2
+    assert arrivals.resumed >= 1 and spy.decisions > 100
+
+
+def test_replay_is_cut_at_a_request_dispatched_inside(monkeypatch):
+    """Same, with the new request while replica 2 still holds its request: it comes into the
+    group (replica 0), and the replay is cut at its arrival."""
+    cfg = _config(0.1, 8)
+    done = _finish_of(cfg, _outside_race(None), 3)
+    arrivals = _Arrivals(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=_outside_race(done / 2))
+    _assert_identical(fast, plain)
+    assert plain.metrics.requests[5].replica == 0
+    assert arrivals.cut >= 1
+
+
+@pytest.mark.parametrize("shift", [-1, 0, 1])
+def test_request_at_the_instant_a_finish_changes_the_dispatchers_choice(monkeypatch, shift):
+    """The new request of a arrives just before, exactly at, or just after the instant replica
+    2's request finishes (a finish at an instant is seen by a request arriving at it): inside,
+    outside, outside, as step by step."""
+    import math
+
+    cfg = _config(0.1, 8)
+    done = _finish_of(cfg, _outside_race(None), 3)
+    at = {-1: math.nextafter(done, 0.0), 0: done, 1: math.nextafter(done, math.inf)}[shift]
+    arrivals = _Arrivals(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=_outside_race(at))
+    _assert_identical(fast, plain)
+    assert plain.metrics.requests[5].replica == (0 if shift < 0 else 2)
+    assert (arrivals.cut if shift < 0 else arrivals.resumed) >= 1  # a replay waited for it
+
+
+def test_two_requests_at_one_instant_cut_the_waiting_replay(monkeypatch):
+    """Two new requests of the group's models at the same instant (the first goes outside):
+    the replay is cut there, not resumed past the second."""
+    cfg = _config(0.1, 8)
+    done = _finish_of(cfg, _outside_race(None), 3)
+    reqs = _outside_race(done + 0.05) + [SimRequest(6, "b", done + 0.05, 3, 40)]
+    arrivals = _Arrivals(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs)
+    _assert_identical(fast, plain)
+    assert arrivals.cut >= 1
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=st.lists(st.tuples(st.sampled_from("aaaaab"), st.floats(0.01, 0.6), st.integers(1, 12), st.integers(2, 60)),
+                     min_size=3, max_size=14),
+       outputs=st.tuples(st.integers(200, 600), st.integers(2, 300), st.integers(300, 600)),
+       max_batch=st.sampled_from([4, 16]))
+def test_random_requests_around_waiting_replays(spec, outputs, max_batch):
+    """Random short requests of a (a replica outside the group, on engine 3) and b beside p's
+    and a's long requests (a's first two hold its replicas in the group): the replays wait at
+    many new requests, go on past those dispatched outside and are cut at those dispatched
+    inside; identical to step by step."""
+    cfg = _config(0.1, max_batch)
+    reqs = _long_requests([("p", 0.0, 6, outputs[0]), ("a", 0.001, 5, outputs[2]), ("a", 0.002, 5, outputs[2]),
+                           ("p", 0.2, 3, outputs[1])] + sorted(spec, key=lambda r: r[1]))
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs)
+    _assert_identical(fast, plain)
+
+
+def _finish_race(arrival: float | None):
+    """a's replicas 0 and 1 (engines 0 and 2, in p's group) hold two requests each, replica 2
+    (engine 3) one; request 3 (on replica 0) is short and finishes inside a replay. Before its
+    finish a new request of a goes to replica 2 (outside), from its finish on to replica 0."""
+    spec = [("p", 0.0, 6, 400), ("a", 0.001, 5, 400), ("a", 0.002, 5, 400), ("a", 0.003, 4, 400),
+            ("a", 0.004, 3, 40), ("a", 0.005, 4, 400), ("b", 0.006, 3, 300)]
+    if arrival is not None:
+        spec.append(("a", arrival, 4, 60))
+    return _long_requests(spec)
+
+
+@pytest.mark.parametrize("shift", [-1, 0, 1])
+def test_finish_inside_the_replay_just_before_a_request(monkeypatch, shift):
+    """Request 4 finishes inside a replay (its replica's batch goes on with one member); a
+    new request of a arrives just before, exactly at, or just after that finish: the
+    dispatcher sees the finish at its time (replica 2 outside, then replica 0 inside)."""
+    import math
+
+    cfg = _config(0.1, 8)
+    done = _finish_of(cfg, _finish_race(None), 4)
+    at = {-1: math.nextafter(done, 0.0), 0: done, 1: math.nextafter(done, math.inf)}[shift]
+    arrivals = _Arrivals(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=_finish_race(at))
+    _assert_identical(fast, plain)
+    assert plain.metrics.requests[7].replica == (2 if shift < 0 else 0)
+    assert arrivals.finishes >= 1
+
+
+def test_finishes_inside_the_replay_empty_a_replica(monkeypatch):
+    """One-stage requests finish one after another inside the replays (a replica's batch
+    shrinks, then empties), with the pipeline's batches in flight; KV freed in order with
+    the growth under memory pressure."""
+    cfg = _config(0.02, 8)
+    reqs = _long_requests([("p", 0.0, 6, 300), ("a", 0.001, 5, 30), ("a", 0.002, 5, 60), ("b", 0.003, 9, 45),
+                           ("b", 0.004, 4, 90), ("d", 0.005, 3, 70), ("a", 0.006, 6, 120), ("b", 0.007, 2, 20)])
+    arrivals = _Arrivals(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
+    _assert_identical(fast, plain)
+    assert arrivals.finishes >= 4
