@@ -7,6 +7,7 @@ when the pipeline's batch is formed, KV growth), with the replay checked to run.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -272,16 +273,18 @@ def test_replay_is_cut_at_a_request_dispatched_inside(monkeypatch):
     assert arrivals.cut >= 1
 
 
+def _around(t: float, shift: int) -> float:
+    """The float just before t (shift -1), t itself (0) or the float just after it (1)."""
+    return {-1: math.nextafter(t, 0.0), 0: t, 1: math.nextafter(t, math.inf)}[shift]
+
+
 @pytest.mark.parametrize("shift", [-1, 0, 1])
 def test_request_at_the_instant_a_finish_changes_the_dispatchers_choice(monkeypatch, shift):
     """The new request of a arrives just before, exactly at, or just after the instant replica
     2's request finishes (a finish at an instant is seen by a request arriving at it): inside,
     outside, outside, as step by step."""
-    import math
-
     cfg = _config(0.1, 8)
-    done = _finish_of(cfg, _outside_race(None), 3)
-    at = {-1: math.nextafter(done, 0.0), 0: done, 1: math.nextafter(done, math.inf)}[shift]
+    at = _around(_finish_of(cfg, _outside_race(None), 3), shift)
     arrivals = _Arrivals(monkeypatch)
     fast, plain = _both(cfg, _layout(cfg), requests=_outside_race(at))
     _assert_identical(fast, plain)
@@ -335,11 +338,8 @@ def test_finish_inside_the_replay_just_before_a_request(monkeypatch, shift):
     """Request 4 finishes inside a replay (its replica's batch goes on with one member); a
     new request of a arrives just before, exactly at, or just after that finish: the
     dispatcher sees the finish at its time (replica 2 outside, then replica 0 inside)."""
-    import math
-
     cfg = _config(0.1, 8)
-    done = _finish_of(cfg, _finish_race(None), 4)
-    at = {-1: math.nextafter(done, 0.0), 0: done, 1: math.nextafter(done, math.inf)}[shift]
+    at = _around(_finish_of(cfg, _finish_race(None), 4), shift)
     arrivals = _Arrivals(monkeypatch)
     fast, plain = _both(cfg, _layout(cfg), requests=_finish_race(at))
     _assert_identical(fast, plain)
