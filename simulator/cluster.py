@@ -119,7 +119,7 @@ class Cluster:
         rec.replica = replica
         route = self.replicas[req.model][replica]
         if self.joint is not None and self.joint.suspended:
-            self.joint.arrival(route, t)  # a replay waiting for this request goes on or is cut first
+            self.joint.arrival(req.model, route, t)  # a replay waiting for this request goes on or is cut first
         eng = self.engines[route[0]]
         eng.scheduler.add_request(rid, req.model, req.prompt_len, req.output_len, t)
         self._wake(eng, t)

@@ -128,14 +128,15 @@ class JointReplay:
             sim.apply()
             self.decisions += sim.decided
 
-    def arrival(self, route, t: float) -> None:
-        """A new request is dispatched at t to the replica on `route` (engine ids): a replay
-        waiting at t goes on to its next horizon if the request goes elsewhere (and no other
-        new request of its models comes at t), else it is cut at t, before the request joins.
-        (A replay never waits past a request that may come into its group, so only those
-        waiting at t are concerned.)"""
+    def arrival(self, model: str, route, t: float) -> None:
+        """A new request of `model` is dispatched at t to the replica on `route` (engine ids): a
+        replay waiting at t for a request of its models goes on to its next horizon if this one
+        goes elsewhere (and no other new request of its models comes at t), else it is cut at t,
+        before the request joins. A request of a model not resident on the group (its route lies
+        outside) leaves the replay waiting for its own. (A replay never waits past a request that
+        may come into its group, so only those waiting at t are concerned.)"""
         for sim in self.suspended[:]:
-            if sim.paused[0] != t:
+            if sim.paused[0] != t or model not in sim.bounds[0]:
                 continue
             self.suspended.remove(sim)
             models, seen, frozen = sim.bounds

@@ -26,7 +26,7 @@ from paraflex.simulator.workload import SimRequest
 
 # name, arch, engines of its replicas (one route each: a pipeline if it has several engines)
 MODELS = [("p", "tiny-8l", [[0, 1, 2]]), ("a", "tiny-2l", [[0], [2], [3]]), ("b", "tiny-4l", [[1], [2]]),
-          ("d", "tiny-2l", [[1]])]
+          ("d", "tiny-2l", [[1]]), ("e", "tiny-2l", [[3]])]
 
 
 def _config(memory_gb: float, max_batch: int, policy: str = "full-batch-first", workload=None) -> Config:
@@ -211,11 +211,11 @@ class _Arrivals:
         self.inside = False
         real_arrival, real_cut, real_finished = JointReplay.arrival, GroupSim.cut_paused, JointReplay.finished
 
-        def arrival(replay, route, t):
-            waiting = sum(sim.paused[0] == t for sim in replay.suspended)
+        def arrival(replay, model, route, t):
+            waiting = sum(sim.paused[0] == t and model in sim.bounds[0] for sim in replay.suspended)
             cut = self.cut
             self.inside = True
-            real_arrival(replay, route, t)
+            real_arrival(replay, model, route, t)
             self.inside = False
             self.resumed += waiting - (self.cut - cut)
 
@@ -290,6 +290,23 @@ def test_request_at_the_instant_a_finish_changes_the_dispatchers_choice(monkeypa
     _assert_identical(fast, plain)
     assert plain.metrics.requests[5].replica == (0 if shift < 0 else 2)
     assert (arrivals.cut if shift < 0 else arrivals.resumed) >= 1  # a replay waited for it
+
+
+@pytest.mark.parametrize("share", [0.3, 0.6, 0.9])
+def test_a_request_of_a_model_off_the_group_at_the_same_instant_leaves_the_replay_waiting(monkeypatch, share):
+    """A request of e (resident only on engine 3, outside the group) comes at the same instant
+    as the request of a the replay waits for, and is dispatched first; a's goes into the group
+    (replica 2 is still busy): the replay must not go on past it on e's word, but be cut at a's,
+    as step by step."""
+    cfg = _config(0.1, 8)
+    at = share * _finish_of(cfg, _outside_race(None), 3)
+    spec = [(r.model, r.arrival, r.prompt_len, r.output_len) for r in _outside_race(None)]
+    reqs = _long_requests(spec + [("e", at, 3, 20), ("a", at, 4, 60)])
+    arrivals = _Arrivals(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs)
+    _assert_identical(fast, plain)
+    assert plain.metrics.requests[6].replica == 0  # a's request went into the group
+    assert arrivals.cut >= 1
 
 
 def test_two_requests_at_one_instant_cut_the_waiting_replay(monkeypatch):
