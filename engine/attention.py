@@ -137,12 +137,13 @@ class AttentionMetadata:
         row = math.gcd(stride, head_dim)
         table = torch.as_strided(kv, (num_blocks * stride // row, row), (row, 1), kv.storage_offset())
         key = (stride, tpb, heads, head_dim)
-        per_vec = head_dim // row
-        dev = kv.device
-        # row of element 0 of (block, k/v, slot, head): block*stride/row + ((kv*tpb + slot)*H + head)*per_vec
-        kvh = (torch.arange(2, device=dev)[:, None] * tpb * heads + torch.arange(heads, device=dev)[None, :])
-        sub = torch.arange(per_vec, device=dev)
         cached = self._rows.get(key)
+        if cached is None or (read and cached[0] is None):
+            per_vec = head_dim // row
+            dev = kv.device
+            # row of element 0 of (block, k/v, slot, head): block*stride/row + ((kv*tpb + slot)*H + head)*per_vec
+            kvh = (torch.arange(2, device=dev)[:, None] * tpb * heads + torch.arange(heads, device=dev)[None, :])
+            sub = torch.arange(per_vec, device=dev)
         if cached is None:
             wbase = self.write_block * (stride // row) + self.write_offset * heads * per_vec  # [L, T]
             write = (wbase[:, None, :, None, None] + (kvh * per_vec)[None, :, None, :, None]

@@ -109,6 +109,8 @@ def test_whole_prompts_attend_their_own_keys_and_leave_them_in_the_pool(prompt_l
                           kv, 0, meta, D ** -0.5)
     ref = torch.cat([_reference(q, k[:-1], v[:-1]) for q, k, v in zip(qs, ks, vs)])
     assert torch.allclose(out, ref, atol=1e-5)
+    if max(prompt_lens) > 1:  # the whole-prompt path ran: it never built the rows that read the context back
+        assert next(iter(meta._rows.values()))[0] is None
     step = AttentionMetadata.build([1] * len(prompt_lens), [n + 1 for n in prompt_lens], tables, tpb)
     assert not step.fresh
     q1 = torch.randn(len(prompt_lens), HQ, D, generator=g)
