@@ -72,6 +72,23 @@ def test_serve_prints_url_answers_and_stops_on_ctrl_c(files):
             proc.wait()
 
 
+@pytest.mark.slow
+def test_serve_stops_its_engines_on_sigterm(files):
+    """SIGTERM (what a process manager sends) drains and stops the engines like Ctrl-C, and
+    exits 143 (uvicorn's re-raised SIGTERM would otherwise kill the process before clean-up)."""
+    cfg, pl = files
+    proc, lines = start([cfg, "--placement", pl, "--in-process", "--port", "0"])
+    try:
+        read_until(lines, "/v1", timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+        read_until(lines, "stopping engines", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_serve_rejects_a_missing_placement_file(files, tmp_path, capsys):
     cfg, _ = files
     assert main(["serve", cfg, "--placement", str(tmp_path / "nope.json"), "--in-process"]) == 2

@@ -100,8 +100,8 @@ def run(args) -> int:
     try:
         app = build_app(backend, api_key=args.api_key, max_outstanding=args.max_outstanding)
         names = ", ".join(c.name for c in backend.models())
-        print(f"serving {names}\n{base_url(sock)}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True)
-        serve(app, sock)
+        serve(app, sock, announce=lambda: print(
+            f"serving {names}\n{base_url(sock)}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True))
     finally:
         print("stopping engines ...", file=sys.stderr, flush=True)
         asyncio.run(backend.close())

@@ -2,7 +2,8 @@
 
 Data flow: `paraflex serve` builds a Backend, wraps it with app.build_app, binds a socket
 (port 0 picks a free port, so the real URL is known before serving) and calls `serve`,
-which returns after Ctrl-C / SIGTERM once uvicorn has drained connections. Tests and the
+which ends after Ctrl-C / SIGTERM once uvicorn has drained connections (KeyboardInterrupt /
+SystemExit, so the engines are stopped either way). Tests and the
 load benchmark use `ServerThread` to run the same app on a background thread and stop it
 by handle.
 """
@@ -60,15 +61,28 @@ def _server(app: FastAPI) -> _Server:
     return _Server(config)
 
 
-def serve(app: FastAPI, sock: socket.socket) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn's handlers), then return; after a Ctrl-C, raise
-    KeyboardInterrupt (the CLI exits 130). uvicorn re-raises the signal it caught as it leaves,
-    but asyncio's runner turns that SIGINT into a cancellation of its main task, which is lost
-    when the task has already finished: the interrupt must not depend on that race."""
+def serve(app: FastAPI, sock: socket.socket, announce=None) -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn's handlers drain the connections), then raise
+    KeyboardInterrupt after a Ctrl-C (the CLI exits 130) or SystemExit(143) after SIGTERM, so
+    the caller's clean-up (stopping the engines) runs either way. `announce()` (printing the
+    URL) runs once SIGTERM is caught here, so a process manager that acts on the URL cannot kill
+    the process before its clean-up: until uvicorn installs its own handler, a SIGTERM goes to
+    uvicorn's exit handler, which ends the server as soon as it starts; uvicorn re-raises the
+    signal it caught into the handler that was there before it (this one again). A re-raised
+    SIGINT becomes a cancellation in asyncio's runner, lost when its main task has already
+    finished, so the interrupt is raised here instead."""
     server = _server(app)
-    server.run(sockets=[sock])
+    previous = signal.signal(signal.SIGTERM, server.handle_exit)
+    try:
+        if announce is not None:
+            announce()
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if signal.SIGINT in server.caught:
         raise KeyboardInterrupt
+    if signal.SIGTERM in server.caught:
+        raise SystemExit(128 + signal.SIGTERM)
 
 
 class ServerThread:
