@@ -104,8 +104,7 @@ class JointReplay:
             return False
         group, events, gen0 = state
         bounds = self._bounds(route, group)
-        sim = GroupSim(self.cluster, group, pkey, gen0, self.ff.arrival_horizon(bounds[0], t, INF, *bounds[1:]))
-        sim.bounds = bounds
+        sim = GroupSim(self.cluster, group, pkey, gen0, bounds, self._horizon(bounds, t))
         for ev in events:
             sim.push(*ev)
         sim.run()
@@ -139,13 +138,8 @@ class JointReplay:
             if sim.paused[0] != t or model not in sim.bounds[0]:
                 continue
             self.suspended.remove(sim)
-            models, seen, frozen = sim.bounds
-            if seen.isdisjoint(route) and self._arrivals_at(models, t) == 1:
-                sim.horizon = self.ff.arrival_horizon(models, t, INF, seen, frozen)
-                sim.run()
-            else:
-                sim.cut_paused()
-            self._settle(sim)
+            models, seen, _ = sim.bounds
+            self._go_on(sim, t, cut=not seen.isdisjoint(route) or self._arrivals_at(models, t) != 1)
 
     def finished(self, sim: GroupSim, t: float) -> None:
         """The replay's last tokens at t (`ReplayFinishEvent`, before any new request at t):
@@ -159,11 +153,14 @@ class JointReplay:
                 metrics.finish(records.pop(rid), t)
                 done(model, rho)
         sim.finishing = []
-        models, seen, frozen = sim.bounds
-        if self._arrivals_at(models, t):
+        self._go_on(sim, t, cut=self._arrivals_at(sim.bounds[0], t) > 0)
+
+    def _go_on(self, sim: GroupSim, t: float, cut: bool) -> None:
+        """A replay paused at t: cut there, or run on to its next horizon; then settle it."""
+        if cut:
             sim.cut_paused()
         else:
-            sim.horizon = self.ff.arrival_horizon(models, t, INF, seen, frozen)
+            sim.horizon = self._horizon(sim.bounds, t)
             sim.run()
         self._settle(sim)
 
@@ -378,11 +375,17 @@ class JointReplay:
         """(models resident on the group, its engine ids, its replicas): what bounds its
         horizon, the first new request the dispatcher may send into the group (every route
         touching the group lies inside it, so nothing else can reach it; the group's replicas
-        keep their counts, since the replay stops before a request's last token)."""
+        keep their counts until a finish inside the replay, after which `finished` computes the
+        horizon again)."""
         frozen = {r.key for es in group for r in es.replicas}
         frozen.add((group[0].info.model, group[0].info.replica))
         models = {m for es in group for m in es.eng.stages}
         return models, {eng.id for eng in route}, frozen
+
+    def _horizon(self, bounds, t: float) -> float:
+        """The first new request after t the dispatcher may send into the group of `bounds`."""
+        models, seen, frozen = bounds
+        return self.ff.arrival_horizon(models, t, INF, seen, frozen)
 
     def _arrivals_at(self, models, t: float) -> int:
         """How many new requests of `models` come at t."""

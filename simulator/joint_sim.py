@@ -5,9 +5,10 @@ Place in the data flow: `JointReplay.advance` (joint_replay.py) captures the sta
 pipeline's engines (`GroupEngine`, `PipeBatch`, `ReplicaBatch`) and runs a `GroupSim` over them:
 a small event simulation (stage ends, batch arrivals, token returns, in the event loop's order
 at one instant) whose decisions are those `EngineScheduler.schedule` makes (see
-joint_replay.py), pausing at last tokens and at the horizon for the main loop, up to the cut; `GroupSim.apply` then applies everything before the cut in
-bulk (metrics, scheduler states via `EngineScheduler.replay_*`) and hands what is under way to
-real events (`Cluster.hold`, `send_batch`, `send_tokens`).
+joint_replay.py), pausing at last tokens and at the horizon for the main loop, up to the cut;
+`GroupSim.apply` then applies everything before the cut in bulk (metrics, scheduler states via
+`EngineScheduler.replay_*`) and hands what is under way to real events (`Cluster.hold`,
+`send_batch`, `send_tokens`).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class GroupEngine:
 class GroupSim:
     """The group's event simulation from the start state to the cut, and its application."""
 
-    def __init__(self, cluster, group: list[GroupEngine], pkey, gen0: dict, horizon: float):
+    def __init__(self, cluster, group: list[GroupEngine], pkey, gen0: dict, bounds, horizon: float):
         self.cluster = cluster
         self.group = group
         self.pkey = pkey
@@ -144,7 +145,7 @@ class GroupSim:
         self.raw = (-1.0, -1.0)  # (t, the first new request of the group's models after t)
         self.key0 = {rid: r.key for rid, r in self.req0.items()}  # first stage: each request's queue key
         self.hop_cache: dict[int, tuple[int, float]] = {}
-        self.bounds = None  # (models, engine ids, frozen replicas) for `FastForward.arrival_horizon`
+        self.bounds = bounds  # (models, engine ids, frozen replicas) for `FastForward.arrival_horizon`
 
     def push(self, time: float, kind: int, j: int, what) -> None:
         heappush(self.heap, (time, kind, self.seq, j, what))
