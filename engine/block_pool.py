@@ -172,8 +172,12 @@ class BlockPool:
         if total > len(free):
             raise PoolExhausted(f"need {total} KV blocks for {alloc.owner!r}, {len(free)} free")
         ids = free.take(total)  # the ids per-layer takes would pop, layer after layer
-        for i, layer in enumerate(alloc.table):
-            layer.extend(ids[i * per_layer:(i + 1) * per_layer])
+        if per_layer == 1:  # (one block per layer: most growth by a token)
+            for layer, bid in zip(alloc.table, ids):
+                layer.append(bid)
+        else:
+            for i, layer in enumerate(alloc.table):
+                layer.extend(ids[i * per_layer:(i + 1) * per_layer])
         alloc.blocks_per_layer += per_layer
         self._used_by[alloc.group] = self._used_by.get(alloc.group, 0) + total
         return total

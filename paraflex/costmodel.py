@@ -124,14 +124,21 @@ class CostModel:
         return max(flops / (d.peak_flops * eff), nbytes / (d.mem_bandwidth * d.mem_eff)) + d.kernel_overhead
 
     def attention_decode_time(self, arch, batch_size: int, total_context: float) -> float:
-        """One new token for each of batch_size requests whose contexts sum to total_context."""
-        return self.attention_decode_fn(arch, batch_size)(total_context)
+        """One new token for each of batch_size requests whose contexts sum to total_context.
+        Decode attention is a batched GEMV: the roofline of its FLOPs and its KV stream."""
+        d, t, e = self.device, self.tp, arch.dtype_bytes
+        io_bytes = batch_size * (2 * arch.q_size + 2 * arch.kv_size) / t * e
+        flops = 4.0 * total_context * arch.num_heads / t * arch.head_dim
+        nbytes = total_context * arch.kv_bytes_per_token_per_layer() / t + io_bytes
+        return max(flops / (d.peak_flops * d.matmul_eff), nbytes / (d.mem_bandwidth * d.mem_eff)) + d.kernel_overhead
 
     def attention_decode_fn(self, arch, batch_size: int, plus: float = 0.0, times: int = 1):
         """`plus + times * attention_decode_time(arch, batch_size, ctx)` as a function of ctx
-        alone, the terms that do not depend on ctx computed once (the simulator's decode step
-        is `rest + layers x attention`, evaluated once per replayed step). Decode attention is
-        a batched GEMV: it runs at the memory roofline."""
+        alone, the same floats with the terms that do not depend on ctx computed once (the
+        simulator's decode step is `rest + layers x attention`, evaluated once per replayed
+        step). Where the KV stream outlasts the FLOPs at every context (per token it does by
+        far more than rounding can move: every GQA model on a GPU), the FLOP term is not
+        evaluated: the roofline's max would return the stream's time anyway."""
         d, t, e = self.device, self.tp, arch.dtype_bytes
         kvpt = arch.kv_bytes_per_token_per_layer()
         io_bytes = batch_size * (2 * arch.q_size + 2 * arch.kv_size) / t * e
@@ -140,9 +147,14 @@ class CostModel:
         byte_rate = d.mem_bandwidth * d.mem_eff
         overhead = d.kernel_overhead
 
-        def attention(total_context):
-            return plus + times * (max(4.0 * total_context * heads / t * head_dim / flop_rate,
-                                       (total_context * kvpt / t + io_bytes) / byte_rate) + overhead)
+        if kvpt * flop_rate > 4.0 * heads * head_dim * byte_rate * (1 + 1e-9):
+            def attention(total_context):
+                return plus + times * ((total_context * kvpt / t + io_bytes) / byte_rate + overhead)
+        else:
+            def attention(total_context):
+                a = 4.0 * total_context * heads / t * head_dim / flop_rate
+                b = (total_context * kvpt / t + io_bytes) / byte_rate
+                return plus + times * ((b if b > a else a) + overhead)
 
         return attention
 

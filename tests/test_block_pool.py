@@ -29,6 +29,23 @@ def test_grow_is_layer_wise_and_rounds_up_per_layer():
     pool.check()
 
 
+def test_grow_hands_each_layer_its_ids_in_pop_order():
+    """Layer i gets the i-th run of `per_layer` ids the free list pops, for one block per layer
+    (the common growth by a token) as for several, and after ids came back."""
+    pool = BlockPool(100, 1024)
+    a = pool.open("r1", ("m", 0), num_layers=3, tokens_per_block=4)
+    pool.grow(a, 4)  # one block per layer
+    assert a.table == [[0], [1], [2]]
+    pool.grow(a, 12)  # two more per layer
+    assert a.table == [[0, 3, 4], [1, 5, 6], [2, 7, 8]]
+    b = pool.open("r2", ("m", 0), num_layers=3, tokens_per_block=4)
+    pool.grow(b, 1)
+    pool.release("r2")  # 9, 10, 11 back on the stack, 11 on top
+    pool.grow(a, 13)
+    assert a.table == [[0, 3, 4, 11], [1, 5, 6, 10], [2, 7, 8, 9]]
+    pool.check()
+
+
 def test_models_with_different_tokens_per_block_share_one_pool():
     pool = BlockPool(20, 1024)
     big = pool.open("a", ("big", 1), 2, tokens_per_block=2)
