@@ -26,6 +26,7 @@ claims to be in; every layer of an allocation has the same number of blocks.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from itertools import chain
 
 from paraflex.engine.free_list import FreeList
 from paraflex.errors import ConfigError, ParaflexError
@@ -192,8 +193,8 @@ class BlockPool:
             free, used = self._host_free, self._host_used_by
         else:
             free, used = self._free, self._used_by
+        free.give(chain.from_iterable(map(reversed, alloc.table)))  # layer by layer, each reversed
         for layer in alloc.table:
-            free.give(reversed(layer))
             layer.clear()
         alloc.blocks_per_layer = 0
         used[alloc.group] -= n

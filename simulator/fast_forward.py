@@ -42,8 +42,7 @@ the time the last replayed tokens arrive. Exactness is pinned by tests/test_sim_
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from heapq import heapify, heapreplace
+from bisect import bisect_left, bisect_right
 
 from paraflex.costmodel import CostModel
 
@@ -265,11 +264,7 @@ class DecodeFastForward:
                 others.append(counts[rho])
         if not others or floor is None:
             return i
-        heapify(others)
-        while i < len(ts) and ts[i] < horizon and floor > others[0]:
-            heapreplace(others, others[0] + 1)
-            i += 1
-        return i
+        return i + skippable(others, floor, ts, i, horizon)
 
     def advance(self, first, sb, t: float) -> float | None:
         """Replay as many cycles of `sb` (formed by `first` at `t`) as provably undisturbed;
@@ -310,6 +305,15 @@ class DecodeFastForward:
                 eng.scheduler.check()
         self.cycles += k
         return s
+
+
+def skippable(others: list[int], floor: int, ts: list[float], i: int, horizon: float) -> int:
+    """How many of the arrivals ts[i:] before `horizon` go to `others` (counts of the replicas
+    away from the engines searched) while each goes to the least loaded of them and it holds
+    fewer than `floor`: water-filling, they take sum(floor - count) arrivals before the least
+    loaded holds `floor` (tests check it against arrival-by-arrival filling)."""
+    room = sum(floor - c for c in others if c < floor)
+    return bisect_left(ts, horizon, i, min(len(ts), i + room)) - i if room else 0
 
 
 def _next_crossing(kv, base) -> int:

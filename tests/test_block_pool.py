@@ -43,6 +43,10 @@ def test_grow_hands_each_layer_its_ids_in_pop_order():
     pool.release("r2")  # 9, 10, 11 back on the stack, 11 on top
     pool.grow(a, 13)
     assert a.table == [[0, 3, 4, 11], [1, 5, 6, 10], [2, 7, 8, 9]]
+    pool.release("r1")  # each layer's ids pushed back in reverse, layer after layer: the last layer's first id on top
+    c = pool.open("r3", ("m", 0), num_layers=1, tokens_per_block=1)
+    pool.grow(c, 13)
+    assert c.table == [[2, 7, 8, 9, 1, 5, 6, 10, 0, 3, 4, 11, 12]]
     pool.check()
 
 

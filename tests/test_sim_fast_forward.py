@@ -172,3 +172,24 @@ def test_parked_model_starvation_promotions_are_kept():
     promotions = [r.engines[0].scheduler.stats["starvation_promotions"] for r in res.values()]
     assert promotions[0] == promotions[1] > 0
     assert res[True].summary["fast_forward_cycles"] > 100
+
+
+@settings(max_examples=200, deadline=None)
+@given(others=st.lists(st.integers(0, 6), min_size=1, max_size=6), floor=st.integers(0, 8),
+       gaps=st.lists(st.floats(0.0, 2.0), max_size=30), i=st.integers(0, 30), horizon=st.floats(0.0, 40.0))
+def test_skippable_arrivals_are_water_filling(others, floor, gaps, i, horizon):
+    """The horizon search's count of arrivals that provably go elsewhere equals sending them
+    one by one to the least loaded replica away from the engines until it holds `floor`."""
+    from heapq import heapify, heapreplace
+
+    from paraflex.simulator.fast_forward import skippable
+
+    ts = [sum(gaps[:k + 1]) for k in range(len(gaps))]  # sorted, ties included
+    i = min(i, len(ts))
+    heap = list(others)
+    heapify(heap)
+    j = i
+    while j < len(ts) and ts[j] < horizon and floor > heap[0]:
+        heapreplace(heap, heap[0] + 1)
+        j += 1
+    assert skippable(list(others), floor, ts, i, horizon) == j - i
