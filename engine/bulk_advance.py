@@ -94,6 +94,13 @@ class BulkAdvance:
         for req in reqs:
             q.push(req, since)
 
+    def replay_prefill_done(self, batch: ScheduledBatch) -> None:
+        """A one-stage replica's prompt batch whose end the replay took over: `complete` and its
+        token back (`receive_tokens`, the first token) as at that end. (The age of the decode
+        queue it joins is set by `replay_first_decode` / `replay_ages`, or, still running at
+        the cut, is the decision count after `replay_counters`.)"""
+        self.receive_tokens(self.complete(batch).token_message)
+
     def replay_pipeline_first(self, model: str, members: list[tuple[str, int, int, str | None]]) -> None:
         """A pipeline's first stage: each (request, context, tokens, batch id) ends blocked in
         that batch (awaiting its token) or, with batch id None, waiting in the decode queue."""

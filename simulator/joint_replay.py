@@ -17,8 +17,10 @@ batch, at time t):
   holds swapped KV;
 - every other stage on the group's engines is a one-stage replica whose unfinished requests
   (at most `max_batch_size`) are all in one decode batch, running or waiting in its decode
-  queue (so every route touching the group lies inside it, and only new requests can reach it
-  from outside); the events pending at the group are those batches' ends and the pipeline's;
+  queue, except one whose prompt runs on that engine (a whole prompt, its first token not its
+  last: at its end the request joins the batch, `GroupSim._join`); so every route touching
+  the group lies inside it, and only new requests can reach it from outside; the events
+  pending at the group are those batches' and prompts' ends and the pipeline's;
 - on each engine the queues' head keys differ in arrival time (their order cannot change);
 
 every decision of the group is a function of the times, and the replay computes them with a
@@ -48,8 +50,9 @@ engine the metrics in time order, the requests' states, queues and their ages, t
 decision order, the decision, message and batch counters; `EngineScheduler.replay_*`); what is
 running then ends with a `ReplayEndEvent` (its effects applied, the engine decides for real
 at its end), except a one-stage step with last tokens, which is formed for real at its start
-(`replay_form`) and ends with its `StageEndEvent`; messages still in flight become real
-`BatchArrivalEvent`s / `TokenArrivalEvent`s.
+(`replay_form`) and ends with its `StageEndEvent`; a prompt taken over is completed (first
+token, request in its decode queue: `replay_prefill_done`), its engine held until its end if
+it still runs; messages still in flight become real `BatchArrivalEvent`s / `TokenArrivalEvent`s.
 The simulation and the cut live in joint_sim.py. Exactness is pinned by
 tests/test_sim_joint_replay.py (whole runs identical to step by step).
 """
@@ -58,11 +61,11 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 
-from paraflex.engine.messages import DECODE
+from paraflex.engine.messages import DECODE, PREFILL
 from paraflex.engine.request import BLOCKED, RUNNING
 from paraflex.simulator.events import ReplayEndEvent, ReplayFinishEvent
-from paraflex.simulator.joint_sim import (ARRIVE, END, FULL, SMALL, TOKENS, GroupEngine, GroupSim, PipeBatch, ReplicaBatch,
-                                          kv_of)
+from paraflex.simulator.joint_sim import (ARRIVE, END, FULL, SMALL, TOKENS, GroupEngine, GroupSim, Joiner, PipeBatch,
+                                          ReplicaBatch, kv_of)
 
 INF = float("inf")
 AWAITING = (BLOCKED, RUNNING)  # a first stage's requests whose coming token is under way
@@ -166,15 +169,17 @@ class JointReplay:
 
     @staticmethod
     def _may_replay(first, sb, route, model: str) -> bool:
-        """Quick refusals (most attempts): a prefill running on the route, a running one-stage
-        batch (`sb` on `first` included) or a pipeline request about to produce a request's
-        last token."""
+        """Quick refusals (most attempts): a prefill running on the route that the replay
+        cannot take over (`_joinable`), a running one-stage batch (`sb` on `first` included)
+        or a pipeline request about to produce a request's last token."""
         for eng in route:
             if eng.wake_pending or eng.scheduler.has_swapped:
                 return False
             ev = eng.running
             if eng is first or (eng.busy and not isinstance(ev, ReplayEndEvent)):
                 b = sb if eng is first else ev.batch
+                if b is not None and b.kind == PREFILL and _joinable(eng, b, model):
+                    continue
                 if b is None or b.kind != DECODE:
                     return False
                 if b.model != model:
@@ -241,6 +246,14 @@ class JointReplay:
                     pipe_events += ev.key == pkey
                 elif ev is None or ev.batch is None:
                     return None
+                elif ev.batch.kind == PREFILL and _joinable(eng, ev.batch, model) and cluster.local_tokens_direct:
+                    rid = ev.batch.requests[0].req_id
+                    jn = es.joiner = Joiner((ev.batch.model, eng.stages[ev.batch.model].replica), ev, s.request(rid),
+                                            records[rid])
+                    expected.append(ev.time)
+                    es.taken = ev
+                    es.running = (ev.time, jn)
+                    events.append((ev.time, END, j, jn))
                 else:
                     running, start, end_ev = ev.batch, ev.start, ev.time
                     if running.kind != DECODE or running.swap_in or running.swap_out:
@@ -308,6 +321,14 @@ class JointReplay:
                 if st.prefill_q.items:
                     return None
                 nr = counts(m)[rinfo.replica]
+                joining = es.joiner is not None and es.joiner.key == (m, rinfo.replica)
+                if joining:  # its prompt runs here: the others wait in the decode queue, if any
+                    if nr > max_batch:
+                        return None
+                    nr -= 1
+                    if not nr:
+                        es.replicas.append(ReplicaBatch((m, rinfo.replica), [], SMALL, None, [], rinfo))
+                        continue
                 q = st.decode_q
                 if running is not None and running.model == m:
                     if q.items or len(running.requests) != nr:
@@ -350,7 +371,8 @@ class JointReplay:
             return None
         if len(cluster.route_pending[pkey]) != pipe_events:
             return None
-        heads = sorted([b.head for b in batches] + [r.head[0] for es in group for r in es.replicas])
+        heads = sorted([b.head for b in batches] + [r.head[0] for es in group for r in es.replicas if r.n]
+                       + [es.joiner.req_key[0] for es in group if es.joiner is not None])
         if any(a == b for a, b in zip(heads, heads[1:])):
             return None  # equal arrival times: an order could depend on sequence numbers
         s0 = route[0].scheduler
@@ -395,3 +417,14 @@ class JointReplay:
             if ts:
                 n += bisect_right(ts, t) - bisect_left(ts, t)
         return n
+
+
+def _joinable(eng, b, model: str) -> bool:
+    """A prompt batch running on `eng` that the replay can take over: one whole prompt of a
+    one-stage replica (not the pipeline's) moving no KV, whose first token is not its last."""
+    info = eng.stages[b.model]
+    if b.model == model or not (info.first and info.last) or len(b.requests) != 1 or b.swap_in or b.swap_out:
+        return False
+    sr = b.requests[0]
+    req = eng.scheduler.request(sr.req_id)
+    return sr.start_pos == 0 and sr.num_tokens == req.prompt_len and req.max_new_tokens >= 2 and not req.abort_pending

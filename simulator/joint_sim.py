@@ -56,7 +56,7 @@ class ReplicaBatch:
         self.rids = [r.req_id for r in reqs]
         self.recs = recs
         self.keys = [r.key for r in reqs]
-        self.head = min(self.keys)
+        self.head = min(self.keys) if reqs else None
         self.order = (cls, self.head)  # its place in the policy's order
         self.since = 0
         self.ready = False
@@ -64,13 +64,33 @@ class ReplicaBatch:
         self.csum = sum(r.context_len for r in reqs)
         self.fn = fn
         self.rems = [r.max_new_tokens - r.generated for r in reqs]  # each member's tokens to come at the start
-        self.left = min(self.rems)  # steps to its first last token (a step with left == 1 finishes requests)
+        self.left = min(self.rems) if reqs else 0  # steps to its first last token (a step with left == 1 finishes requests)
         self.kv = [kv_of(r) for r in reqs]
         self.info = info  # its StageInfo (a new step time function when members leave)
         self.formed = 0  # batches formed by replayed decisions
         self.times: list[float] = []  # its token times (every step since the start)
         self.fin = None  # (formation time, index in the engine's grows) of its step with last tokens, running
         self.done: list = []  # (request ids, records, steps) of the members that finished, in order
+
+
+class Joiner:
+    """A one-stage replica's prompt running (its prefill formed for real) on a group engine
+    when the replay starts: at its end the request has its first token and joins its replica's
+    decode batch (`GroupSim._join`); the cut completes its prefill (`replay_prefill_done`)."""
+
+    __slots__ = ("key", "sb", "start", "end", "tokens", "rid", "req_key", "rem", "kv", "rec", "joined")
+
+    def __init__(self, key, ev, req, rec):
+        self.key = key  # (model, replica)
+        self.sb = ev.batch  # the prefill batch (one request, the whole prompt)
+        self.start, self.end, self.tokens = ev.start, ev.time, ev.tokens
+        self.rid = req.req_id
+        self.req_key = req.key
+        self.rem = req.max_new_tokens - 1  # tokens to come after the first
+        a = req.alloc
+        self.kv = [a.blocks_per_layer * a.tokens_per_block, a.tokens_per_block, a.num_layers, req.prompt_len, a]
+        self.rec = rec
+        self.joined = False  # its end replayed: the request is in its replica's batch
 
 
 def kv_of(req) -> list:
@@ -84,7 +104,7 @@ class GroupEngine:
 
     __slots__ = ("eng", "j", "info", "d", "running", "blocks", "replicas", "queue", "since", "pkv", "pgen", "grows",
                  "busy", "received", "formed", "promotions", "limit", "taken", "messages", "batch_seq", "seq",
-                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready", "fns")
+                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready", "fns", "joiner")
 
     def __init__(self, eng, j: int, info, limit: int):
         self.eng = eng
@@ -117,6 +137,7 @@ class GroupEngine:
         self.queued: set = set()  # later stages: ids of the batches queued at the start
         self.served_queued = 0  # later stages: how many of them ran
         self.fns: dict = {}  # the pipeline stage's decode time function per batch size
+        self.joiner = None  # a one-stage prompt running here at the start (its end taken over)
 
 
 class GroupSim:
@@ -189,6 +210,8 @@ class GroupSim:
                                 es.nready += 1
                             else:
                                 finished(es, what)
+                        elif cls is Joiner:
+                            self._join(es, what)
                         elif cls is PipeBatch:
                             if j < last_stage:
                                 nbytes, dt = hop(what.n)
@@ -283,6 +306,30 @@ class GroupSim:
             r.order = (FULL if n >= es.eng.scheduler.max_batch_size else SMALL, r.head)
             r.left = min(r.rems) - s
             r.ready = True
+            es.nready += 1
+
+    def _join(self, es: GroupEngine, jn: Joiner) -> None:
+        """jn's prompt ended: the request (its first token out) waits in its replica's decode
+        queue, in key order, and joins the batch the next decision forms there. (The engine ran
+        the prompt since the replay began, so the replica has run no step in it yet: every
+        member goes through the same replayed steps.)"""
+        jn.joined = True
+        r = next(r for r in es.replicas if r.key == jn.key)
+        i = bisect_right(r.keys, jn.req_key)
+        r.rids.insert(i, jn.rid)
+        r.recs.insert(i, jn.rec)
+        r.keys.insert(i, jn.req_key)
+        r.rems.insert(i, jn.rem)
+        r.kv.insert(i, jn.kv)
+        r.csum += jn.kv[3]
+        r.n = n = r.n + 1
+        r.fn = es.eng.decode_time_fn(r.info, n)
+        r.head = r.keys[0]
+        r.order = (FULL if n >= es.eng.scheduler.max_batch_size else SMALL, r.head)
+        r.left = jn.rem if n == 1 else min(r.left, jn.rem)
+        if not r.ready:  # its queue was empty: non-empty from this decision on
+            r.ready = True
+            r.since = es.d
             es.nready += 1
 
     def _raw_after(self, x: float) -> float:
@@ -449,8 +496,8 @@ class GroupSim:
                 cluster.take_message(ev)
             ev = es.taken
             if ev is not None:
-                if not isinstance(ev, ReplayEndEvent) and ev.batch.model != model:
-                    es.started = ev.batch  # a one-stage batch running at the start
+                if not isinstance(ev, ReplayEndEvent) and ev.batch.model != model and es.joiner is None:
+                    es.started = ev.batch  # a one-stage decode batch running at the start
                 cluster.take_over(es.eng)
 
     def suspend(self) -> None:
@@ -484,6 +531,12 @@ class GroupSim:
         for es in group:
             eng = es.eng
             s = eng.scheduler
+            jn = es.joiner
+            if jn is not None:  # its prompt, then its first token (as `stage_done` records them)
+                metrics.batch(eng.id, jn.start, jn.end, True, 1, jn.tokens)
+                metrics.tokens([jn.rec], jn.end)
+                if jn.joined:
+                    s.replay_prefill_done(jn.sb)
             metrics.decode_steps(eng.id, es.busy)
             for r in es.replicas:
                 for rids, recs, steps in r.done:
@@ -506,6 +559,8 @@ class GroupSim:
             s.replay_grows(es.grows)
             s.replay_counters(es.d, es.seq + es.received, es.formed, es.promotions)
             s.replay_ages(model, es.since, [(r.key[0], r.since) for r in es.replicas])
+            if jn is not None and not jn.joined:  # still running at the cut: done when the engine is free
+                s.replay_prefill_done(jn.sb)
         metrics.hops += len(self.hops)  # (`metrics.hop` for each)
         metrics.hop_bytes += sum(self.hops)
         for b, time in self.tokens:
@@ -519,7 +574,7 @@ class GroupSim:
                 start = what.fin[0]
                 cluster.start_batch(eng, eng.scheduler.replay_form(what.key[0], what.n, start), start, time, what.n, what.n)
             elif kind == END:
-                cluster.hold(es.eng, what if isinstance(what, tuple) else what.key if isinstance(what, ReplicaBatch) else pkey,
+                cluster.hold(es.eng, what if isinstance(what, tuple) else pkey if isinstance(what, PipeBatch) else what.key,
                              time)
                 if isinstance(what, PipeBatch):
                     if j < self.last:

@@ -77,7 +77,9 @@ class _Spy:
 
 
 def _both(cfg, layout, requests=None, rate=1.0, seed=0, check=False):
-    return [simulate(cfg, SimSettings(system="group", rate=rate, seed=seed, fast_forward=ff, check_invariants=check),
+    """(with the fast paths, step by step); `check`: invariants checked after every event of
+    the fast run (the step-by-step run is the reference)."""
+    return [simulate(cfg, SimSettings(system="group", rate=rate, seed=seed, fast_forward=ff, check_invariants=check and ff),
                      layout=layout, requests=requests) for ff in (True, False)]
 
 
@@ -375,3 +377,81 @@ def test_finishes_inside_the_replay_empty_a_replica(monkeypatch):
     fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
     _assert_identical(fast, plain)
     assert arrivals.finishes >= 4
+
+
+class _Joins:
+    """Counts the one-stage prompts the replays take over: joined (their end replayed, the
+    request in its replica's batch) and still running at the cut."""
+
+    def __init__(self, monkeypatch):
+        self.joined = self.running = 0
+        real_join, real_apply = GroupSim._join, GroupSim.apply
+
+        def join(sim, es, jn):
+            self.joined += 1
+            real_join(sim, es, jn)
+
+        def apply(sim):
+            self.running += sum(es.joiner is not None and not es.joiner.joined for es in sim.group)
+            real_apply(sim)
+
+        monkeypatch.setattr(GroupSim, "_join", join)
+        monkeypatch.setattr(GroupSim, "apply", apply)
+
+
+def _prompts_during(spec_prompts):
+    """p and a's replicas 0 (engine 0) and 1 (engine 2) decode long requests; then prompts of
+    the group's one-stage replicas (model, arrival, prompt, output) come in."""
+    return _long_requests([("p", 0.0, 6, 400), ("a", 0.001, 5, 500), ("a", 0.002, 5, 500), ("a", 0.003, 4, 500)]
+                          + spec_prompts)
+
+
+def test_prompt_running_at_the_start_joins_its_replicas_batch(monkeypatch):
+    """New requests of a (into replicas 0 and 1, beside their decoding requests) and of b and d
+    (their replicas empty: the request starts a batch) run their prompts while the pipeline
+    decodes; replays start with those prompts running and take them over: the request joins
+    the batch formed after its prompt, in key order (fewer cycles than the older members)."""
+    cfg = _config(0.1, 8)
+    reqs = _prompts_during([("a", 0.05, 30, 120), ("b", 0.1, 25, 90), ("d", 0.15, 40, 70), ("a", 0.2, 20, 100)])
+    joins = _Joins(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
+    _assert_identical(fast, plain)
+    assert joins.joined >= 2
+
+
+def test_prompt_whose_first_decode_step_is_its_last(monkeypatch):
+    """Requests of two tokens: the first at the prompt's end, the second in the first step
+    after the join (a step with last tokens inside the replay, or formed for real at a cut)."""
+    cfg = _config(0.1, 8)
+    reqs = _prompts_during([("a", 0.05, 30, 2), ("b", 0.1, 12, 2), ("a", 0.15, 8, 2), ("d", 0.2, 9, 3)])
+    joins = _Joins(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
+    _assert_identical(fast, plain)
+    assert joins.joined >= 1
+
+
+def test_prompt_still_running_at_the_cut(monkeypatch):
+    """A long prompt of b runs on engine 1 when requests of a come into the group (to replica
+    0 on engine 0, then 1 on engine 2) before it ends: the replay is cut with the prompt still
+    running (completed at the cut, the engine held until its end), as step by step."""
+    cfg = _config(0.1, 8)
+    reqs = _prompts_during([("b", 0.05, 4000, 60), ("a", 0.1, 6, 50), ("a", 0.15, 5, 40)])
+    joins = _Joins(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
+    _assert_identical(fast, plain)
+    assert joins.running >= 1
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=st.lists(st.tuples(st.sampled_from("aabdd"), st.floats(0.01, 0.3), st.integers(1, 400), st.integers(2, 80)),
+                     min_size=3, max_size=12),
+       memory_gb=st.sampled_from([0.012, 0.02, 0.1]), max_batch=st.sampled_from([2, 4, 16]))
+def test_random_prompts_into_replays(spec, memory_gb, max_batch):
+    """Random prompts of the group's one-stage models (short and long, memory pressure, small
+    batches) while the pipeline and a's replicas decode: replays take over running prompts
+    that join, finish or are cut; identical to step by step, invariants checked."""
+    cfg = _config(memory_gb, max_batch)
+    reqs = _prompts_during(sorted(spec, key=lambda r: r[1]))
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
+    _assert_identical(fast, plain)
