@@ -406,27 +406,29 @@ def _prompts_during(spec_prompts):
                           + spec_prompts)
 
 
+def _joins_identical(monkeypatch, prompts) -> _Joins:
+    """Run `_prompts_during(prompts)` with the fast paths (invariants checked) and step by
+    step; assert identical; return what the replays did with the prompts."""
+    cfg = _config(0.1, 8)
+    joins = _Joins(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=_prompts_during(prompts), check=True)
+    _assert_identical(fast, plain)
+    return joins
+
+
 def test_prompt_running_at_the_start_joins_its_replicas_batch(monkeypatch):
     """New requests of a (into replicas 0 and 1, beside their decoding requests) and of b and d
     (their replicas empty: the request starts a batch) run their prompts while the pipeline
     decodes; replays start with those prompts running and take them over: the request joins
-    the batch formed after its prompt, in key order (fewer cycles than the older members)."""
-    cfg = _config(0.1, 8)
-    reqs = _prompts_during([("a", 0.05, 30, 120), ("b", 0.1, 25, 90), ("d", 0.15, 40, 70), ("a", 0.2, 20, 100)])
-    joins = _Joins(monkeypatch)
-    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
-    _assert_identical(fast, plain)
+    the batch formed after its prompt, in key order."""
+    joins = _joins_identical(monkeypatch, [("a", 0.05, 30, 120), ("b", 0.1, 25, 90), ("d", 0.15, 40, 70), ("a", 0.2, 20, 100)])
     assert joins.joined >= 2
 
 
 def test_prompt_whose_first_decode_step_is_its_last(monkeypatch):
     """Requests of two tokens: the first at the prompt's end, the second in the first step
     after the join (a step with last tokens inside the replay, or formed for real at a cut)."""
-    cfg = _config(0.1, 8)
-    reqs = _prompts_during([("a", 0.05, 30, 2), ("b", 0.1, 12, 2), ("a", 0.15, 8, 2), ("d", 0.2, 9, 3)])
-    joins = _Joins(monkeypatch)
-    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
-    _assert_identical(fast, plain)
+    joins = _joins_identical(monkeypatch, [("a", 0.05, 30, 2), ("b", 0.1, 12, 2), ("a", 0.15, 8, 2), ("d", 0.2, 9, 3)])
     assert joins.joined >= 1
 
 
@@ -434,11 +436,7 @@ def test_prompt_still_running_at_the_cut(monkeypatch):
     """A long prompt of b runs on engine 1 when requests of a come into the group (to replica
     0 on engine 0, then 1 on engine 2) before it ends: the replay is cut with the prompt still
     running (completed at the cut, the engine held until its end), as step by step."""
-    cfg = _config(0.1, 8)
-    reqs = _prompts_during([("b", 0.05, 4000, 60), ("a", 0.1, 6, 50), ("a", 0.15, 5, 40)])
-    joins = _Joins(monkeypatch)
-    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
-    _assert_identical(fast, plain)
+    joins = _joins_identical(monkeypatch, [("b", 0.05, 4000, 60), ("a", 0.1, 6, 50), ("a", 0.15, 5, 40)])
     assert joins.running >= 1
 
 
