@@ -371,15 +371,22 @@ class JointReplay:
             return None
         if len(cluster.route_pending[pkey]) != pipe_events:
             return None
-        heads = sorted([b.head for b in batches] + [r.head[0] for es in group for r in es.replicas if r.n]
-                       + [es.joiner.req_key[0] for es in group if es.joiner is not None])
-        if any(a == b for a, b in zip(heads, heads[1:])):
-            return None  # equal arrival times: an order could depend on sequence numbers
         s0 = route[0].scheduler
         gen0 = {}
+        arrivals = []  # of every request whose arrival can become a queue's head in the replay
         for r in s0.live_requests():
             if r.model == model:
                 gen0[r.req_id] = r.generated
+                arrivals.append(r.arrival)
+        for es in group:
+            jn = es.joiner
+            for r in es.replicas:  # (ties inside one replica's batch order nothing)
+                own = {k[0] for k in r.keys}
+                if jn is not None and jn.key == r.key:
+                    own.add(jn.req_key[0])
+                arrivals.extend(own)
+        if len(set(arrivals)) != len(arrivals):
+            return None  # equal arrival times: an order could depend on sequence numbers
         if any(s0.request(rid).max_new_tokens - gen0[rid] < 2 for rid in coming):
             return None  # a coming token is a request's last
         e0 = group[0]
