@@ -62,6 +62,7 @@ class DecodeFastForward:
         # per engine: the models resident on it, and every (model, replica) whose route touches it
         self.models_on: list[list[str]] = [list(e.stages) for e in cluster.engines]
         self.routes_on: list[list[tuple[str, int]]] = [[] for _ in cluster.engines]
+        self.route_sets = {m: [frozenset(route) for route in routes] for m, routes in cluster.replicas.items()}
         for model, routes in cluster.replicas.items():
             for rho, route in enumerate(routes):
                 for eid in route:
@@ -256,8 +257,8 @@ class DecodeFastForward:
         counts = cluster.dispatcher.outstanding(m)
         floor = None
         others = []
-        for rho, route in enumerate(cluster.replicas[m]):
-            if any(e in seen for e in route):
+        for rho, route in enumerate(self.route_sets[m]):
+            if not route.isdisjoint(seen):
                 lb = counts[rho] if (m, rho) in frozen else 0
                 floor = lb if floor is None or lb < floor else floor
             else:
