@@ -72,6 +72,14 @@ class ReplicaBatch:
         self.fin = None  # (formation time, index in the engine's grows) of its step with last tokens, running
         self.done: list = []  # (request ids, records, steps) of the members that finished, in order
 
+    def resize(self, eng) -> None:
+        """After members finished or one joined: its size, step time function, head and
+        policy class (full once it holds max_batch_size)."""
+        self.n = n = len(self.rids)
+        self.fn = eng.decode_time_fn(self.info, n)
+        self.head = min(self.keys)
+        self.order = (FULL if n >= eng.scheduler.max_batch_size else SMALL, self.head)
+
 
 class Joiner:
     """A one-stage replica's prompt running (its prefill formed for real) on a group engine
@@ -298,12 +306,10 @@ class GroupSim:
         r.kv = [r.kv[i] for i in keep]
         r.keys = [r.keys[i] for i in keep]
         r.rems = [r.rems[i] for i in keep]
-        r.n = n = len(keep)
-        if n:
+        r.n = len(keep)
+        if r.n:
+            r.resize(es.eng)
             r.csum = sum(kv[3] for kv in r.kv)
-            r.fn = es.eng.decode_time_fn(r.info, n)
-            r.head = min(r.keys)
-            r.order = (FULL if n >= es.eng.scheduler.max_batch_size else SMALL, r.head)
             r.left = min(r.rems) - s
             r.ready = True
             es.nready += 1
@@ -322,11 +328,8 @@ class GroupSim:
         r.rems.insert(i, jn.rem)
         r.kv.insert(i, jn.kv)
         r.csum += jn.kv[3]
-        r.n = n = r.n + 1
-        r.fn = es.eng.decode_time_fn(r.info, n)
-        r.head = r.keys[0]
-        r.order = (FULL if n >= es.eng.scheduler.max_batch_size else SMALL, r.head)
-        r.left = jn.rem if n == 1 else min(r.left, jn.rem)
+        r.resize(es.eng)
+        r.left = jn.rem if r.n == 1 else min(r.left, jn.rem)
         if not r.ready:  # its queue was empty: non-empty from this decision on
             r.ready = True
             r.since = es.d
