@@ -21,7 +21,9 @@ batch, at time t):
   last: at its end the request joins the batch, `GroupSim._join`); so every route touching
   the group lies inside it, and only new requests can reach it from outside; the events
   pending at the group are those batches' and prompts' ends and the pipeline's;
-- on each engine the queues' head keys differ in arrival time (their order cannot change);
+- no two of the group's requests tie in arrival time, except members of one replica's batch
+  (a queue's head, now or after a finish or a join, is one of them; tied keys would order by
+  sequence numbers the replay does not model);
 
 every decision of the group is a function of the times, and the replay computes them with a
 small event simulation of the group: an engine that becomes free, or receives work while idle,
