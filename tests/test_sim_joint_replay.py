@@ -280,16 +280,24 @@ def _around(t: float, shift: int) -> float:
     return {-1: math.nextafter(t, 0.0), 0: t, 1: math.nextafter(t, math.inf)}[shift]
 
 
+def _race_at_finish(monkeypatch, race, rid: int, shift: int):
+    """`race(at)` with its new request just before (shift -1), at (0) or just after (1) the
+    instant request `rid` finishes step by step, with and without the fast paths (asserted
+    identical): (the step-by-step result, what the replays did at new requests)."""
+    cfg = _config(0.1, 8)
+    at = _around(_finish_of(cfg, race(None), rid), shift)
+    arrivals = _Arrivals(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=race(at))
+    _assert_identical(fast, plain)
+    return plain, arrivals
+
+
 @pytest.mark.parametrize("shift", [-1, 0, 1])
 def test_request_at_the_instant_a_finish_changes_the_dispatchers_choice(monkeypatch, shift):
     """The new request of a arrives just before, exactly at, or just after the instant replica
     2's request finishes (a finish at an instant is seen by a request arriving at it): inside,
     outside, outside, as step by step."""
-    cfg = _config(0.1, 8)
-    at = _around(_finish_of(cfg, _outside_race(None), 3), shift)
-    arrivals = _Arrivals(monkeypatch)
-    fast, plain = _both(cfg, _layout(cfg), requests=_outside_race(at))
-    _assert_identical(fast, plain)
+    plain, arrivals = _race_at_finish(monkeypatch, _outside_race, 3, shift)
     assert plain.metrics.requests[5].replica == (0 if shift < 0 else 2)
     assert (arrivals.cut if shift < 0 else arrivals.resumed) >= 1  # a replay waited for it
 
@@ -357,11 +365,7 @@ def test_finish_inside_the_replay_just_before_a_request(monkeypatch, shift):
     """Request 4 finishes inside a replay (its replica's batch goes on with one member); a
     new request of a arrives just before, exactly at, or just after that finish: the
     dispatcher sees the finish at its time (replica 2 outside, then replica 0 inside)."""
-    cfg = _config(0.1, 8)
-    at = _around(_finish_of(cfg, _finish_race(None), 4), shift)
-    arrivals = _Arrivals(monkeypatch)
-    fast, plain = _both(cfg, _layout(cfg), requests=_finish_race(at))
-    _assert_identical(fast, plain)
+    plain, arrivals = _race_at_finish(monkeypatch, _finish_race, 4, shift)
     assert plain.metrics.requests[7].replica == (2 if shift < 0 else 0)
     assert arrivals.finishes >= 1
 
