@@ -55,7 +55,7 @@ at its end), except a one-stage step with last tokens, which is formed for real 
 (`replay_form`) and ends with its `StageEndEvent`; a prompt taken over is completed (first
 token, request in its decode queue: `replay_prefill_done`), its engine held until its end if
 it still runs; messages still in flight become real `BatchArrivalEvent`s / `TokenArrivalEvent`s.
-The simulation and the cut live in joint_sim.py. Exactness is pinned by
+The simulation and the cut live in joint_sim.py, the state it moves in joint_state.py. Exactness is pinned by
 tests/test_sim_joint_replay.py (whole runs identical to step by step).
 """
 
@@ -66,8 +66,8 @@ from bisect import bisect_left, bisect_right
 from paraflex.engine.messages import DECODE, PREFILL
 from paraflex.engine.request import BLOCKED, RUNNING
 from paraflex.simulator.events import ReplayEndEvent, ReplayFinishEvent
-from paraflex.simulator.joint_sim import (ARRIVE, END, FULL, SMALL, TOKENS, GroupEngine, GroupSim, Joiner, PipeBatch,
-                                          ReplicaBatch, kv_of)
+from paraflex.simulator.joint_sim import ARRIVE, END, TOKENS, GroupSim
+from paraflex.simulator.joint_state import FULL, SMALL, GroupEngine, Joiner, PipeBatch, ReplicaBatch, kv_of
 
 INF = float("inf")
 AWAITING = (BLOCKED, RUNNING)  # a first stage's requests whose coming token is under way

@@ -1,0 +1,131 @@
+"""The joint replay's state of a pipeline's engines: what `JointReplay._state` (joint_replay.py)
+captures at the start and `GroupSim` (joint_sim.py) moves forward decision by decision.
+
+Place in the data flow: per engine of the group a `GroupEngine` (its counters, queues, KV
+headroom, the growth and busy intervals the replay records); the pipeline's decode batches
+(`PipeBatch`), each one-stage replica's decode batch (`ReplicaBatch`) and a one-stage prompt
+running at the start (`Joiner`). `GroupSim.apply` hands them back to the engines at the cut.
+"""
+
+from __future__ import annotations
+
+FULL, SMALL = 0, 2  # full-batch-first's classes of decode queues
+
+
+class PipeBatch:
+    """A decode batch of the pipeline: its requests (batch order), their positions (context
+    before the step), its id and formation time at the first stage."""
+
+    __slots__ = ("rids", "pos", "n", "csum", "bid", "formed_at", "head")
+
+    def __init__(self, rids, pos, bid: str, formed_at: float, head: float):
+        self.rids = rids
+        self.pos = pos
+        self.n = len(rids)
+        self.csum = sum(pos)
+        self.bid = bid
+        self.formed_at = formed_at
+        self.head = head  # the earliest arrival among its requests (its key at later stages)
+
+
+class ReplicaBatch:
+    """A one-stage replica's decode batch on its engine."""
+
+    __slots__ = ("key", "rids", "recs", "order", "head", "since", "ready", "csum", "n", "fn", "left", "kv",
+                 "formed", "times", "rems", "keys", "info", "fin", "done")
+
+    def __init__(self, key, reqs, cls, fn, recs, info):
+        self.key = key
+        self.rids = [r.req_id for r in reqs]
+        self.recs = recs
+        self.keys = [r.key for r in reqs]
+        self.head = min(self.keys) if reqs else None
+        self.order = (cls, self.head)  # its place in the policy's order
+        self.since = 0
+        self.ready = False
+        self.n = len(reqs)
+        self.csum = sum(r.context_len for r in reqs)
+        self.fn = fn
+        self.rems = [r.max_new_tokens - r.generated for r in reqs]  # each member's tokens to come at the start
+        self.left = min(self.rems) if reqs else 0  # steps to its first last token (a step with left == 1 finishes requests)
+        self.kv = [kv_of(r) for r in reqs]
+        self.info = info  # its StageInfo (a new step time function when members leave)
+        self.formed = 0  # batches formed by replayed decisions
+        self.times: list[float] = []  # its token times (every step since the start)
+        self.fin = None  # (formation time, index in the engine's grows) of its step with last tokens, running
+        self.done: list = []  # (request ids, records, steps) of the members that finished, in order
+
+    def resize(self, eng) -> None:
+        """After members finished or one joined: its size, step time function, head and
+        policy class (full once it holds max_batch_size)."""
+        self.n = n = len(self.rids)
+        self.fn = eng.decode_time_fn(self.info, n)
+        self.head = min(self.keys)
+        self.order = (FULL if n >= eng.scheduler.max_batch_size else SMALL, self.head)
+
+
+class Joiner:
+    """A one-stage replica's prompt running (its prefill formed for real) on a group engine
+    when the replay starts: at its end the request has its first token and joins its replica's
+    decode batch (`GroupSim._join`); the cut completes its prefill (`replay_prefill_done`)."""
+
+    __slots__ = ("key", "sb", "start", "end", "tokens", "rid", "req_key", "rem", "kv", "rec", "joined")
+
+    def __init__(self, key, ev, req, rec):
+        self.key = key  # (model, replica)
+        self.sb = ev.batch  # the prefill batch (one request, the whole prompt)
+        self.start, self.end, self.tokens = ev.start, ev.time, ev.tokens
+        self.rid = req.req_id
+        self.req_key = req.key
+        self.rem = req.max_new_tokens - 1  # tokens to come after the first
+        a = req.alloc
+        self.kv = [a.blocks_per_layer * a.tokens_per_block, a.tokens_per_block, a.num_layers, req.prompt_len, a]
+        self.rec = rec
+        self.joined = False  # its end replayed: the request is in its replica's batch
+
+
+def kv_of(req) -> list:
+    """[token capacity, tokens per block, layers, context, allocation] of a request's KV here."""
+    a = req.alloc
+    return [a.blocks_per_layer * a.tokens_per_block, a.tokens_per_block, a.num_layers, req.context_len, a]
+
+
+class GroupEngine:
+    """One engine of the group during the replay."""
+
+    __slots__ = ("eng", "j", "info", "d", "running", "blocks", "replicas", "queue", "since", "pkv", "pgen", "grows",
+                 "busy", "received", "formed", "promotions", "limit", "taken", "messages", "batch_seq", "seq",
+                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready", "fns", "joiner")
+
+    def __init__(self, eng, j: int, info, limit: int):
+        self.eng = eng
+        self.j = j  # the pipeline's stage here
+        self.info = info
+        s = eng.scheduler
+        self.d = s.decisions
+        self.batch_seq = s._batch_seq
+        self.seq = s._seq
+        self.running = None  # at the start (end, what): a ReplicaBatch, a PipeBatch, or the key of a held stage;
+        # in the simulation what runs (only whether it is None matters)
+        self.blocks = eng.pool.num_free
+        self.replicas: list[ReplicaBatch] = []
+        self.nready = 0  # replicas waiting in their decode queue
+        self.queue: list = []  # the pipeline's queue here: waiting request ids (first stage) or _Batches
+        self.since = 0  # its age
+        self.pkv: dict = {}  # the pipeline's requests' KV here
+        self.pgen: dict = {}  # later stages: each pipeline request's tokens counted here (the last stage's count)
+        self.bid_of: dict = {}  # first stage: the batch each of its requests is in
+        self.grows: list = []
+        self.busy: list[tuple[float, float, int]] = []
+        self.received = 0
+        self.formed = 0
+        self.promotions = 0
+        self.limit = limit
+        self.taken = None  # the StageEndEvent (or an earlier replay's ReplayEndEvent) it takes over
+        self.messages: list = []  # the pipeline's message events to it, taken over
+        self.arrivals: list = []  # later stages: (batch, decision count, receive index) of each received batch
+        self.started = None  # the one-stage batch this engine formed at the start (no event yet)
+        self.queued: set = set()  # later stages: ids of the batches queued at the start
+        self.served_queued = 0  # later stages: how many of them ran
+        self.fns: dict = {}  # the pipeline stage's decode time function per batch size
+        self.joiner = None  # a one-stage prompt running here at the start (its end taken over)
