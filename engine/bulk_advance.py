@@ -169,6 +169,22 @@ class BulkAdvance:
             self._chunk_keys.pop(rid, None)
             self._remember(rid, FINISHED)
 
+    def replay_pipeline_gone(self, model: str, stage: int, req_ids: list[str]) -> None:
+        """A pipeline's requests that produced their last token in the replay (on the first
+        stage: whose token came back): gone from this stage, as `_finish` leaves them (after
+        `replay_pipeline_first` / `replay_pipeline_later`); their KV is freed by
+        `replay_grows`, in order with the growth."""
+        st = self._check_bulk(model, stage, 1)
+        for rid in req_ids:
+            req = self._reqs.get(rid)
+            if req is None or req.state not in (BLOCKED, RUNNING, WAITING_DECODE) or req.abort_pending:
+                raise ProtocolError(f"replay_pipeline_gone: request {rid!r} is not a live decode request on engine {self.engine_id}")
+            self._leave_inflight(st, req)
+            req.state = FINISHED
+            del self._reqs[rid]
+            self._chunk_keys.pop(rid, None)
+            self._remember(rid, FINISHED)
+
     def replay_form(self, model: str, n: int, now: float) -> ScheduledBatch:
         """The decision forming a one-stage replica's decode batch of its n waiting members
         (the whole queue) at `now`, as `schedule` makes it (the replay proved the choice and

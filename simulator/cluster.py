@@ -175,8 +175,14 @@ class Cluster:
             eng.scheduler.check()
         self._wake(eng, t)
 
-    def replay_done(self, eng: SimEngine, key: tuple[str, int], t: float) -> None:
-        """A stage the joint replay accounted for ends (events/replay_end.py): the engine is free."""
+    def replay_done(self, eng: SimEngine, key: tuple[str, int], t: float, finished: list[str]) -> None:
+        """A stage the joint replay accounted for ends (events/replay_end.py): the requests whose
+        last token it produced finish (as `complete` and `_emit_tokens` finish them; their tokens
+        are on their way already), and the engine is free."""
+        if finished:
+            for rid in finished:
+                eng.scheduler.free(rid)
+            self._finish_requests(key, finished, t)
         eng.busy = False
         eng.running = None
         eng.pending.remove(t)
@@ -211,18 +217,10 @@ class Cluster:
         """Last stage: record the tokens, free finished requests on the middle stages (the
         last stage freed them in complete(), the first stage frees them when the token
         message arrives) and send the tokens to the first stage."""
-        records, metrics = self.records, self.metrics
-        metrics.tokens([records[entry.req_id] for entry in done.token_message.entries], t)
+        records = self.records
+        self.metrics.tokens([records[entry.req_id] for entry in done.token_message.entries], t)
         if done.finished:
-            route = self.replicas[info.model][info.replica]
-            for rid in done.finished:
-                metrics.finish(records.pop(rid), t)
-                self.dispatcher.done(info.model, info.replica)
-            for eid in route[1:-1]:
-                e = self.engines[eid]
-                for rid in done.finished:
-                    e.scheduler.free(rid)
-                self._wake(e, t)
+            self._finish_requests((info.model, info.replica), done.finished, t)
         first = self.engines[info.first_engine]
         if first is eng and self.local_tokens_direct:
             # A one-stage replica: the tokens are back at this instant. Step by step they would
@@ -235,6 +233,20 @@ class Cluster:
             return
         delay = 0.0 if first is eng else self.interconnect.latency_s
         self.send_tokens(first, (info.model, info.replica), done.token_message, t + delay)
+
+    def _finish_requests(self, key: tuple[str, int], req_ids: list[str], t: float) -> None:
+        """Requests of replica `key` produced their last token at t on its last stage: records,
+        the dispatcher's counts, and their KV freed on the middle stages (the last stage freed
+        it in `complete`, the first frees it when the token message arrives)."""
+        records, metrics, done = self.records, self.metrics, self.dispatcher.done
+        for rid in req_ids:
+            metrics.finish(records.pop(rid), t)
+            done(*key)
+        for eid in self.replicas[key[0]][key[1]][1:-1]:
+            e = self.engines[eid]
+            for rid in req_ids:
+                e.scheduler.free(rid)
+            self._wake(e, t)
 
     def send_batch(self, eng: SimEngine, key: tuple[str, int], message, at: float) -> None:
         """A batch message reaches `eng` at `at` (a `BatchArrivalEvent`)."""

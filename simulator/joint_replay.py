@@ -32,14 +32,16 @@ decides after everything at that instant (as the event loop delivers) and picks 
 else the least (policy class, head key); at the first stage the pipeline's waiting requests
 form one batch; a later stage runs its oldest received batch. Stage times, hops and token
 times are the event handlers' float expressions. It goes on while each decision is one it can
-apply in bulk (no pipeline request's last token, KV growth within free blocks) up to the
-horizon: the first new request the dispatcher may send into the group (`_skip_arrivals`).
+apply in bulk (KV growth within free blocks) up to the horizon: the first new request the
+dispatcher may send into the group (`_skip_arrivals`).
 
-A one-stage step with last tokens is replayed: at its end its finished members leave the batch
-(their KV freed, in order with the growth; the others go on as a smaller batch) and the replay
-pauses after that instant's events; a `ReplayFinishEvent` at that instant, before any new
-request there, finishes them outside the group (records, the dispatcher's counts: `finished`),
-and the replay goes on with a horizon computed from the new counts.
+Last tokens are replayed. A one-stage step's finished members leave its batch at its end (their
+KV freed, in order with the growth; the others go on as a smaller batch); a pipeline request's
+last token frees its KV on the later stages at the last stage's end and on the first when the
+token is back there (as `Cluster._emit_tokens` and `receive_tokens` free it). Either way the
+replay pauses after that instant's events; a `ReplayFinishEvent` at that instant, before any
+new request there, finishes them outside the group (records, the dispatcher's counts:
+`finished`), and the replay goes on with a horizon computed from the new counts.
 
 At the horizon the replay waits with its state intact (`arrival`; the engines stay busy, the
 events it took over do nothing): when that request is dispatched (`Cluster.admit`), the replay
@@ -51,8 +53,9 @@ The cut, at the first instant it cannot replay: everything before is applied in 
 engine the metrics in time order, the requests' states, queues and their ages, the KV growth in
 decision order, the decision, message and batch counters; `EngineScheduler.replay_*`); what is
 running then ends with a `ReplayEndEvent` (its effects applied, the engine decides for real
-at its end), except a one-stage step with last tokens, which is formed for real at its start
-(`replay_form`) and ends with its `StageEndEvent`; a prompt taken over is completed (first
+at its end; a pipeline's last stage with last tokens finishes those requests then:
+`Cluster.replay_done`), except a one-stage step with last tokens, which is formed for real at
+its start (`replay_form`) and ends with its `StageEndEvent`; a prompt taken over is completed (first
 token, request in its decode queue: `replay_prefill_done`), its engine held until its end if
 it still runs; messages still in flight become real `BatchArrivalEvent`s / `TokenArrivalEvent`s.
 The simulation and the cut live in joint_sim.py, the state it moves in joint_state.py. Exactness is pinned by
@@ -64,13 +67,11 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 
 from paraflex.engine.messages import DECODE, PREFILL
-from paraflex.engine.request import BLOCKED, RUNNING
 from paraflex.simulator.events import ReplayEndEvent, ReplayFinishEvent
 from paraflex.simulator.joint_sim import ARRIVE, END, TOKENS, GroupSim
 from paraflex.simulator.joint_state import FULL, SMALL, GroupEngine, Joiner, PipeBatch, ReplicaBatch, kv_of
 
 INF = float("inf")
-AWAITING = (BLOCKED, RUNNING)  # a first stage's requests whose coming token is under way
 
 
 class JointReplay:
@@ -90,6 +91,7 @@ class JointReplay:
         self.pipe_of = [p[0] if len(p) == 1 else None for p in pipes]
         self.decisions = 0  # decisions replayed (for the summary)
         self.suspended: list[GroupSim] = []  # replays waiting at their horizon (`arrival`)
+        self.until = 0.0  # the last instant a replay processed (the run's last event may be one it replayed)
 
     # ------------------------------------------------------------------ entry
     def advance(self, eng, sb, t: float) -> bool:
@@ -131,6 +133,7 @@ class JointReplay:
         else:
             sim.apply()
             self.decisions += sim.decided
+            self.until = max(self.until, sim.now)
 
     def arrival(self, model: str, route, t: float) -> None:
         """A new request of `model` is dispatched at t to the replica on `route` (engine ids): a
@@ -172,8 +175,8 @@ class JointReplay:
     @staticmethod
     def _may_replay(first, sb, route, model: str) -> bool:
         """Quick refusals (most attempts): a prefill running on the route that the replay
-        cannot take over (`_joinable`), a running one-stage batch (`sb` on `first` included)
-        or a pipeline request about to produce a request's last token."""
+        cannot take over (`_joinable`), or a running one-stage batch (`sb` on `first`
+        included) with a request's last token."""
         for eng in route:
             if eng.wake_pending or eng.scheduler.has_swapped:
                 return False
@@ -190,9 +193,6 @@ class JointReplay:
                         r = req(sr.req_id)
                         if r.max_new_tokens - r.generated < 2:
                             return False
-        for r in route[0].scheduler._reqs.values():
-            if r.model == model and r.state in AWAITING and r.max_new_tokens - r.generated < 2:
-                return False
         return True
 
     def _state(self, first, sb, route, pkey, t):
@@ -241,6 +241,8 @@ class JointReplay:
             elif eng.busy:
                 ev = eng.running
                 if isinstance(ev, ReplayEndEvent):  # held by an earlier replay until its stage ends
+                    if ev.finished:
+                        return None  # requests finish at its end (their token message is under way too)
                     expected.append(ev.time)
                     es.taken = ev
                     es.running = (ev.time, ev.key)
@@ -389,8 +391,6 @@ class JointReplay:
                 arrivals.extend(own)
         if len(set(arrivals)) != len(arrivals):
             return None  # equal arrival times: an order could depend on sequence numbers
-        if any(s0.request(rid).max_new_tokens - gen0[rid] < 2 for rid in coming):
-            return None  # a coming token is a request's last
         e0 = group[0]
         for b in batches:
             for rid in b.rids:

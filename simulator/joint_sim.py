@@ -45,12 +45,14 @@ class GroupSim:
         self.seq = 0
         self.decided = 0
         self.tokens: list = []  # (batch, time) of the pipeline's tokens, in time order
+        self.gone: dict = {}  # the records of the pipeline's requests that finished in the replay
         self.hops: list[int] = []  # bytes of each replayed hop
         self.arch = group[0].info.arch
         self.back = cluster.interconnect.latency_s
         self.last = len(group) - 1
         self.held: list[GroupEngine] = []  # engines that decide for real at the cut instant
         self.cut = None
+        self.now = -1.0  # the last instant whose events it processed
         self.paused = None  # (instant, engines touched): its events done, its decisions not yet
         self.finishing: list = []  # (replica key, request ids) of the last tokens at the paused instant
         self.raw = (-1.0, -1.0)  # (t, the first new request of the group's models after t)
@@ -76,7 +78,7 @@ class GroupSim:
         hops, tokens = self.hops, self.tokens
         back = self.back
         last_stage = self.last
-        gen0, key0 = self.gen0, self.key0.__getitem__
+        gen0, key0, req0 = self.gen0, self.key0.__getitem__, self.req0
         orders = _orders(len(group))
         finished = self._finished
         paused, self.paused = self.paused, None  # a paused instant's decisions come first
@@ -108,6 +110,10 @@ class GroupSim:
                                 hops.append(nbytes)
                                 heappush(heap, (x + dt, ARRIVE, self.seq, j + 1, what))
                             else:
+                                for rid in what.rids:
+                                    if req0[rid].max_new_tokens - gen0[rid] < 2:  # a request's last token
+                                        self._pipe_finish(what)
+                                        break
                                 tokens.append((what, x))
                                 heappush(heap, (x + back, TOKENS, self.seq, 0, what))
                             self.seq += 1
@@ -119,18 +125,22 @@ class GroupSim:
                         insort(q, what, key=_batch_head)
                         es.received += 1
                         es.arrivals.append((what, es.d, es.received))
-                    else:  # tokens back at the first stage: its requests wait for the next batch
+                    else:  # tokens back at the first stage: its requests wait for the next batch, or are done
                         q = es.queue
-                        if not q:
-                            es.since = es.d
                         bid_of = es.bid_of
                         for rid in what.rids:
                             gen0[rid] += 1
-                            insort(q, rid, key=key0)
                             del bid_of[rid]
+                            if gen0[rid] == req0[rid].max_new_tokens:
+                                self._pipe_free(es, rid)
+                                continue
+                            if not q:
+                                es.since = es.d
+                            insort(q, rid, key=key0)
                     if not heap or heap[0][0] != x:
                         break
                 order = orders[touched]
+                self.now = x
                 if self.finishing or x == horizon:
                     self.paused = (x, order)
                     return
@@ -195,6 +205,34 @@ class GroupSim:
             r.left = min(r.rems) - s
             r.ready = True
             es.nready += 1
+
+    def _pipe_finish(self, b: PipeBatch) -> None:
+        """b's last stage ended with some members' last tokens: they finish here, as
+        `Cluster._emit_tokens` finishes them (their KV freed on every stage but the first, which
+        frees it when the tokens arrive; `finishing` for the dispatcher and the records, kept
+        in `gone` for their tokens, recorded at the cut)."""
+        fin = self._last_tokens(b)
+        for es in self.group[1:]:
+            for rid in fin:
+                del es.pgen[rid]
+                self._pipe_free(es, rid)
+        self.finishing.append((self.pkey, fin))
+        records = self.cluster.records
+        for rid in fin:
+            self.gone[rid] = records[rid]
+
+    def _last_tokens(self, b: PipeBatch) -> list:
+        """The members of b whose token at the last stage is their last."""
+        req0, gen0 = self.req0, self.gen0
+        return [rid for rid in b.rids if req0[rid].max_new_tokens - gen0[rid] < 2]
+
+    @staticmethod
+    def _pipe_free(es: GroupEngine, rid: str) -> None:
+        """A finished pipeline request's KV on es freed (in order with the growth)."""
+        kv = es.pkv.pop(rid)
+        es.blocks += kv[0] // kv[1] * kv[2]
+        es.grows.append((None, rid))
+        es.gone.append(rid)
 
     def _join(self, es: GroupEngine, jn: Joiner) -> None:
         """jn's prompt ended: the request (its first token out) waits in its replica's decode
@@ -336,10 +374,6 @@ class GroupSim:
         pkv = es.pkv
         if es.j == 0:  # the waiting requests form one batch (fewer than max_batch_size)
             rids = es.queue  # (sorted by key: its head is the earliest arrival)
-            req0, gen0 = self.req0, self.gen0
-            for rid in rids:
-                if req0[rid].max_new_tokens - gen0[rid] < 2:
-                    raise Stop  # its token would be a request's last
             bid = f"{self.pkey[0]}/e{es.eng.id}/{es.batch_seq + es.formed + 1}"
             b = PipeBatch(rids, [pkv[rid][3] for rid in rids], bid, x, self.key0[rids[0]][0])
         else:
@@ -434,10 +468,14 @@ class GroupSim:
             if es.j == 0:
                 members = [(rid, kv[3], self.gen0[rid], es.bid_of.get(rid)) for rid, kv in es.pkv.items()]
                 s.replay_pipeline_first(model, members)
+                if es.gone:
+                    s.replay_pipeline_gone(model, 0, es.gone)
             else:
                 waiting = {rid for b in es.queue if id(b) in es.queued for rid in b.rids}
                 members = [(rid, kv[3], es.pgen[rid]) for rid, kv in es.pkv.items() if rid not in waiting]
                 s.replay_pipeline_later(model, es.j, members, es.served_queued)
+                if es.gone:
+                    s.replay_pipeline_gone(model, es.j, es.gone)
                 for b, d, i in es.arrivals:  # received in the replay, still waiting: received for real
                     if any(b is q for q in es.queue):
                         s.replay_receive(self._message(b, es.j), d, es.seq + i - 1)
@@ -448,8 +486,10 @@ class GroupSim:
                 s.replay_prefill_done(jn.sb)
         metrics.hops += len(self.hops)  # (`metrics.hop` for each)
         metrics.hop_bytes += sum(self.hops)
+        gone = self.gone
+        record = records.__getitem__ if not gone else lambda rid: gone.get(rid) or records[rid]
         for b, time in self.tokens:
-            metrics.tokens([records[rid] for rid in b.rids], time)
+            metrics.tokens([record(rid) for rid in b.rids], time)
         # what is under way at the cut
         pkey = self.pkey
         for time, kind, _, j, what in sorted(self.heap):
@@ -467,9 +507,10 @@ class GroupSim:
                         metrics.hop(nbytes)
                         cluster.send_batch(group[j + 1].eng, pkey, self._message(what, j + 1),
                                            time + cluster.interconnect.transfer_time(nbytes))
-                    else:
+                    else:  # (members with their last token finish at its end: `Cluster.replay_done`)
                         metrics.tokens([records[rid] for rid in what.rids], time)
                         cluster.send_tokens(group[0].eng, pkey, self._tokens(what), time + self.back)
+                        es.eng.running.finished = self._last_tokens(what)
             elif kind == ARRIVE:
                 cluster.send_batch(es.eng, pkey, self._message(what, j), time)
             else:
@@ -485,7 +526,9 @@ class GroupSim:
                             [DecodeEntry(rid, None, p) for rid, p in zip(b.rids, b.pos)], b.formed_at)
 
     def _tokens(self, b: PipeBatch) -> TokenMessage:
-        return TokenMessage(self.pkey[0], b.bid, [TokenEntry(rid, None, p + 1, False, None) for rid, p in zip(b.rids, b.pos)])
+        fin = self._last_tokens(b)
+        return TokenMessage(self.pkey[0], b.bid, [TokenEntry(rid, None, p + 1, True, "length") if rid in fin else
+                                                  TokenEntry(rid, None, p + 1, False, None) for rid, p in zip(b.rids, b.pos)])
 
 
 def _batch_head(b: PipeBatch) -> float:

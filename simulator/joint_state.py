@@ -95,7 +95,7 @@ class GroupEngine:
 
     __slots__ = ("eng", "j", "info", "d", "running", "blocks", "replicas", "queue", "since", "pkv", "pgen", "grows",
                  "busy", "received", "formed", "promotions", "limit", "taken", "messages", "batch_seq", "seq",
-                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready", "fns", "joiner")
+                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready", "fns", "joiner", "gone")
 
     def __init__(self, eng, j: int, info, limit: int):
         self.eng = eng
@@ -129,3 +129,4 @@ class GroupEngine:
         self.served_queued = 0  # later stages: how many of them ran
         self.fns: dict = {}  # the pipeline stage's decode time function per batch size
         self.joiner = None  # a one-stage prompt running here at the start (its end taken over)
+        self.gone: list[str] = []  # the pipeline's requests that finished here (their KV freed)

@@ -18,6 +18,7 @@ from test_sim_fast_forward import _assert_same
 from paraflex.config import Config, WorkloadConfig
 from paraflex.engine.queue_heaps import QueueHeaps
 from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
+from paraflex.simulator.cluster import Cluster
 from paraflex.simulator.joint_replay import JointReplay
 from paraflex.simulator.joint_sim import GroupSim
 from paraflex.simulator.runner import SimSettings, simulate
@@ -85,8 +86,10 @@ def _both(cfg, layout, requests=None, rate=1.0, seed=0, check=False):
 
 def _counters(res):
     """Each engine's scheduler counters at the end of a run (decisions, sequence numbers, batch
-    ids, swaps, starvation promotions): the replay must leave them as one by one."""
-    return [(e.scheduler.decisions, e.scheduler._seq, e.scheduler._batch_seq, e.scheduler.stats) for e in res.engines]
+    ids, swaps, starvation promotions) and what it still holds (requests, free blocks): the
+    replay must leave them as one by one."""
+    return [(e.scheduler.decisions, e.scheduler._seq, e.scheduler._batch_seq, e.scheduler.stats,
+             sorted(r.req_id for r in e.scheduler.live_requests()), e.pool.num_free) for e in res.engines]
 
 
 def _assert_identical(fast, plain):
@@ -470,6 +473,80 @@ def test_requests_with_equal_arrival_times(spec, max_batch):
     replay does not model, so it waits until no two of the group's requests (outside one
     replica's batch) tie; identical to step by step."""
     cfg = _config(0.1, max_batch)
+    reqs = _long_requests(sorted(spec, key=lambda r: r[1]))
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
+    _assert_identical(fast, plain)
+
+
+class _PipeFinishes:
+    """Counts the pipeline's requests that produce their last token in a replay: finished
+    inside it (`GroupSim._pipe_finish`), or in a last stage running at a cut (finished at
+    its end by `Cluster.replay_done`)."""
+
+    def __init__(self, monkeypatch):
+        self.inside = self.at_cut = 0
+        real_finish, real_done = GroupSim._pipe_finish, Cluster.replay_done
+
+        def pipe_finish(sim, b):
+            self.inside += len(sim._last_tokens(b))
+            real_finish(sim, b)
+
+        def replay_done(cluster, eng, key, t, finished):
+            self.at_cut += len(finished)
+            real_done(cluster, eng, key, t, finished)
+
+        monkeypatch.setattr(GroupSim, "_pipe_finish", pipe_finish)
+        monkeypatch.setattr(Cluster, "replay_done", replay_done)
+
+
+def test_pipeline_requests_finish_inside_the_replay(monkeypatch):
+    """p's requests of different lengths finish one after another while a, b and d decode on
+    its engines, under memory pressure: each frees its KV on the later stages at its last
+    stage's end (in order with the growth there) and on the first when its token is back,
+    and the dispatcher sees it at its time; identical to step by step, invariants checked."""
+    cfg = _config(0.02, 8)
+    reqs = _long_requests([("p", 0.0, 6, 40), ("p", 0.001, 9, 25), ("p", 0.002, 4, 90), ("a", 0.003, 5, 200),
+                           ("b", 0.004, 7, 180), ("d", 0.005, 3, 150), ("p", 0.006, 5, 2), ("a", 0.007, 4, 160)])
+    finishes = _PipeFinishes(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
+    _assert_identical(fast, plain)
+    assert finishes.inside >= 3
+
+
+def _pipe_finish_race(arrival: float | None):
+    """p's request 1 is short and finishes while p's request 0 and a's replicas (one long
+    request each, so a new request of a goes to replica 0, inside the group) decode."""
+    spec = [("p", 0.0, 6, 300), ("p", 0.001, 5, 30), ("a", 0.002, 5, 400), ("a", 0.003, 4, 400),
+            ("a", 0.004, 3, 400), ("b", 0.005, 4, 250)]
+    if arrival is not None:
+        spec.append(("a", arrival, 4, 60))
+    return _long_requests(spec)
+
+
+@pytest.mark.parametrize("shift", [-1, 0, 1])
+def test_request_into_the_group_around_a_pipeline_finish(monkeypatch, shift):
+    """A new request of a comes into the group just before p's request 1 finishes (the cut
+    finds the last stage running the batch with its last token: it finishes at the stage's
+    end, `Cluster.replay_done`), exactly then, or just after (finished inside the replay)."""
+    finishes = _PipeFinishes(monkeypatch)
+    plain, _ = _race_at_finish(monkeypatch, _pipe_finish_race, 1, shift)
+    assert plain.metrics.requests[6].replica == 0
+    if shift < 0:
+        assert finishes.at_cut >= 1
+    else:
+        assert finishes.inside >= 1
+
+
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=st.lists(st.tuples(st.sampled_from("pppabd"), st.floats(0.0, 0.3), st.integers(1, 40), st.integers(2, 60)),
+                     min_size=3, max_size=12),
+       memory_gb=st.sampled_from([0.012, 0.02, 0.1]), max_batch=st.sampled_from([2, 4, 16]))
+def test_random_pipeline_finishes(spec, memory_gb, max_batch):
+    """Many short requests of the pipeline among the one-stage replicas' (memory pressure,
+    small batches): pipeline finishes inside replays, at cuts and step by step; identical,
+    invariants checked."""
+    cfg = _config(memory_gb, max_batch)
     reqs = _long_requests(sorted(spec, key=lambda r: r[1]))
     fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
     _assert_identical(fast, plain)
