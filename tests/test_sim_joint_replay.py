@@ -413,6 +413,25 @@ def _prompts_during(spec_prompts):
                           + spec_prompts)
 
 
+_MEMORY = st.sampled_from([0.012, 0.02, 0.1])  # GB per engine: KV pressure to none
+_BATCH = st.sampled_from([2, 4, 16])
+
+
+def _specs(models: str, earliest: float, prompt: int, output: int):
+    """3-12 requests (model drawn from `models`, arrival in [earliest, 0.3], prompt and output
+    lengths up to `prompt` and `output`)."""
+    return st.lists(st.tuples(st.sampled_from(models), st.floats(earliest, 0.3), st.integers(1, prompt),
+                              st.integers(2, output)), min_size=3, max_size=12)
+
+
+def _identical_on(spec, memory_gb: float, max_batch: int, requests=_long_requests) -> None:
+    """`requests(spec in arrival order)` with the fast paths (invariants checked) and step by
+    step: identical."""
+    cfg = _config(memory_gb, max_batch)
+    fast, plain = _both(cfg, _layout(cfg), requests=requests(sorted(spec, key=lambda r: r[1])), check=True)
+    _assert_identical(fast, plain)
+
+
 def _joins_identical(monkeypatch, prompts) -> _Joins:
     """Run `_prompts_during(prompts)` with the fast paths (invariants checked) and step by
     step; assert identical; return what the replays did with the prompts."""
@@ -449,17 +468,12 @@ def test_prompt_still_running_at_the_cut(monkeypatch):
 
 @pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(spec=st.lists(st.tuples(st.sampled_from("aabdd"), st.floats(0.01, 0.3), st.integers(1, 400), st.integers(2, 80)),
-                     min_size=3, max_size=12),
-       memory_gb=st.sampled_from([0.012, 0.02, 0.1]), max_batch=st.sampled_from([2, 4, 16]))
+@given(spec=_specs("aabdd", 0.01, 400, 80), memory_gb=_MEMORY, max_batch=_BATCH)
 def test_random_prompts_into_replays(spec, memory_gb, max_batch):
     """Random prompts of the group's one-stage models (short and long, memory pressure, small
     batches) while the pipeline and a's replicas decode: replays take over running prompts
     that join, finish or are cut; identical to step by step, invariants checked."""
-    cfg = _config(memory_gb, max_batch)
-    reqs = _prompts_during(sorted(spec, key=lambda r: r[1]))
-    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
-    _assert_identical(fast, plain)
+    _identical_on(spec, memory_gb, max_batch, _prompts_during)
 
 
 @pytest.mark.slow
@@ -472,10 +486,7 @@ def test_requests_with_equal_arrival_times(spec, max_batch):
     (a trace with coarse timestamps): queue orders then depend on sequence numbers, which the
     replay does not model, so it waits until no two of the group's requests (outside one
     replica's batch) tie; identical to step by step."""
-    cfg = _config(0.1, max_batch)
-    reqs = _long_requests(sorted(spec, key=lambda r: r[1]))
-    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
-    _assert_identical(fast, plain)
+    _identical_on(spec, 0.1, max_batch)
 
 
 class _PipeFinishes:
@@ -539,14 +550,9 @@ def test_request_into_the_group_around_a_pipeline_finish(monkeypatch, shift):
 
 @pytest.mark.slow
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(spec=st.lists(st.tuples(st.sampled_from("pppabd"), st.floats(0.0, 0.3), st.integers(1, 40), st.integers(2, 60)),
-                     min_size=3, max_size=12),
-       memory_gb=st.sampled_from([0.012, 0.02, 0.1]), max_batch=st.sampled_from([2, 4, 16]))
+@given(spec=_specs("pppabd", 0.0, 40, 60), memory_gb=_MEMORY, max_batch=_BATCH)
 def test_random_pipeline_finishes(spec, memory_gb, max_batch):
     """Many short requests of the pipeline among the one-stage replicas' (memory pressure,
     small batches): pipeline finishes inside replays, at cuts and step by step; identical,
     invariants checked."""
-    cfg = _config(memory_gb, max_batch)
-    reqs = _long_requests(sorted(spec, key=lambda r: r[1]))
-    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
-    _assert_identical(fast, plain)
+    _identical_on(spec, memory_gb, max_batch)
