@@ -72,25 +72,29 @@ class BulkAdvance:
     # in decision order, its counters and its queues' ages. Together they leave the state the
     # decisions one by one leave (tests/test_sim_joint_replay.py compares whole runs with the
     # step-by-step path).
-    def replay_first_decode(self, model: str, req_ids: list[str], k: int, since: int, running: bool) -> None:
+    def replay_first_decode(self, model: str, req_ids: list[str], k: int | list[int], since: int, running: bool) -> None:
         """A one-stage replica: the members (running in a batch just formed if `running`, else
         waiting in the decode queue, of which they are the whole content) go through k cycles
-        (formed, completed, tokens back) and end waiting in the decode queue, which became
-        non-empty at decision `since`. KV growth: `replay_grows`."""
-        st = self._check_bulk(model, 0, k)
+        (formed, completed, tokens back; k per member if a list: one that joined the batch later
+        ran fewer, maybe none) and end waiting in the decode queue, which became non-empty at
+        decision `since`. KV growth: `replay_grows`."""
+        ks = k if isinstance(k, list) else [k] * len(req_ids)
+        st = self._check_bulk(model, 0, max(ks))
         reqs = [self._bulk_member(rid, RUNNING if running else WAITING_DECODE) for rid in req_ids]
         q = st.decode_q
         if not running:
             if len(q.items) != len(reqs):
                 raise ProtocolError(f"replay_first_decode: {model}'s decode queue on engine {self.engine_id} holds other requests")
             q.pop_front(len(reqs))
-            for req in reqs:
-                req.transition(RUNNING)
-        for req in reqs:
-            req.context_len += k
-            req.generated += k
-            req.transition(BLOCKED)
-            req.transition(WAITING_DECODE)
+            for req, n in zip(reqs, ks):
+                if n:
+                    req.transition(RUNNING)
+        for req, n in zip(reqs, ks):
+            if n:
+                req.context_len += n
+                req.generated += n
+                req.transition(BLOCKED)
+                req.transition(WAITING_DECODE)
         for req in reqs:
             q.push(req, since)
 
@@ -146,13 +150,16 @@ class BulkAdvance:
 
     def replay_grows(self, grows: list) -> None:
         """The replayed decisions' KV growth, (allocation, target tokens), and the frees of the
-        requests that finished, (None, request id), in their order."""
+        requests that finished, (None, request id), in their order. (A request whose prompt the
+        replay formed is named by its id: its allocation was made at the cut.)"""
         pool = self.pool
         grow = pool.grow
         for alloc, target in grows:
             if alloc is None:
                 pool.release(target)
             else:
+                if alloc.__class__ is str:
+                    alloc = pool.get(alloc)
                 grow(alloc, target)
 
     def replay_finish(self, model: str, req_ids: list[str]) -> None:
@@ -184,6 +191,31 @@ class BulkAdvance:
             del self._reqs[rid]
             self._chunk_keys.pop(rid, None)
             self._remember(rid, FINISHED)
+
+    def replay_admit(self, req_id: str, model: str, prompt_len: int, max_new_tokens: int, arrival: float,
+                     decisions: int, seq: int) -> None:
+        """A new request the replay admitted at its arrival: `add_request` as then, after
+        `decisions` decisions, its sequence number `seq`."""
+        self.decisions = decisions
+        self._seq = seq - 1
+        self.add_request(req_id, model, prompt_len, max_new_tokens, arrival)
+
+    def replay_form_prefill(self, model: str, now: float, decisions: int, batch_seq: int) -> ScheduledBatch:
+        """The decision forming the prompt batch of the one request waiting in `model`'s prefill
+        queue at `now`, after `decisions` decisions and `batch_seq` batches formed here, as
+        `schedule` makes it (the replay proved the choice and the admission; the counters end
+        as `replay_counters` sets them)."""
+        st = self._check_bulk(model, 0, 1)
+        if len(st.prefill_q.items) != 1:
+            raise ProtocolError(f"replay_form_prefill: {model}'s prefill queue on engine {self.engine_id} does not hold one request")
+        self.decisions = decisions
+        seq, self._batch_seq = self._batch_seq, batch_seq
+        batch = self.policy.attempt(self, st.prefill_q, now)
+        self._batch_seq = seq
+        if batch is None or batch.swap_out or batch.swap_in:
+            raise ProtocolError(f"replay_form_prefill: {model}'s prompt on engine {self.engine_id} is not admitted")
+        self.decisions += 1
+        return batch
 
     def replay_form(self, model: str, n: int, now: float) -> ScheduledBatch:
         """The decision forming a one-stage replica's decode batch of its n waiting members

@@ -118,8 +118,8 @@ class Cluster:
         replica = self.dispatcher.pick(req.model)
         rec.replica = replica
         route = self.replicas[req.model][replica]
-        if self.joint is not None and self.joint.suspended:
-            self.joint.arrival(req.model, route, t)  # a replay waiting for this request goes on or is cut first
+        if self.joint is not None and self.joint.suspended and self.joint.arrival(req, replica, route, t):
+            return  # admitted by a replay waiting for it (added to its engine's scheduler at the cut)
         eng = self.engines[route[0]]
         eng.scheduler.add_request(rid, req.model, req.prompt_len, req.output_len, t)
         self._wake(eng, t)

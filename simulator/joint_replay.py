@@ -46,8 +46,16 @@ new request there, finishes them outside the group (records, the dispatcher's co
 At the horizon the replay waits with its state intact (`arrival`; the engines stay busy, the
 events it took over do nothing): when that request is dispatched (`Cluster.admit`), the replay
 goes on to its next horizon if the request went to a replica outside the group (the counts it
-saw are the step-by-step ones: the finishes before it were applied at their time), else it is
-cut at that instant, after the group's events there and before the request joins.
+saw are the step-by-step ones: the finishes before it were applied at their time). If it came
+into the group, to a one-stage replica whose requests then still fit one batch, on an engine
+with no other prompt in the replay (`_admissible`), the replay admits it (`GroupSim.admit`):
+it waits in that engine's prefill queue (full-batch-first's class between full and other
+decode batches), its prompt is formed when chosen and admitted above the KV watermark
+(`_serve_prompt`; not admitted: cut) and at its end it joins its replica's batch (possibly
+after the batch's first steps: `ReplicaBatch.late`); the cut adds it to the scheduler as at
+its arrival and forms its prompt as at its formation (`replay_admit`, `replay_form_prefill`).
+Otherwise the replay is cut at that instant, after the group's events there and before the
+request joins.
 
 The cut, at the first instant it cannot replay: everything before is applied in bulk (per
 engine the metrics in time order, the requests' states, queues and their ages, the KV growth in
@@ -69,7 +77,7 @@ from bisect import bisect_left, bisect_right
 from paraflex.engine.messages import DECODE, PREFILL
 from paraflex.simulator.events import ReplayEndEvent, ReplayFinishEvent
 from paraflex.simulator.joint_sim import ARRIVE, END, TOKENS, GroupSim
-from paraflex.simulator.joint_state import FULL, SMALL, GroupEngine, Joiner, PipeBatch, ReplicaBatch, kv_of
+from paraflex.simulator.joint_state import FULL, SMALL, Admitted, GroupEngine, Joiner, PipeBatch, ReplicaBatch, kv_of
 
 INF = float("inf")
 
@@ -135,19 +143,53 @@ class JointReplay:
             self.decisions += sim.decided
             self.until = max(self.until, sim.now)
 
-    def arrival(self, model: str, route, t: float) -> None:
-        """A new request of `model` is dispatched at t to the replica on `route` (engine ids): a
-        replay waiting at t for a request of its models goes on to its next horizon if this one
-        goes elsewhere (and no other new request of its models comes at t), else it is cut at t,
-        before the request joins. A request of a model not resident on the group (its route lies
-        outside) leaves the replay waiting for its own. (A replay never waits past a request that
-        may come into its group, so only those waiting at t are concerned.)"""
+    def arrival(self, req, replica: int, route, t: float) -> bool:
+        """New request `req` (a `SimRequest`) is dispatched at t to `replica`, on `route` (engine
+        ids): a replay waiting at t for a request of its models goes on to its next horizon if
+        this one goes elsewhere (and no other new request of its models comes at t); if it comes
+        into the group, the replay admits it (`_admissible`: True, the replay adds it to its
+        engine at the cut) or is cut at t, before the request joins. A request of a model not
+        resident on the group (its route lies outside) leaves the replay waiting for its own. (A
+        replay never waits past a request that may come into its group, so only those waiting at
+        t are concerned.)"""
+        admitted = False
         for sim in self.suspended[:]:
-            if sim.paused[0] != t or model not in sim.bounds[0]:
+            if sim.paused[0] != t or req.model not in sim.bounds[0]:
                 continue
             self.suspended.remove(sim)
             models, seen, _ = sim.bounds
-            self._go_on(sim, t, cut=not seen.isdisjoint(route) or self._arrivals_at(models, t) != 1)
+            cut = self._arrivals_at(models, t) != 1
+            if not cut and not seen.isdisjoint(route):
+                es = self._admissible(sim, req, replica, route)
+                if es is None:
+                    cut = True
+                else:
+                    st = es.eng.scheduler.stage_of(req.model)
+                    sim.admit(es, Admitted((req.model, replica), str(req.id), req.prompt_len, req.output_len, t,
+                                           self.cluster.records[str(req.id)], es.eng.stages[req.model], st,
+                                           es.d, es.seq + es.received + 1))
+                    admitted = True
+            self._go_on(sim, t, cut)
+        return admitted
+
+    @staticmethod
+    def _admissible(sim: GroupSim, req, replica: int, route):
+        """The group engine whose replay admits `req` (dispatched to `replica` on `route`), or
+        None: a one-stage replica (not the pipeline) whose requests, this one included, fit one
+        batch, on an engine with no other prompt in the replay, and a request of at least two
+        tokens that the engine can hold (else `add_request` refuses it, at its time)."""
+        if len(route) != 1 or req.model == sim.pkey[0] or req.output_len < 2:
+            return None
+        es = next((es for es in sim.group if es.eng.id == route[0]), None)
+        if es is None or es.admitted is not None or es.joiner is not None:
+            return None
+        s = es.eng.scheduler
+        if sim.cluster.dispatcher.outstanding(req.model)[replica] > s.max_batch_size:
+            return None  # (counted already) its replica's requests would not fit one batch
+        st = s.stage_of(req.model)
+        if -(-(req.prompt_len + req.output_len - 1) // st.tokens_per_block) * st.num_layers > es.eng.pool.capacity:
+            return None
+        return es
 
     def finished(self, sim: GroupSim, t: float) -> None:
         """The replay's last tokens at t (`ReplayFinishEvent`, before any new request at t):

@@ -20,7 +20,7 @@ from heapq import heappop, heappush
 from paraflex.costmodel import CostModel
 from paraflex.engine.messages import DECODE, BatchMessage, DecodeEntry, TokenEntry, TokenMessage
 from paraflex.simulator.events import ReplayEndEvent
-from paraflex.simulator.joint_state import SMALL, GroupEngine, Joiner, PipeBatch, ReplicaBatch
+from paraflex.simulator.joint_state import SMALL, Admitted, GroupEngine, Joiner, PipeBatch, ReplicaBatch
 
 END, ARRIVE, TOKENS = 10, 20, 30  # local events, in the event loop's order at one instant
 INF = float("inf")
@@ -199,9 +199,9 @@ class GroupSim:
         r.keys = [r.keys[i] for i in keep]
         r.rems = [r.rems[i] for i in keep]
         r.n = len(keep)
+        r.csum = sum(kv[3] for kv in r.kv)
         if r.n:
             r.resize(es.eng)
-            r.csum = sum(kv[3] for kv in r.kv)
             r.left = min(r.rems) - s
             r.ready = True
             es.nready += 1
@@ -236,16 +236,21 @@ class GroupSim:
 
     def _join(self, es: GroupEngine, jn: Joiner) -> None:
         """jn's prompt ended: the request (its first token out) waits in its replica's decode
-        queue, in key order, and joins the batch the next decision forms there. (The engine ran
-        the prompt since the replay began, so the replica has run no step in it yet: every
-        member goes through the same replayed steps.)"""
+        queue, in key order, and joins the batch the next decision forms there. (A prompt
+        running since the replay began joins before the replica's first step in it; one the
+        replay admitted may join after some: `ReplicaBatch.late`.)"""
         jn.joined = True
         r = next(r for r in es.replicas if r.key == jn.key)
         i = bisect_right(r.keys, jn.req_key)
+        s = len(r.times)
+        if s or r.formed:
+            if r.late is None:
+                r.late = {}
+            r.late[jn.rid] = (s, r.formed)
         r.rids.insert(i, jn.rid)
         r.recs.insert(i, jn.rec)
         r.keys.insert(i, jn.req_key)
-        r.rems.insert(i, jn.rem)
+        r.rems.insert(i, jn.rem + s)
         r.kv.insert(i, jn.kv)
         r.csum += jn.kv[3]
         r.resize(es.eng)
@@ -294,6 +299,14 @@ class GroupSim:
                         starving.append((r.head, r))
                     if best is None or r.order < best_order:
                         best, best_order = r, r.order
+        adm = es.admitted
+        if adm is not None and not adm.formed:  # a new request's prompt waits in its prefill queue
+            if limit and d - adm.since > limit:
+                if starving is None:
+                    starving = []
+                starving.append((adm.order[1], adm))
+            if best is None or adm.order < best_order:
+                best, best_order = adm, adm.order
         q = es.queue
         if q:  # the pipeline's queue (None below)
             head = self.key0[q[0]] if es.j == 0 else (q[0].head, 0)
@@ -307,6 +320,8 @@ class GroupSim:
             best = min(starving, key=_first)[1]
         if best is None:
             self._serve_pipe(es, x)
+        elif best is adm:
+            self._serve_prompt(es, adm, x)
         else:
             self._serve_replica(es, best, x, last)
         if starving:  # (counted once served: a decision the replay cannot apply is not its own)
@@ -368,6 +383,39 @@ class GroupSim:
         r.since = es.d  # served at decision d, back (non-empty again) before the next
         es.running = r
         heappush(heap, (end, END, self.seq, es.j, r))
+        self.seq += 1
+
+    def admit(self, es: GroupEngine, adm: Admitted) -> None:
+        """A new request comes into its prefill queue on es at the paused instant (it joins its
+        replica, empty until now, or not, when its prompt ends); es decides at that instant if
+        it is idle, as the request's wake-up makes it."""
+        es.admitted = adm
+        es.nready += 1
+        es.received += 1  # (its sequence number)
+        if all(r.key != adm.key for r in es.replicas):
+            es.replicas.append(ReplicaBatch(adm.key, [], SMALL, None, [], adm.info))
+        self.bounds[2].add(adm.key)
+        if es.running is None:
+            x, order = self.paused
+            self.paused = (x, tuple(sorted({*order, es.j})))
+
+    def _serve_prompt(self, es: GroupEngine, adm: Admitted, x: float) -> None:
+        """Form adm's prompt batch at x (`try_first_prefill`: admitted if its KV fits above the
+        watermark; else `schedule` would go on to other queues: cut), to run its whole prompt;
+        at its end the request joins its replica (`Joiner`)."""
+        if es.eng.scheduler.watermark_blocks + adm.blocks > es.blocks:
+            raise Stop
+        es.nready -= 1
+        adm.formed = True
+        adm.d, adm.mark, adm.busy_mark = es.d, len(es.grows), len(es.busy)
+        es.blocks -= adm.blocks
+        es.d += 1
+        adm.batch_seq = es.formed
+        es.formed += 1
+        end = x + es.eng.prefill_time(adm.info, adm.prompt_len, 1)
+        jn = es.joiner = Joiner.of_admitted(adm, x, end)
+        es.running = jn
+        heappush(self.heap, (end, END, self.seq, es.j, jn))
         self.seq += 1
 
     def _serve_pipe(self, es: GroupEngine, x: float) -> None:
@@ -451,20 +499,35 @@ class GroupSim:
             eng = es.eng
             s = eng.scheduler
             jn = es.joiner
+            grows = es.grows
+            busy = es.busy
+            adm = es.admitted
+            if adm is not None:  # added as at its arrival; its prompt formed as at its formation
+                s.replay_admit(adm.rid, adm.key[0], adm.prompt_len, adm.max_new, adm.arrival, adm.since, adm.seq)
+                if adm.formed:
+                    s.replay_grows(grows[:adm.mark])
+                    grows = grows[adm.mark:]
+                    jn.sb = s.replay_form_prefill(adm.key[0], jn.start, adm.d, es.batch_seq + adm.batch_seq)
+                    metrics.decode_steps(eng.id, busy[:adm.busy_mark])
+                    busy = busy[adm.busy_mark:]
             if jn is not None:  # its prompt, then its first token (as `stage_done` records them)
                 metrics.batch(eng.id, jn.start, jn.end, True, 1, jn.tokens)
                 metrics.tokens([jn.rec], jn.end)
                 if jn.joined:
                     s.replay_prefill_done(jn.sb)
-            metrics.decode_steps(eng.id, es.busy)
+            metrics.decode_steps(eng.id, busy)
             for r in es.replicas:
                 for rids, recs, steps in r.done:
                     s.replay_finish(r.key[0], rids)
-                    metrics.token_steps(recs, r.times[:steps])
+                    _token_steps(metrics, r, rids, recs, r.times[:steps])
                 if r.formed and r.rids:
-                    s.replay_first_decode(r.key[0], r.rids, r.formed, r.since, False)
+                    late = r.late
+                    cycles = r.formed if late is None else [r.formed - late[rid][1] if rid in late else r.formed
+                                                           for rid in r.rids]
+                    if late is None or any(cycles):
+                        s.replay_first_decode(r.key[0], r.rids, cycles, r.since, False)
                 if r.times and r.rids:
-                    metrics.token_steps(r.recs, r.times)
+                    _token_steps(metrics, r, r.rids, r.recs, r.times)
             if es.j == 0:
                 members = [(rid, kv[3], self.gen0[rid], es.bid_of.get(rid)) for rid, kv in es.pkv.items()]
                 s.replay_pipeline_first(model, members)
@@ -479,7 +542,7 @@ class GroupSim:
                 for b, d, i in es.arrivals:  # received in the replay, still waiting: received for real
                     if any(b is q for q in es.queue):
                         s.replay_receive(self._message(b, es.j), d, es.seq + i - 1)
-            s.replay_grows(es.grows)
+            s.replay_grows(grows)
             s.replay_counters(es.d, es.seq + es.received, es.formed, es.promotions)
             s.replay_ages(model, es.since, [(r.key[0], r.since) for r in es.replicas])
             if jn is not None and not jn.joined:  # still running at the cut: done when the engine is free
@@ -529,6 +592,19 @@ class GroupSim:
         fin = self._last_tokens(b)
         return TokenMessage(self.pkey[0], b.bid, [TokenEntry(rid, None, p + 1, True, "length") if rid in fin else
                                                   TokenEntry(rid, None, p + 1, False, None) for rid, p in zip(b.rids, b.pos)])
+
+
+def _token_steps(metrics, r: ReplicaBatch, rids, recs, times) -> None:
+    """`metrics.token_steps` for members of r over r's step ends `times`, each from its own
+    first step (a member that joined late: `ReplicaBatch.late`)."""
+    late = r.late
+    if late is None:
+        metrics.token_steps(recs, times)
+        return
+    metrics.token_steps([rec for rid, rec in zip(rids, recs) if rid not in late], times)
+    for rid, rec in zip(rids, recs):
+        if rid in late and late[rid][0] < len(times):
+            metrics.token_steps([rec], times[late[rid][0]:])
 
 
 def _batch_head(b: PipeBatch) -> float:

@@ -9,7 +9,7 @@ running at the start (`Joiner`). `GroupSim.apply` hands them back to the engines
 
 from __future__ import annotations
 
-FULL, SMALL = 0, 2  # full-batch-first's classes of decode queues
+FULL, PREFILL, SMALL = 0, 1, 2  # full-batch-first's classes: full decode batches, prompts, the other decode batches
 
 
 class PipeBatch:
@@ -32,7 +32,7 @@ class ReplicaBatch:
     """A one-stage replica's decode batch on its engine."""
 
     __slots__ = ("key", "rids", "recs", "order", "head", "since", "ready", "csum", "n", "fn", "left", "kv",
-                 "formed", "times", "rems", "keys", "info", "fin", "done")
+                 "formed", "times", "rems", "keys", "info", "fin", "done", "late")
 
     def __init__(self, key, reqs, cls, fn, recs, info):
         self.key = key
@@ -47,6 +47,7 @@ class ReplicaBatch:
         self.csum = sum(r.context_len for r in reqs)
         self.fn = fn
         self.rems = [r.max_new_tokens - r.generated for r in reqs]  # each member's tokens to come at the start
+        # (plus, for a member that joined late, the steps before it joined)
         self.left = min(self.rems) if reqs else 0  # steps to its first last token (a step with left == 1 finishes requests)
         self.kv = [kv_of(r) for r in reqs]
         self.info = info  # its StageInfo (a new step time function when members leave)
@@ -54,6 +55,7 @@ class ReplicaBatch:
         self.times: list[float] = []  # its token times (every step since the start)
         self.fin = None  # (formation time, index in the engine's grows) of its step with last tokens, running
         self.done: list = []  # (request ids, records, steps) of the members that finished, in order
+        self.late = None  # {request id: (its first step, batches formed before it)} of members that joined after a step
 
     def resize(self, eng) -> None:
         """After members finished or one joined: its size, step time function, head and
@@ -83,6 +85,38 @@ class Joiner:
         self.rec = rec
         self.joined = False  # its end replayed: the request is in its replica's batch
 
+    @classmethod
+    def of_admitted(cls, adm: "Admitted", start: float, end: float) -> "Joiner":
+        """The prompt of a request the replay admitted, formed at `start` (its batch and KV
+        allocation are made at the cut: its growth names the request instead)."""
+        jn = cls.__new__(cls)
+        jn.key, jn.sb, jn.start, jn.end, jn.tokens = adm.key, None, start, end, adm.prompt_len
+        jn.rid, jn.req_key, jn.rem, jn.rec, jn.joined = adm.rid, (adm.arrival, adm.seq), adm.max_new - 1, adm.rec, False
+        jn.kv = [adm.blocks // adm.layers * adm.tpb, adm.tpb, adm.layers, adm.prompt_len, adm.rid]
+        return jn
+
+
+class Admitted:
+    """A one-stage request the replay admitted at its arrival (`GroupSim.admit`): waiting in its
+    engine's prefill queue, then its prompt formed in the replay (`GroupSim._serve_prompt`; its
+    end is a `Joiner`'s). The cut adds it to the scheduler as at its arrival and, if formed,
+    forms its prompt batch there as at its formation."""
+
+    __slots__ = ("key", "rid", "prompt_len", "max_new", "arrival", "rec", "info", "since", "seq", "order", "blocks",
+                 "tpb", "layers", "formed", "d", "mark", "busy_mark", "batch_seq")
+
+    def __init__(self, key, rid: str, prompt_len: int, max_new: int, arrival: float, rec, info, st, since: int, seq: int):
+        self.key = key  # (model, replica)
+        self.rid, self.prompt_len, self.max_new, self.arrival, self.rec, self.info = rid, prompt_len, max_new, arrival, rec, info
+        self.since = since  # the decision count at its arrival (its prefill queue's age)
+        self.seq = seq  # its sequence number: its key is (arrival, seq)
+        self.order = (PREFILL, (arrival, seq))  # its place in the policy's order
+        self.tpb, self.layers = st.tokens_per_block, st.num_layers
+        self.blocks = -(-prompt_len // self.tpb) * self.layers  # the KV its prompt takes
+        self.formed = False
+        self.d = self.mark = self.busy_mark = self.batch_seq = 0  # at its formation: decision count, index in
+        # the engine's KV growth and busy intervals, batches formed on the engine before it
+
 
 def kv_of(req) -> list:
     """[token capacity, tokens per block, layers, context, allocation] of a request's KV here."""
@@ -95,7 +129,7 @@ class GroupEngine:
 
     __slots__ = ("eng", "j", "info", "d", "running", "blocks", "replicas", "queue", "since", "pkv", "pgen", "grows",
                  "busy", "received", "formed", "promotions", "limit", "taken", "messages", "batch_seq", "seq",
-                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready", "fns", "joiner", "gone")
+                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready", "fns", "joiner", "gone", "admitted")
 
     def __init__(self, eng, j: int, info, limit: int):
         self.eng = eng
@@ -130,3 +164,4 @@ class GroupEngine:
         self.fns: dict = {}  # the pipeline stage's decode time function per batch size
         self.joiner = None  # a one-stage prompt running here at the start (its end taken over)
         self.gone: list[str] = []  # the pipeline's requests that finished here (their KV freed)
+        self.admitted = None  # a new request the replay admitted here (`Admitted`)

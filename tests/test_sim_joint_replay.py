@@ -208,21 +208,23 @@ def test_paper_base_case_pipeline_is_replayed(monkeypatch):
 
 class _Arrivals:
     """Counts what waiting replays do at their horizon: go on (the new request went outside
-    the group) or cut (it came in, or another new request of the group's models came at once);
-    and the last tokens replayed."""
+    the group), admit it (it came in) or cut (it came in and cannot be admitted, or another new
+    request of the group's models came at once); and the last tokens replayed."""
 
     def __init__(self, monkeypatch):
-        self.resumed = self.cut = self.finishes = 0
+        self.resumed = self.cut = self.admitted = self.finishes = 0
         self.inside = False
         real_arrival, real_cut, real_finished = JointReplay.arrival, GroupSim.cut_paused, JointReplay.finished
 
-        def arrival(replay, model, route, t):
-            waiting = sum(sim.paused[0] == t and model in sim.bounds[0] for sim in replay.suspended)
+        def arrival(replay, req, replica, route, t):
+            waiting = sum(sim.paused[0] == t and req.model in sim.bounds[0] for sim in replay.suspended)
             cut = self.cut
             self.inside = True
-            real_arrival(replay, model, route, t)
+            admitted = real_arrival(replay, req, replica, route, t)
             self.inside = False
-            self.resumed += waiting - (self.cut - cut)
+            self.admitted += admitted
+            self.resumed += waiting - (self.cut - cut) - admitted
+            return admitted
 
         def cut_paused(sim):
             self.cut += self.inside
@@ -243,14 +245,14 @@ def _finish_of(cfg, reqs, rid: int) -> float:
     return plain.metrics.requests[rid].finish
 
 
-def _outside_race(arrival: float | None):
+def _outside_race(arrival: float | None, output: int = 60):
     """p decodes on engines 0-2 beside a's replicas 0 (engine 0) and 1 (engine 2), each
     holding one long request; a's replica 2 (engine 3, outside the group) holds a short one.
-    A new request of a at `arrival` goes to replica 0 (inside) while replica 2's request runs,
-    to replica 2 (outside) once it finished (ties go to the lowest replica)."""
+    A new request of a (`output` tokens) at `arrival` goes to replica 0 (inside) while replica
+    2's request runs, to replica 2 (outside) once it finished (ties go to the lowest replica)."""
     spec = [("p", 0.0, 6, 300), ("a", 0.001, 5, 400), ("a", 0.002, 5, 400), ("a", 0.003, 4, 30), ("b", 0.004, 3, 250)]
     if arrival is not None:
-        spec.append(("a", arrival, 4, 60))
+        spec.append(("a", arrival, 4, output))
     return _long_requests(spec)
 
 
@@ -266,13 +268,26 @@ def test_replay_goes_on_past_a_request_dispatched_outside(monkeypatch):
     assert arrivals.resumed >= 1 and spy.decisions > 100
 
 
-def test_replay_is_cut_at_a_request_dispatched_inside(monkeypatch):
+def test_replay_admits_a_request_dispatched_inside(monkeypatch):
     """Same, with the new request while replica 2 still holds its request: it comes into the
-    group (replica 0), and the replay is cut at its arrival."""
+    group (replica 0, beside its decoding request on engine 0); the replay admits it (its
+    prompt formed in the replay, then it joins the batch a step later than the other member)."""
     cfg = _config(0.1, 8)
     done = _finish_of(cfg, _outside_race(None), 3)
     arrivals = _Arrivals(monkeypatch)
-    fast, plain = _both(cfg, _layout(cfg), requests=_outside_race(done / 2))
+    fast, plain = _both(cfg, _layout(cfg), requests=_outside_race(done / 2), check=True)
+    _assert_identical(fast, plain)
+    assert plain.metrics.requests[5].replica == 0
+    assert arrivals.admitted >= 1 and arrivals.cut == 0
+
+
+def test_replay_is_cut_at_a_request_it_cannot_admit(monkeypatch):
+    """Same with a request of one token (its first token is its last: finished at its prompt's
+    end, which the replay does not model): the replay is cut at its arrival."""
+    cfg = _config(0.1, 8)
+    done = _finish_of(cfg, _outside_race(None), 3)
+    arrivals = _Arrivals(monkeypatch)
+    fast, plain = _both(cfg, _layout(cfg), requests=_outside_race(done / 2, output=1))
     _assert_identical(fast, plain)
     assert plain.metrics.requests[5].replica == 0
     assert arrivals.cut >= 1
@@ -298,19 +313,19 @@ def _race_at_finish(monkeypatch, race, rid: int, shift: int):
 @pytest.mark.parametrize("shift", [-1, 0, 1])
 def test_request_at_the_instant_a_finish_changes_the_dispatchers_choice(monkeypatch, shift):
     """The new request of a arrives just before, exactly at, or just after the instant replica
-    2's request finishes (a finish at an instant is seen by a request arriving at it): inside,
-    outside, outside, as step by step."""
+    2's request finishes (a finish at an instant is seen by a request arriving at it): inside
+    (admitted), outside, outside, as step by step."""
     plain, arrivals = _race_at_finish(monkeypatch, _outside_race, 3, shift)
     assert plain.metrics.requests[5].replica == (0 if shift < 0 else 2)
-    assert (arrivals.cut if shift < 0 else arrivals.resumed) >= 1  # a replay waited for it
+    assert (arrivals.admitted if shift < 0 else arrivals.resumed) >= 1  # a replay waited for it
 
 
 @pytest.mark.parametrize("share", [0.3, 0.6, 0.9])
 def test_a_request_of_a_model_off_the_group_at_the_same_instant_leaves_the_replay_waiting(monkeypatch, share):
     """A request of e (resident only on engine 3, outside the group) comes at the same instant
     as the request of a the replay waits for, and is dispatched first; a's goes into the group
-    (replica 2 is still busy): the replay must not go on past it on e's word, but be cut at a's,
-    as step by step."""
+    (replica 2 is still busy): the replay must not go on past it on e's word, but admit it (or
+    be cut there), as step by step."""
     cfg = _config(0.1, 8)
     at = share * _finish_of(cfg, _outside_race(None), 3)
     spec = [(r.model, r.arrival, r.prompt_len, r.output_len) for r in _outside_race(None)]
@@ -319,7 +334,7 @@ def test_a_request_of_a_model_off_the_group_at_the_same_instant_leaves_the_repla
     fast, plain = _both(cfg, _layout(cfg), requests=reqs)
     _assert_identical(fast, plain)
     assert plain.metrics.requests[6].replica == 0  # a's request went into the group
-    assert arrivals.cut >= 1
+    assert arrivals.cut + arrivals.admitted >= 1
 
 
 def test_two_requests_at_one_instant_cut_the_waiting_replay(monkeypatch):
@@ -526,11 +541,12 @@ def test_pipeline_requests_finish_inside_the_replay(monkeypatch):
 
 def _pipe_finish_race(arrival: float | None):
     """p's request 1 is short and finishes while p's request 0 and a's replicas (one long
-    request each, so a new request of a goes to replica 0, inside the group) decode."""
+    request each, so a new request of a goes to replica 0, inside the group) decode. The new
+    request has one token: the replay cannot admit it, so it is cut there."""
     spec = [("p", 0.0, 6, 300), ("p", 0.001, 5, 30), ("a", 0.002, 5, 400), ("a", 0.003, 4, 400),
             ("a", 0.004, 3, 400), ("b", 0.005, 4, 250)]
     if arrival is not None:
-        spec.append(("a", arrival, 4, 60))
+        spec.append(("a", arrival, 4, 1))
     return _long_requests(spec)
 
 
