@@ -176,12 +176,12 @@ class JointReplay:
     def _admissible(sim: GroupSim, req, replica: int, route):
         """The group engine whose replay admits `req` (dispatched to `replica` on `route`), or
         None: a one-stage replica (not the pipeline) whose requests, this one included, fit one
-        batch, on an engine with no other prompt in the replay, and a request of at least two
+        batch, on an engine where no other admitted prompt waits, and a request of at least two
         tokens that the engine can hold (else `add_request` refuses it, at its time)."""
         if len(route) != 1 or req.model == sim.pkey[0] or req.output_len < 2:
             return None
         es = next((es for es in sim.group if es.eng.id == route[0]), None)
-        if es is None or es.admitted is not None or es.joiner is not None:
+        if es is None or es.admitted is not None:
             return None
         s = es.eng.scheduler
         if sim.cluster.dispatcher.outstanding(req.model)[replica] > s.max_batch_size:

@@ -300,7 +300,7 @@ class GroupSim:
                     if best is None or r.order < best_order:
                         best, best_order = r, r.order
         adm = es.admitted
-        if adm is not None and not adm.formed:  # a new request's prompt waits in its prefill queue
+        if adm is not None:  # a new request's prompt waits in its prefill queue
             if limit and d - adm.since > limit:
                 if starving is None:
                     starving = []
@@ -413,7 +413,9 @@ class GroupSim:
         adm.batch_seq = es.formed
         es.formed += 1
         end = x + es.eng.prefill_time(adm.info, adm.prompt_len, 1)
-        jn = es.joiner = Joiner.of_admitted(adm, x, end)
+        jn = Joiner.of_admitted(adm, x, end)
+        es.admitted = None
+        es.prompts.append(jn)
         es.running = jn
         heappush(self.heap, (end, END, self.seq, es.j, jn))
         self.seq += 1
@@ -489,7 +491,8 @@ class GroupSim:
                 s.receive_tokens(s.complete(es.started).token_message)
             for r in es.replicas:
                 if r.fin is not None:  # its step with last tokens runs: formed for real below, not replayed
-                    del es.grows[r.fin[1]:]
+                    # (its growth goes; frees of pipeline requests that finished while it ran stay)
+                    es.grows[r.fin[1]:] = [g for g in es.grows[r.fin[1]:] if g[0] is None]
                     es.busy.pop()
                     r.times.pop()
                     r.formed -= 1
@@ -498,24 +501,26 @@ class GroupSim:
         for es in group:
             eng = es.eng
             s = eng.scheduler
-            jn = es.joiner
             grows = es.grows
             busy = es.busy
-            adm = es.admitted
-            if adm is not None:  # added as at its arrival; its prompt formed as at its formation
-                s.replay_admit(adm.rid, adm.key[0], adm.prompt_len, adm.max_new, adm.arrival, adm.since, adm.seq)
-                if adm.formed:
-                    s.replay_grows(grows[:adm.mark])
-                    grows = grows[adm.mark:]
+            g = b = 0  # growth and busy intervals applied so far
+            prompts = es.prompts if es.joiner is None else [es.joiner, *es.prompts]
+            for jn in prompts:
+                adm = jn.adm
+                if adm is not None:  # added as at its arrival; its prompt formed as at its formation
+                    s.replay_admit(adm.rid, adm.key[0], adm.prompt_len, adm.max_new, adm.arrival, adm.since, adm.seq)
+                    s.replay_grows(grows[g:adm.mark])
                     jn.sb = s.replay_form_prefill(adm.key[0], jn.start, adm.d, es.batch_seq + adm.batch_seq)
-                    metrics.decode_steps(eng.id, busy[:adm.busy_mark])
-                    busy = busy[adm.busy_mark:]
-            if jn is not None:  # its prompt, then its first token (as `stage_done` records them)
-                metrics.batch(eng.id, jn.start, jn.end, True, 1, jn.tokens)
-                metrics.tokens([jn.rec], jn.end)
+                    metrics.decode_steps(eng.id, busy[b:adm.busy_mark])
+                    g, b = adm.mark, adm.busy_mark
+                metrics.batch(eng.id, jn.start, jn.end, True, 1, jn.tokens)  # its prompt, then its first
+                metrics.tokens([jn.rec], jn.end)  # token (as `stage_done` records them)
                 if jn.joined:
                     s.replay_prefill_done(jn.sb)
-            metrics.decode_steps(eng.id, busy)
+            adm = es.admitted
+            if adm is not None:  # admitted, its prompt still waiting
+                s.replay_admit(adm.rid, adm.key[0], adm.prompt_len, adm.max_new, adm.arrival, adm.since, adm.seq)
+            metrics.decode_steps(eng.id, busy[b:] if b else busy)
             for r in es.replicas:
                 for rids, recs, steps in r.done:
                     s.replay_finish(r.key[0], rids)
@@ -542,11 +547,11 @@ class GroupSim:
                 for b, d, i in es.arrivals:  # received in the replay, still waiting: received for real
                     if any(b is q for q in es.queue):
                         s.replay_receive(self._message(b, es.j), d, es.seq + i - 1)
-            s.replay_grows(grows)
+            s.replay_grows(grows[g:] if g else grows)
             s.replay_counters(es.d, es.seq + es.received, es.formed, es.promotions)
             s.replay_ages(model, es.since, [(r.key[0], r.since) for r in es.replicas])
-            if jn is not None and not jn.joined:  # still running at the cut: done when the engine is free
-                s.replay_prefill_done(jn.sb)
+            if prompts and not prompts[-1].joined:  # still running at the cut: done when the engine is free
+                s.replay_prefill_done(prompts[-1].sb)
         metrics.hops += len(self.hops)  # (`metrics.hop` for each)
         metrics.hop_bytes += sum(self.hops)
         gone = self.gone

@@ -71,7 +71,7 @@ class Joiner:
     when the replay starts: at its end the request has its first token and joins its replica's
     decode batch (`GroupSim._join`); the cut completes its prefill (`replay_prefill_done`)."""
 
-    __slots__ = ("key", "sb", "start", "end", "tokens", "rid", "req_key", "rem", "kv", "rec", "joined")
+    __slots__ = ("key", "sb", "start", "end", "tokens", "rid", "req_key", "rem", "kv", "rec", "joined", "adm")
 
     def __init__(self, key, ev, req, rec):
         self.key = key  # (model, replica)
@@ -84,6 +84,7 @@ class Joiner:
         self.kv = [a.blocks_per_layer * a.tokens_per_block, a.tokens_per_block, a.num_layers, req.prompt_len, a]
         self.rec = rec
         self.joined = False  # its end replayed: the request is in its replica's batch
+        self.adm = None  # the `Admitted` request whose prompt it is, if the replay admitted it
 
     @classmethod
     def of_admitted(cls, adm: "Admitted", start: float, end: float) -> "Joiner":
@@ -93,6 +94,7 @@ class Joiner:
         jn.key, jn.sb, jn.start, jn.end, jn.tokens = adm.key, None, start, end, adm.prompt_len
         jn.rid, jn.req_key, jn.rem, jn.rec, jn.joined = adm.rid, (adm.arrival, adm.seq), adm.max_new - 1, adm.rec, False
         jn.kv = [adm.blocks // adm.layers * adm.tpb, adm.tpb, adm.layers, adm.prompt_len, adm.rid]
+        jn.adm = adm
         return jn
 
 
@@ -129,7 +131,7 @@ class GroupEngine:
 
     __slots__ = ("eng", "j", "info", "d", "running", "blocks", "replicas", "queue", "since", "pkv", "pgen", "grows",
                  "busy", "received", "formed", "promotions", "limit", "taken", "messages", "batch_seq", "seq",
-                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready", "fns", "joiner", "gone", "admitted")
+                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready", "fns", "joiner", "gone", "admitted", "prompts")
 
     def __init__(self, eng, j: int, info, limit: int):
         self.eng = eng
@@ -164,4 +166,5 @@ class GroupEngine:
         self.fns: dict = {}  # the pipeline stage's decode time function per batch size
         self.joiner = None  # a one-stage prompt running here at the start (its end taken over)
         self.gone: list[str] = []  # the pipeline's requests that finished here (their KV freed)
-        self.admitted = None  # a new request the replay admitted here (`Admitted`)
+        self.admitted = None  # a new request the replay admitted here, its prompt not formed yet (`Admitted`)
+        self.prompts: list = []  # the prompts of the requests it admitted here, formed in the replay (`Joiner`s, in order)

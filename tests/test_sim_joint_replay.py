@@ -402,8 +402,8 @@ def test_finishes_inside_the_replay_empty_a_replica(monkeypatch):
 
 
 class _Joins:
-    """Counts the one-stage prompts the replays take over: joined (their end replayed, the
-    request in its replica's batch) and still running at the cut."""
+    """Counts the one-stage prompts the replays take over or form: joined (their end replayed,
+    the request in its replica's batch) and still running at the cut."""
 
     def __init__(self, monkeypatch):
         self.joined = self.running = 0
@@ -414,7 +414,7 @@ class _Joins:
             real_join(sim, es, jn)
 
         def apply(sim):
-            self.running += sum(es.joiner is not None and not es.joiner.joined for es in sim.group)
+            self.running += sum(not jn.joined for es in sim.group for jn in [es.joiner, *es.prompts] if jn is not None)
             real_apply(sim)
 
         monkeypatch.setattr(GroupSim, "_join", join)
@@ -475,10 +475,32 @@ def test_prompt_whose_first_decode_step_is_its_last(monkeypatch):
 
 def test_prompt_still_running_at_the_cut(monkeypatch):
     """A long prompt of b runs on engine 1 when requests of a come into the group (to replica
-    0 on engine 0, then 1 on engine 2) before it ends: the replay is cut with the prompt still
-    running (completed at the cut, the engine held until its end), as step by step."""
-    joins = _joins_identical(monkeypatch, [("b", 0.05, 4000, 60), ("a", 0.1, 6, 50), ("a", 0.15, 5, 40)])
+    0 on engine 0, then 1 on engine 2) before it ends, of one token each (the replay cannot
+    admit them): the replay is cut with the prompt still running (completed at the cut, the
+    engine held until its end), as step by step."""
+    joins = _joins_identical(monkeypatch, [("b", 0.05, 4000, 60), ("a", 0.1, 6, 1), ("a", 0.15, 5, 1)])
     assert joins.running >= 1
+
+
+def test_requests_admitted_one_after_another_on_one_engine(monkeypatch):
+    """Requests of d (its one replica on engine 1, beside p's middle stage and b) come while
+    the replays run: each is admitted, its prompt formed in the replay, and joins d's batch,
+    which has run steps by then (so it joins late); several in one replay; identical to step
+    by step, invariants checked."""
+    most = []
+    real_apply = GroupSim.apply
+
+    def apply(sim):
+        most.append(max(len(es.prompts) for es in sim.group))
+        real_apply(sim)
+
+    monkeypatch.setattr(GroupSim, "apply", apply)
+    arrivals = _Arrivals(monkeypatch)
+    cfg = _config(0.1, 8)
+    reqs = _prompts_during([("d", 0.05, 20, 60), ("d", 0.07, 9, 80), ("d", 0.09, 14, 40), ("d", 0.11, 30, 70)])
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
+    _assert_identical(fast, plain)
+    assert arrivals.admitted >= 3 and max(most) >= 2
 
 
 @pytest.mark.slow
@@ -537,6 +559,20 @@ def test_pipeline_requests_finish_inside_the_replay(monkeypatch):
     fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
     _assert_identical(fast, plain)
     assert finishes.inside >= 3
+
+
+def test_pipeline_finish_while_a_last_token_step_runs_at_a_cut(monkeypatch):
+    """p's requests finish (their KV freed on engine 1, p's middle stage) while a one-stage
+    step with last tokens runs there, and the replay is cut before that step ends (it is
+    formed for real at the cut, its replayed growth dropped): the frees must stay (a review's
+    reproducer: they were dropped with it, leaving the finished requests' blocks in the pool)."""
+    monkeypatch.setattr(QueueHeaps, "effective_starvation_limit", property(lambda self: 3))
+    cfg = _config(0.012, 16)
+    spec = [("p", 0.0024131619913530422, 14, 8), ("p", 0.002795803965364128, 34, 2), ("b", 0.003390591923069348, 17, 12),
+            ("d", 0.0098072886371421, 35, 200), ("a", 0.010138440152618717, 28, 123), ("p", 0.01224550185437809, 19, 19),
+            ("d", 0.01355406294419674, 1, 84), ("d", 0.026782841519972143, 11, 168), ("p", 0.03017276503355571, 26, 49)]
+    fast, plain = _both(cfg, _layout(cfg), requests=_long_requests(spec), check=True)
+    _assert_identical(fast, plain)
 
 
 def _pipe_finish_race(arrival: float | None):
