@@ -17,10 +17,11 @@ from test_sim_fast_forward import _assert_same
 
 from paraflex.config import Config, WorkloadConfig
 from paraflex.engine.queue_heaps import QueueHeaps
+from paraflex.engine.scheduler import EngineScheduler
 from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
 from paraflex.simulator.cluster import Cluster
 from paraflex.simulator.joint_replay import JointReplay
-from paraflex.simulator.joint_sim import GroupSim
+from paraflex.simulator.joint_sim import GroupSim, Stop
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.systems import SystemLayout
 from paraflex.simulator.workload import SimRequest
@@ -480,6 +481,40 @@ def test_prompt_still_running_at_the_cut(monkeypatch):
     engine held until its end), as step by step."""
     joins = _joins_identical(monkeypatch, [("b", 0.05, 4000, 60), ("a", 0.1, 6, 1), ("a", 0.15, 5, 1)])
     assert joins.running >= 1
+
+
+def test_admitted_prompt_refused_above_the_kv_watermark(monkeypatch):
+    """With a high KV watermark (85% of each pool kept free) and long contexts, an admitted
+    request's prompt does not fit when its engine chooses it: `schedule` would go on to other
+    queues, so the replay is cut there (a review's case); identical to step by step."""
+    real_init = EngineScheduler.__init__
+
+    def init(sched, *args, **kw):
+        real_init(sched, *args, **{**kw, "watermark": 0.85})
+
+    monkeypatch.setattr(EngineScheduler, "__init__", init)
+    refused = []
+    real_serve = GroupSim._serve_prompt
+
+    def serve_prompt(sim, es, adm, x):
+        try:
+            real_serve(sim, es, adm, x)
+        except Stop:
+            refused.append(adm.rid)
+            raise
+
+    monkeypatch.setattr(GroupSim, "_serve_prompt", serve_prompt)
+    cfg = _config(0.012, 16)
+    spec = [("p", 0.0, 104, 400), ("a", 0.001, 288, 500), ("a", 0.002, 273, 500), ("b", 0.003, 128, 400),
+            ("d", 0.004, 212, 400), ("b", 0.0334, 105, 55), ("d", 0.0455, 104, 38), ("d", 0.1028, 42, 41),
+            ("b", 0.1175, 38, 58), ("a", 0.1246, 48, 58), ("a", 0.1599, 109, 8), ("d", 0.2267, 127, 20),
+            ("b", 0.2610, 160, 22), ("a", 0.2623, 33, 48), ("a", 0.2756, 20, 54), ("b", 0.2789, 132, 32),
+            ("a", 0.2922, 187, 55), ("a", 0.3043, 92, 28), ("d", 0.3181, 118, 3), ("b", 0.3884, 144, 30),
+            ("d", 0.4043, 157, 34), ("a", 0.4304, 194, 18), ("a", 0.4428, 163, 45), ("d", 0.4694, 110, 41),
+            ("d", 0.4744, 34, 9)]
+    fast, plain = _both(cfg, _layout(cfg), requests=_long_requests(spec), check=True)
+    _assert_identical(fast, plain)
+    assert refused
 
 
 def test_requests_admitted_one_after_another_on_one_engine(monkeypatch):
