@@ -171,10 +171,7 @@ class BulkAdvance:
         for rid in req_ids:
             req = self._bulk_member(rid, WAITING_DECODE)
             q.remove(req)
-            req.state = FINISHED
-            del self._reqs[rid]
-            self._chunk_keys.pop(rid, None)
-            self._remember(rid, FINISHED)
+            self._replay_gone(req)
 
     def replay_pipeline_gone(self, model: str, stage: int, req_ids: list[str]) -> None:
         """A pipeline's requests that produced their last token in the replay (on the first
@@ -187,10 +184,7 @@ class BulkAdvance:
             if req is None or req.state not in (BLOCKED, RUNNING, WAITING_DECODE) or req.abort_pending:
                 raise ProtocolError(f"replay_pipeline_gone: request {rid!r} is not a live decode request on engine {self.engine_id}")
             self._leave_inflight(st, req)
-            req.state = FINISHED
-            del self._reqs[rid]
-            self._chunk_keys.pop(rid, None)
-            self._remember(rid, FINISHED)
+            self._replay_gone(req)
 
     def replay_admit(self, req_id: str, model: str, prompt_len: int, max_new_tokens: int, arrival: float,
                      decisions: int, seq: int) -> None:
@@ -264,6 +258,14 @@ class BulkAdvance:
         grow = self.pool.grow
         for _, j, target in grows:
             grow(reqs[j].alloc, target)
+
+    def _replay_gone(self, req: StageRequest) -> None:
+        """A request that finished in a replay leaves this engine, as `_finish` leaves it (its KV
+        freed by `replay_grows`)."""
+        req.state = FINISHED
+        del self._reqs[req.req_id]
+        self._chunk_keys.pop(req.req_id, None)
+        self._remember(req.req_id, FINISHED)
 
     def _check_bulk(self, model: str, stage: int, k: int) -> ResidentStage:
         if k < 1:

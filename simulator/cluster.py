@@ -175,7 +175,7 @@ class Cluster:
             eng.scheduler.check()
         self._wake(eng, t)
 
-    def replay_done(self, eng: SimEngine, key: tuple[str, int], t: float, finished: list[str]) -> None:
+    def replay_done(self, eng: SimEngine, key: tuple[str, int], t: float, finished) -> None:
         """A stage the joint replay accounted for ends (events/replay_end.py): the requests whose
         last token it produced finish (as `complete` and `_emit_tokens` finish them; their tokens
         are on their way already), and the engine is free."""

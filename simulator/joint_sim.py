@@ -508,7 +508,7 @@ class GroupSim:
             for jn in prompts:
                 adm = jn.adm
                 if adm is not None:  # added as at its arrival; its prompt formed as at its formation
-                    s.replay_admit(adm.rid, adm.key[0], adm.prompt_len, adm.max_new, adm.arrival, adm.since, adm.seq)
+                    _replay_admit(s, adm)
                     s.replay_grows(grows[g:adm.mark])
                     jn.sb = s.replay_form_prefill(adm.key[0], jn.start, adm.d, es.batch_seq + adm.batch_seq)
                     metrics.decode_steps(eng.id, busy[b:adm.busy_mark])
@@ -519,7 +519,7 @@ class GroupSim:
                     s.replay_prefill_done(jn.sb)
             adm = es.admitted
             if adm is not None:  # admitted, its prompt still waiting
-                s.replay_admit(adm.rid, adm.key[0], adm.prompt_len, adm.max_new, adm.arrival, adm.since, adm.seq)
+                _replay_admit(s, adm)
             metrics.decode_steps(eng.id, busy[b:] if b else busy)
             for r in es.replicas:
                 for rids, recs, steps in r.done:
@@ -597,6 +597,11 @@ class GroupSim:
         fin = self._last_tokens(b)
         return TokenMessage(self.pkey[0], b.bid, [TokenEntry(rid, None, p + 1, True, "length") if rid in fin else
                                                   TokenEntry(rid, None, p + 1, False, None) for rid, p in zip(b.rids, b.pos)])
+
+
+def _replay_admit(s, adm: Admitted) -> None:
+    """`EngineScheduler.replay_admit` for a request the replay admitted."""
+    s.replay_admit(adm.rid, adm.key[0], adm.prompt_len, adm.max_new, adm.arrival, adm.since, adm.seq)
 
 
 def _token_steps(metrics, r: ReplicaBatch, rids, recs, times) -> None:

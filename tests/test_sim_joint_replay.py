@@ -393,12 +393,9 @@ def test_finishes_inside_the_replay_empty_a_replica(monkeypatch):
     """One-stage requests finish one after another inside the replays (a replica's batch
     shrinks, then empties), with the pipeline's batches in flight; KV freed in order with
     the growth under memory pressure."""
-    cfg = _config(0.02, 8)
-    reqs = _long_requests([("p", 0.0, 6, 300), ("a", 0.001, 5, 30), ("a", 0.002, 5, 60), ("b", 0.003, 9, 45),
-                           ("b", 0.004, 4, 90), ("d", 0.005, 3, 70), ("a", 0.006, 6, 120), ("b", 0.007, 2, 20)])
     arrivals = _Arrivals(monkeypatch)
-    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
-    _assert_identical(fast, plain)
+    _identical_on([("p", 0.0, 6, 300), ("a", 0.001, 5, 30), ("a", 0.002, 5, 60), ("b", 0.003, 9, 45),
+                   ("b", 0.004, 4, 90), ("d", 0.005, 3, 70), ("a", 0.006, 6, 120), ("b", 0.007, 2, 20)], 0.02, 8)
     assert arrivals.finishes >= 4
 
 
@@ -587,12 +584,9 @@ def test_pipeline_requests_finish_inside_the_replay(monkeypatch):
     its engines, under memory pressure: each frees its KV on the later stages at its last
     stage's end (in order with the growth there) and on the first when its token is back,
     and the dispatcher sees it at its time; identical to step by step, invariants checked."""
-    cfg = _config(0.02, 8)
-    reqs = _long_requests([("p", 0.0, 6, 40), ("p", 0.001, 9, 25), ("p", 0.002, 4, 90), ("a", 0.003, 5, 200),
-                           ("b", 0.004, 7, 180), ("d", 0.005, 3, 150), ("p", 0.006, 5, 2), ("a", 0.007, 4, 160)])
     finishes = _PipeFinishes(monkeypatch)
-    fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
-    _assert_identical(fast, plain)
+    _identical_on([("p", 0.0, 6, 40), ("p", 0.001, 9, 25), ("p", 0.002, 4, 90), ("a", 0.003, 5, 200),
+                   ("b", 0.004, 7, 180), ("d", 0.005, 3, 150), ("p", 0.006, 5, 2), ("a", 0.007, 4, 160)], 0.02, 8)
     assert finishes.inside >= 3
 
 

@@ -19,7 +19,7 @@ class ReplayEndEvent(Event):
         super().__init__(time)
         self.engine = engine
         self.key = key  # (model, replica) whose stage ends
-        self.finished: list[str] = []  # a pipeline's last stage: the requests whose last token it produces
+        self.finished: list[str] | tuple = ()  # a pipeline's last stage: the requests whose last token it produces
 
     def handle(self, sim) -> None:
         if self.key is None:  # taken over by a later replay
