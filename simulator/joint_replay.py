@@ -66,7 +66,7 @@ at its end; a pipeline's last stage with last tokens finishes those requests the
 its start (`replay_form`) and ends with its `StageEndEvent`; a prompt taken over is completed (first
 token, request in its decode queue: `replay_prefill_done`), its engine held until its end if
 it still runs; messages still in flight become real `BatchArrivalEvent`s / `TokenArrivalEvent`s.
-The simulation and the cut live in joint_sim.py, the state it moves in joint_state.py. Exactness is pinned by
+The simulation lives in joint_sim.py, the cut in joint_cut.py, the state they move in joint_state.py. Exactness is pinned by
 tests/test_sim_joint_replay.py (whole runs identical to step by step).
 """
 
@@ -76,8 +76,9 @@ from bisect import bisect_left, bisect_right
 
 from paraflex.engine.messages import DECODE, PREFILL
 from paraflex.simulator.events import ReplayEndEvent, ReplayFinishEvent
-from paraflex.simulator.joint_sim import ARRIVE, END, TOKENS, GroupSim
-from paraflex.simulator.joint_state import FULL, SMALL, Admitted, GroupEngine, Joiner, PipeBatch, ReplicaBatch, kv_of
+from paraflex.simulator.joint_sim import GroupSim
+from paraflex.simulator.joint_state import (ARRIVE, END, FULL, SMALL, TOKENS, Admitted, GroupEngine, Joiner, PipeBatch,
+                                            ReplicaBatch, kv_of)
 
 INF = float("inf")
 

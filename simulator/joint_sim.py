@@ -1,5 +1,4 @@
-"""The joint replay's group simulation: the decisions of a pipeline's engines, computed, and their
-application at the cut.
+"""The joint replay's group simulation: the decisions of a pipeline's engines, computed.
 
 Place in the data flow: `JointReplay.advance` (joint_replay.py) captures the start state of a
 pipeline's engines (joint_state.py: `GroupEngine`, `PipeBatch`, `ReplicaBatch`, `Joiner`) and
@@ -7,9 +6,8 @@ runs a `GroupSim` over them:
 a small event simulation (stage ends, batch arrivals, token returns, in the event loop's order
 at one instant) whose decisions are those `EngineScheduler.schedule` makes (see
 joint_replay.py), pausing at last tokens and at the horizon for the main loop, up to the cut;
-`GroupSim.apply` then applies everything before the cut in bulk (metrics, scheduler states via
-`EngineScheduler.replay_*`) and hands what is under way to real events (`Cluster.hold`,
-`send_batch`, `send_tokens`).
+`GroupSim.apply` then applies everything before the cut in bulk and hands what is under way to
+real events (joint_cut.py).
 """
 
 from __future__ import annotations
@@ -18,11 +16,9 @@ from bisect import bisect_right, insort
 from heapq import heappop, heappush
 
 from paraflex.costmodel import CostModel
-from paraflex.engine.messages import DECODE, BatchMessage, DecodeEntry, TokenEntry, TokenMessage
 from paraflex.simulator.events import ReplayEndEvent
-from paraflex.simulator.joint_state import SMALL, Admitted, GroupEngine, Joiner, PipeBatch, ReplicaBatch
-
-END, ARRIVE, TOKENS = 10, 20, 30  # local events, in the event loop's order at one instant
+from paraflex.simulator.joint_cut import apply_cut
+from paraflex.simulator.joint_state import ARRIVE, END, SMALL, TOKENS, Admitted, GroupEngine, Joiner, PipeBatch, ReplicaBatch
 INF = float("inf")
 
 
@@ -211,7 +207,7 @@ class GroupSim:
         `Cluster._emit_tokens` finishes them (their KV freed on every stage but the first, which
         frees it when the tokens arrive; `finishing` for the dispatcher and the records, kept
         in `gone` for their tokens, recorded at the cut)."""
-        fin = self._last_tokens(b)
+        fin = self.last_tokens(b)
         for es in self.group[1:]:
             for rid in fin:
                 del es.pgen[rid]
@@ -221,7 +217,7 @@ class GroupSim:
         for rid in fin:
             self.gone[rid] = records[rid]
 
-    def _last_tokens(self, b: PipeBatch) -> list:
+    def last_tokens(self, b: PipeBatch) -> list:
         """The members of b whose token at the last stage is their last."""
         req0, gen0 = self.req0, self.gen0
         return [rid for rid in b.rids if req0[rid].max_new_tokens - gen0[rid] < 2]
@@ -478,143 +474,8 @@ class GroupSim:
 
     def apply(self) -> None:
         """Apply the replayed decisions in bulk (after `take`) and hand what is still under
-        way to real events."""
-        cluster = self.cluster
-        metrics = cluster.metrics
-        records = cluster.records
-        model = self.pkey[0]
-        group = self.group
-        for es in group:
-            es.eng.busy = False  # (a suspended replay kept them busy; `hold` below)
-            if es.started is not None:  # a one-stage batch ran: its tokens are back at once
-                s = es.eng.scheduler
-                s.receive_tokens(s.complete(es.started).token_message)
-            for r in es.replicas:
-                if r.fin is not None:  # its step with last tokens runs: formed for real below, not replayed
-                    # (its growth goes; frees of pipeline requests that finished while it ran stay)
-                    es.grows[r.fin[1]:] = [g for g in es.grows[r.fin[1]:] if g[0] is None]
-                    es.busy.pop()
-                    r.times.pop()
-                    r.formed -= 1
-                    es.formed -= 1
-                    es.d -= 1
-        for es in group:
-            eng = es.eng
-            s = eng.scheduler
-            grows = es.grows
-            busy = es.busy
-            g = b = 0  # growth and busy intervals applied so far
-            prompts = es.prompts if es.joiner is None else [es.joiner, *es.prompts]
-            for jn in prompts:
-                adm = jn.adm
-                if adm is not None:  # added as at its arrival; its prompt formed as at its formation
-                    _replay_admit(s, adm)
-                    s.replay_grows(grows[g:adm.mark])
-                    jn.sb = s.replay_form_prefill(adm.key[0], jn.start, adm.d, es.batch_seq + adm.batch_seq)
-                    metrics.decode_steps(eng.id, busy[b:adm.busy_mark])
-                    g, b = adm.mark, adm.busy_mark
-                metrics.batch(eng.id, jn.start, jn.end, True, 1, jn.tokens)  # its prompt, then its first
-                metrics.tokens([jn.rec], jn.end)  # token (as `stage_done` records them)
-                if jn.joined:
-                    s.replay_prefill_done(jn.sb)
-            adm = es.admitted
-            if adm is not None:  # admitted, its prompt still waiting
-                _replay_admit(s, adm)
-            metrics.decode_steps(eng.id, busy[b:] if b else busy)
-            for r in es.replicas:
-                for rids, recs, steps in r.done:
-                    s.replay_finish(r.key[0], rids)
-                    _token_steps(metrics, r, rids, recs, r.times[:steps])
-                if r.formed and r.rids:
-                    late = r.late
-                    cycles = r.formed if late is None else [r.formed - late[rid][1] if rid in late else r.formed
-                                                           for rid in r.rids]
-                    if late is None or any(cycles):
-                        s.replay_first_decode(r.key[0], r.rids, cycles, r.since, False)
-                if r.times and r.rids:
-                    _token_steps(metrics, r, r.rids, r.recs, r.times)
-            if es.j == 0:
-                members = [(rid, kv[3], self.gen0[rid], es.bid_of.get(rid)) for rid, kv in es.pkv.items()]
-                s.replay_pipeline_first(model, members)
-                if es.gone:
-                    s.replay_pipeline_gone(model, 0, es.gone)
-            else:
-                waiting = {rid for b in es.queue if id(b) in es.queued for rid in b.rids}
-                members = [(rid, kv[3], es.pgen[rid]) for rid, kv in es.pkv.items() if rid not in waiting]
-                s.replay_pipeline_later(model, es.j, members, es.served_queued)
-                if es.gone:
-                    s.replay_pipeline_gone(model, es.j, es.gone)
-                for b, d, i in es.arrivals:  # received in the replay, still waiting: received for real
-                    if any(b is q for q in es.queue):
-                        s.replay_receive(self._message(b, es.j), d, es.seq + i - 1)
-            s.replay_grows(grows[g:] if g else grows)
-            s.replay_counters(es.d, es.seq + es.received, es.formed, es.promotions)
-            s.replay_ages(model, es.since, [(r.key[0], r.since) for r in es.replicas])
-            if prompts and not prompts[-1].joined:  # still running at the cut: done when the engine is free
-                s.replay_prefill_done(prompts[-1].sb)
-        metrics.hops += len(self.hops)  # (`metrics.hop` for each)
-        metrics.hop_bytes += sum(self.hops)
-        gone = self.gone
-        record = records.__getitem__ if not gone else lambda rid: gone.get(rid) or records[rid]
-        for b, time in self.tokens:
-            metrics.tokens([record(rid) for rid in b.rids], time)
-        # what is under way at the cut
-        pkey = self.pkey
-        for time, kind, _, j, what in sorted(self.heap):
-            es = group[j]
-            if kind == END and isinstance(what, ReplicaBatch) and what.fin is not None:
-                eng = es.eng  # the step with last tokens, as `schedule` forms it at its start
-                start = what.fin[0]
-                cluster.start_batch(eng, eng.scheduler.replay_form(what.key[0], what.n, start), start, time, what.n, what.n)
-            elif kind == END:
-                cluster.hold(es.eng, what if isinstance(what, tuple) else pkey if isinstance(what, PipeBatch) else what.key,
-                             time)
-                if isinstance(what, PipeBatch):
-                    if j < self.last:
-                        nbytes = CostModel.hidden_bytes(self.arch, what.n)
-                        metrics.hop(nbytes)
-                        cluster.send_batch(group[j + 1].eng, pkey, self._message(what, j + 1),
-                                           time + cluster.interconnect.transfer_time(nbytes))
-                    else:  # (members with their last token finish at its end: `Cluster.replay_done`)
-                        metrics.tokens([records[rid] for rid in what.rids], time)
-                        cluster.send_tokens(group[0].eng, pkey, self._tokens(what), time + self.back)
-                        es.eng.running.finished = self._last_tokens(what)
-            elif kind == ARRIVE:
-                cluster.send_batch(es.eng, pkey, self._message(what, j), time)
-            else:
-                cluster.send_tokens(es.eng, pkey, self._tokens(what), time)
-        for es in self.held:
-            cluster.hold(es.eng, pkey, self.cut)
-        if cluster.check:
-            for es in group:
-                es.eng.scheduler.check()
-
-    def _message(self, b: PipeBatch, stage: int) -> BatchMessage:
-        return BatchMessage(self.pkey[0], stage, b.bid, DECODE, [],
-                            [DecodeEntry(rid, None, p) for rid, p in zip(b.rids, b.pos)], b.formed_at)
-
-    def _tokens(self, b: PipeBatch) -> TokenMessage:
-        fin = self._last_tokens(b)
-        return TokenMessage(self.pkey[0], b.bid, [TokenEntry(rid, None, p + 1, True, "length") if rid in fin else
-                                                  TokenEntry(rid, None, p + 1, False, None) for rid, p in zip(b.rids, b.pos)])
-
-
-def _replay_admit(s, adm: Admitted) -> None:
-    """`EngineScheduler.replay_admit` for a request the replay admitted."""
-    s.replay_admit(adm.rid, adm.key[0], adm.prompt_len, adm.max_new, adm.arrival, adm.since, adm.seq)
-
-
-def _token_steps(metrics, r: ReplicaBatch, rids, recs, times) -> None:
-    """`metrics.token_steps` for members of r over r's step ends `times`, each from its own
-    first step (a member that joined late: `ReplicaBatch.late`)."""
-    late = r.late
-    if late is None:
-        metrics.token_steps(recs, times)
-        return
-    metrics.token_steps([rec for rid, rec in zip(rids, recs) if rid not in late], times)
-    for rid, rec in zip(rids, recs):
-        if rid in late and late[rid][0] < len(times):
-            metrics.token_steps([rec], times[late[rid][0]:])
+        way to real events (joint_cut.py)."""
+        apply_cut(self)
 
 
 def _batch_head(b: PipeBatch) -> float:

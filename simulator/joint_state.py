@@ -9,6 +9,7 @@ running at the start (`Joiner`). `GroupSim.apply` hands them back to the engines
 
 from __future__ import annotations
 
+END, ARRIVE, TOKENS = 10, 20, 30  # the group simulation's local events, in the event loop's order at one instant
 FULL, PREFILL, SMALL = 0, 1, 2  # full-batch-first's classes: full decode batches, prompts, the other decode batches
 
 

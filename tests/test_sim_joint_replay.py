@@ -568,7 +568,7 @@ class _PipeFinishes:
         real_finish, real_done = GroupSim._pipe_finish, Cluster.replay_done
 
         def pipe_finish(sim, b):
-            self.inside += len(sim._last_tokens(b))
+            self.inside += len(sim.last_tokens(b))
             real_finish(sim, b)
 
         def replay_done(cluster, eng, key, t, finished):
