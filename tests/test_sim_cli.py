@@ -74,6 +74,31 @@ def test_missing_and_malformed_trace(cfg, tmp_path, capsys):
     assert code == 2 and "bad.csv:3: malformed row" in err
 
 
+@pytest.mark.parametrize("arrival", ["poisson", "lognormal"])
+def test_workload_flags_reach_the_run(cfg, tmp_path, arrival):
+    out = tmp_path / "out"
+    argv = ["simulate", str(cfg), "--rate", "20", "-o", str(out), "--arrival", arrival, "--cv", "3",
+            "--num-requests", "12", "--prompt-scale", "0.5", "--output-scale", "2", "--zipf-alpha", "0"]
+    assert main(argv) == 0
+    w = json.loads((out / "config.json").read_text())["config"]["workload"]
+    assert (w["arrival"], w["cv"], w["num_requests"], w.get("duration_s")) == (arrival, 3, 12, None)
+    assert (w["prompt_scale"], w["output_scale"], w["zipf_alpha"]) == (0.5, 2, 0)
+
+
+def test_trace_arrival_needs_a_trace(cfg, capsys):
+    code, err = _err(["simulate", str(cfg), "--rate", "1", "--arrival", "trace"], capsys)
+    assert code == 2 and "--arrival trace needs a trace" in err
+
+
+def test_trace_flag_replays_the_trace(cfg, tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n" + "".join(f"{i * 0.1},{7 + i},{3 + i % 4}\n" for i in range(40)))
+    out = tmp_path / "out"
+    assert main(["simulate", str(cfg), "--rate", "10", "-o", str(out), "--trace", str(trace), "--num-requests", "20"]) == 0
+    w = json.loads((out / "config.json").read_text())["config"]["workload"]
+    assert w["arrival"] == "trace" and w["trace"] == str(trace)
+
+
 def test_sweep_needs_valid_rates(cfg, capsys):
     code, err = _err(["simulate", str(cfg), "--sweep", "--rates", "1,0"], capsys)
     assert code == 2 and "rates must be > 0" in err

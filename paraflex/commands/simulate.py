@@ -61,7 +61,9 @@ def _workload(args, config):
             raise UserError(f"--trace {args.trace}: file not found; pass an arrived_at,num_prefill_tokens,num_decode_tokens CSV")
         changes["trace"] = os.path.abspath(args.trace)
         changes["arrival"] = "trace"
-    for flag, field in (("arrival", "arrival"), ("cv", "cv"), ("zipf_alpha", "zipf_alpha"), ("num_requests", "num_requests"),
+    if args.arrival is not None:  # (argparse checked the choice)
+        changes["arrival"] = args.arrival
+    for flag, field in (("cv", "cv"), ("zipf_alpha", "zipf_alpha"), ("num_requests", "num_requests"),
                         ("duration", "duration_s"), ("prompt_scale", "prompt_scale"), ("output_scale", "output_scale")):
         v = getattr(args, flag)
         if v is not None:
