@@ -24,3 +24,6 @@ class ConfigError(UserError):
         self.path = path
         self.reason = reason
         super().__init__(f"{path}: {reason}" if path else reason)
+
+    def __reduce__(self):  # (a sweep's worker process sends it back pickled)
+        return type(self), (self.path, self.reason)

@@ -40,7 +40,13 @@ class WorkloadConfig:
         With `zipf_alpha` the model at list position k (0-based) gets weight 1/(k+1)^alpha;
         the loader already wrote these shares into each `ModelConfig.rate`."""
         if self.zipf_alpha is not None:
-            weights = [1.0 / (rank + 1) ** self.zipf_alpha for rank in range(len(models))]
+            try:
+                weights = [1.0 / (rank + 1) ** self.zipf_alpha for rank in range(len(models))]
+            except OverflowError:
+                weights = [0.0]
+            if weights[-1] == 0.0:
+                raise ConfigError("workload.zipf_alpha", f"{self.zipf_alpha:g} leaves {models[-1].name!r} (and maybe others) "
+                                  "no requests at all (its share underflows to 0); use a smaller exponent")
         else:
             weights = [m.rate for m in models]
         total = sum(weights)

@@ -10,6 +10,7 @@ settings to save next to the results).
 from __future__ import annotations
 
 import gc
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -46,10 +47,12 @@ class SimSettings:
     fast_forward: bool = True
 
     def validate(self) -> "SimSettings":
-        if not self.rate > 0:
-            raise UserError(f"--rate must be > 0 requests/s, got {self.rate:g}")
-        if not self.host_link_gbps > 0:
-            raise UserError(f"--host-link-gbps must be > 0, got {self.host_link_gbps:g}")
+        if not 0 < self.rate < math.inf:
+            raise UserError(f"--rate must be a finite number > 0 requests/s, got {self.rate:g}")
+        if not 0 < self.host_link_gbps < math.inf:
+            raise UserError(f"--host-link-gbps must be a finite number > 0, got {self.host_link_gbps:g}")
+        if self.seed < 0:
+            raise UserError(f"--seed must be >= 0, got {self.seed}")
         return self
 
 

@@ -62,7 +62,7 @@ def test_unknown_system(cfg, capsys):
 @pytest.mark.parametrize("rate", ["0", "-3"])
 def test_bad_rate(cfg, capsys, rate):
     code, err = _err(["simulate", str(cfg), f"--rate={rate}"], capsys)
-    assert code == 2 and "rate must be > 0" in err
+    assert code == 2 and "rate must be a finite number > 0" in err
 
 
 def test_missing_and_malformed_trace(cfg, tmp_path, capsys):
@@ -78,11 +78,59 @@ def test_missing_and_malformed_trace(cfg, tmp_path, capsys):
 def test_workload_flags_reach_the_run(cfg, tmp_path, arrival):
     out = tmp_path / "out"
     argv = ["simulate", str(cfg), "--rate", "20", "-o", str(out), "--arrival", arrival, "--cv", "3",
-            "--num-requests", "12", "--prompt-scale", "0.5", "--output-scale", "2", "--zipf-alpha", "0"]
+            "--num-requests", "12", "--prompt-scale", "0.5", "--output-scale", "2", "--zipf-alpha", "0.5"]
     assert main(argv) == 0
     w = json.loads((out / "config.json").read_text())["config"]["workload"]
     assert (w["arrival"], w["cv"], w["num_requests"], w.get("duration_s")) == (arrival, 3, 12, None)
-    assert (w["prompt_scale"], w["output_scale"], w["zipf_alpha"]) == (0.5, 2, 0)
+    assert (w["prompt_scale"], w["output_scale"], w["zipf_alpha"]) == (0.5, 2, 0.5)
+
+
+def test_zipf_flag_reaches_the_planner(cfg, tmp_path):
+    out = tmp_path / "out"
+    assert main(["simulate", str(cfg), "--rate", "20", "-o", str(out), "--zipf-alpha", "2", "--num-requests", "10"]) == 0
+    rates = json.loads((out / "placement.json").read_text())["params"]["rates"]
+    assert rates["a"] == pytest.approx(4 * rates["b"])  # 1 : 1/2^2, not the config's 1 : 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rate", "inf"], "--rate must be a finite number > 0"),
+    (["--rate", "1", "--seed", "-1"], "--seed must be >= 0"),
+    (["--rate", "1", "--cv", "inf"], "--cv must be a finite number > 0"),
+    (["--rate", "1", "--duration", "inf"], "--duration must be a finite number > 0"),
+    (["--rate", "1", "--zipf-alpha", "-1"], "--zipf-alpha must be a finite number > 0"),
+    (["--rate", "1", "--zipf-alpha", "2000"], "no requests at all"),
+    (["--rate", "1", "--num-requests", "100000000000"], "at most 100,000,000 per run"),
+    (["--sweep", "--rates", "1,inf"], "rates must be finite numbers > 0"),
+])
+def test_bad_workload_values(cfg, capsys, flags, message):
+    code, err = _err(["simulate", str(cfg), *flags], capsys)
+    assert code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_output_path_that_cannot_be_a_directory(cfg, tmp_path, capsys):
+    taken = tmp_path / "afile"
+    taken.write_text("")
+    for out in (taken, taken / "sub"):
+        code, err = _err(["simulate", str(cfg), "--rate", "1", "-o", str(out)], capsys)
+        assert code == 2 and "cannot make the results directory" in err
+    assert not (tmp_path / "sim-results").exists()
+
+
+def test_a_run_that_draws_no_request(cfg, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["simulate", str(cfg), "--rate", "5", "--duration", "1e-6", "-o", str(out)]) == 0
+    assert "drew 0 requests" in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["requests"] == 0
+    assert main(["simulate", str(cfg), "--sweep", "--rates", "5", "--systems", "paraflex", "--duration", "1e-6",
+                 "--jobs", "1", "-o", str(tmp_path / "sweep")]) == 0
+    assert "n/a" in capsys.readouterr().out
+
+
+def test_huge_prompt_scale_clips_to_the_context(cfg, tmp_path):
+    out = tmp_path / "out"
+    assert main(["simulate", str(cfg), "--rate", "5", "--num-requests", "10", "--prompt-scale", "1e30", "-o", str(out)]) == 0
+    models = json.loads((out / "summary.json").read_text())["workload"]["models"]
+    assert sum(m["clipped"] for m in models.values()) == sum(m["requests"] for m in models.values()) > 0
 
 
 def test_trace_arrival_needs_a_trace(cfg, capsys):
@@ -101,7 +149,7 @@ def test_trace_flag_replays_the_trace(cfg, tmp_path):
 
 def test_sweep_needs_valid_rates(cfg, capsys):
     code, err = _err(["simulate", str(cfg), "--sweep", "--rates", "1,0"], capsys)
-    assert code == 2 and "rates must be > 0" in err
+    assert code == 2 and "rates must be finite numbers > 0" in err
 
 
 def test_sweep_writes_curves(cfg, tmp_path, capsys):

@@ -119,3 +119,23 @@ def test_bench_report_only_reads_logged_points(tmp_path, capsys):
     assert "| sarathi | 6.0 | 0.50 | 8 |" in out  # 16 is over the bound: peak falls back to 8
     args.out = str(tmp_path / "nothing")
     assert bench.report_only(args) == 2
+
+
+def test_a_config_error_in_a_worker_is_a_one_line_error(tmp_path, capsys):
+    """A config the workers reject (here: no KV block fits) ends the sweep with the worker's
+    error (it crosses the process boundary pickled), not a broken process pool."""
+    import pickle
+
+    from paraflex.cli import main
+    from paraflex.errors import ConfigError
+
+    err = pickle.loads(pickle.dumps(ConfigError("scheduler.block_bytes", "too large")))
+    assert (type(err), err.path, err.reason, str(err)) == (ConfigError, "scheduler.block_bytes", "too large",
+                                                          "scheduler.block_bytes: too large")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("cluster: {num_engines: 2, memory_gb: 1}\nmodels: [{name: a, arch: tiny-2l}]\n"
+                   "scheduler: {block_bytes: 2147483648}\n")
+    assert main(["simulate", str(cfg), "--sweep", "--rates", "5,10", "--systems", "paraflex", "--jobs", "2",
+                 "-o", str(tmp_path / "s")]) == 2
+    out = capsys.readouterr().err.strip().splitlines()
+    assert len(out) == 1 and "kv_blocks" in out[0], out

@@ -11,6 +11,7 @@ error with exit status 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from paraflex.errors import UserError
@@ -67,14 +68,17 @@ def _workload(args, config):
                         ("duration", "duration_s"), ("prompt_scale", "prompt_scale"), ("output_scale", "output_scale")):
         v = getattr(args, flag)
         if v is not None:
-            if flag != "zipf_alpha" and not v > 0:
-                raise UserError(f"--{flag.replace('_', '-')} must be > 0, got {v:g}")
+            if not 0 < v < math.inf:
+                raise UserError(f"--{flag.replace('_', '-')} must be a finite number > 0, got {v:g}")
             changes[field] = v
     if "num_requests" in changes:
         changes["duration_s"] = None  # the flag sets the window; the config's duration yields
     elif "duration_s" in changes:
         changes["num_requests"] = None
     w = dataclasses.replace(w, **changes)
+    if "zipf_alpha" in changes:  # the planner reads the models' rates: the loader's Zipf shares, redone
+        for m, share in zip(config.models, w.model_shares(config.models)):
+            m.rate = share
     if w.arrival == "trace" and not w.trace:
         raise UserError("--arrival trace needs a trace: pass --trace FILE or set workload.trace")
     if w.trace:
@@ -89,9 +93,9 @@ def _floats(text: str, flag: str) -> list[float]:
         raise UserError(f"{flag} {text!r}: expected comma-separated numbers, e.g. 1,2,4") from None
     if not vals:
         raise UserError(f"{flag}: give at least one value")
-    bad = [v for v in vals if not v > 0]
+    bad = [v for v in vals if not 0 < v < math.inf]
     if bad:
-        raise UserError(f"{flag}: rates must be > 0 requests/s, got {bad[0]:g}")
+        raise UserError(f"{flag}: rates must be finite numbers > 0 requests/s, got {bad[0]:g}")
     return vals
 
 
@@ -116,12 +120,12 @@ def run(args) -> int:
         systems = [s.strip() for s in args.systems.split(",")] if args.systems else list(SYSTEMS_ORDER)
         for s in systems:
             SYSTEMS.get(s.split("+")[0], "--systems")
-        out = args.output or os.path.join("sim-results", "sweep")
+        out = _output_dir(args.output or os.path.join("sim-results", "sweep"))
         results = run_sweep(config, systems, rates, base, out, jobs=max(1, args.jobs), replicates=args.seeds)
         print(f"{'system':<10} {'rate':>6} {'seed':>6} {'tput req/s':>10} {'E2E med s':>10} {'E2E P99 s':>10} {'SLO att.':>8}")
         for r in results:
-            print(f"{r['system']:<10} {r['rate']:>6g} {r['seed']:>6} {r['throughput_rps']:>10.3f} {r['e2e_median_s']:>10.3f} "
-                  f"{r['e2e_p99_s']:>10.3f} {r['slo_attainment']:>8.3f}")
+            print(f"{r['system']:<10} {r['rate']:>6g} {r['seed']:>6} {_num(r['throughput_rps'], 10)} {_num(r['e2e_median_s'], 10)} "
+                  f"{_num(r['e2e_p99_s'], 10)} {_num(r['slo_attainment'], 8)}")
         print(f"results: {out}/ (sweep.csv, sweep.json, latency_vs_throughput.png, per_model.png)")
         return 0
     rate = args.rate if args.rate is not None else config.workload.rate
@@ -134,15 +138,35 @@ def run(args) -> int:
 SYSTEMS_ORDER = ("paraflex", "ray-serve", "sarathi", "alpaserve", "vllm-tp")
 
 
+def _output_dir(path: str) -> str:
+    """The results directory, made now: a path that cannot be one fails before the run."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"-o {path}: cannot make the results directory ({exc.strerror or exc}); "
+                        "pass a directory path you can write") from None
+    return path
+
+
+def _num(v, width: int) -> str:
+    """A sweep table cell: n/a where a point finished no request."""
+    return f"{v:>{width}.3f}" if v is not None else f"{'n/a':>{width}}"
+
+
 def _run_one(config, settings, output) -> int:
     from paraflex.simulator.output import write_run
     from paraflex.simulator.runner import simulate
 
     settings.validate()
+    out = _output_dir(output or os.path.join("sim-results", f"{settings.system}-r{settings.rate:g}"))
     result = simulate(config, settings)
-    out = output or os.path.join("sim-results", f"{settings.system}-r{settings.rate:g}")
     write_run(out, result)
     s = result.summary
+    if not s["finished"]:
+        print(f"{s['system']}: the workload drew {s['requests']} requests (rate x window too small, or a very bursty CV): "
+              f"nothing to measure; raise --num-requests / --duration")
+        print(f"results: {out}/")
+        return 0
     print(f"{s['system']}: {s['finished']}/{s['requests']} requests, {s['engines']} engines x {result.layout.gpus_per_engine} GPUs, "
           f"simulated {s['simulated_s']:.1f} s in {s['wall_s']:.1f} s wall ({s['events']} events)")
     print(f"  throughput {s['throughput_rps']:.3f} req/s, {s['throughput_tok_s']:.1f} tok/s; goodput {s['goodput_rps']:.3f} req/s; "

@@ -40,6 +40,9 @@ class SimRequest:
     output_len: int
 
 
+MAX_REQUESTS = 100_000_000  # per run: beyond it the arrays alone pass the memory of a large host
+
+
 def horizon_s(workload, total_rate: float) -> float:
     """Arrival window: `duration_s` when set, else `num_requests` (default 2000) / rate."""
     if getattr(workload, "duration_s", None):
@@ -58,6 +61,10 @@ def generate(models: list[WorkloadModel], workload, total_rate: float, seed: int
     if workload.arrival == "trace" and trace is None:
         raise UserError("workload.arrival is trace but no trace CSV is given; set workload.trace or pass --trace")
     horizon = horizon_s(workload, total_rate)
+    expected = total_rate * horizon
+    if not expected <= MAX_REQUESTS:  # (inf and nan too)
+        raise UserError(f"the workload would draw ~{expected:.3g} requests (rate {total_rate:g} req/s x {horizon:g} s); "
+                        f"at most {MAX_REQUESTS:,} per run: lower duration_s / num_requests or the rate")
     arrive = ARRIVAL_PROCESSES.get(workload.arrival, "workload.arrival")
     lengths = LENGTH_SOURCES.get("trace" if trace is not None else "builtin")
     rows: list[tuple[float, int, int, int]] = []

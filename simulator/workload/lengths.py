@@ -42,7 +42,7 @@ def from_trace(rng: np.random.Generator, n: int, rows: np.ndarray | None, trace:
 def scale(lengths: np.ndarray, factor: float) -> np.ndarray:
     if factor == 1.0:
         return lengths
-    return np.maximum(1, np.rint(lengths * factor)).astype(np.int64)
+    return np.clip(np.rint(lengths * factor), 1, 2**31 - 1).astype(np.int64)  # (clip_to_context cuts to the context)
 
 
 def clip_to_context(prompt: np.ndarray, output: np.ndarray, max_context: int):
