@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 
@@ -205,14 +206,36 @@ def arch_from_hf_config(dir_or_config_json: str, name: str | None = None) -> Mod
             cfg = json.load(fh)
     except FileNotFoundError:
         raise UserError(f"no HF config at {path}: point `hf:` at a model directory holding config.json") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: bad JSON or not UTF-8 text
         raise UserError(f"cannot read HF config {path}: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"HF config {path} holds a JSON {type(cfg).__name__}, not an object of model settings; "
+                        "point `hf:` at a model's config.json")
     if name is None:
         name = os.path.basename(os.path.dirname(os.path.abspath(path))).lower()
     try:
         return _arch_from_hf_dict(cfg, name)
     except KeyError as exc:
         raise UserError(f"HF config {path} lacks key {exc.args[0]!r}; is it a decoder-only LLM config?") from None
+    except ValueError as exc:
+        raise UserError(f"HF config {path}: {exc}; fix that key in config.json") from None
+
+
+def _hf_num(cfg: dict, key: str, default=None, cast=int):
+    """`cfg[key]` (`default` when absent or null) as a positive finite `cast` number; KeyError
+    when a required key is absent, ValueError naming the key when the value is not such a number."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise KeyError(key)
+        value = default
+    try:
+        num = cast(value)
+    except (TypeError, ValueError, OverflowError):
+        num = None
+    if num is None or isinstance(value, bool) or not 0 < num < math.inf:
+        raise ValueError(f"{key!r} is {value!r}, not a positive number")
+    return num
 
 
 def _arch_from_hf_dict(cfg: dict, name: str) -> ModelArch:
@@ -223,21 +246,21 @@ def _arch_from_hf_dict(cfg: dict, name: str) -> ModelArch:
         cfg.setdefault("rope_theta", rope_params.get("rope_theta", 10000.0))
         if rope_params.get("rope_type", "default") != "default":
             cfg.setdefault("rope_scaling", {k: v for k, v in rope_params.items() if k != "rope_theta"})
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
+    heads = _hf_num(cfg, "num_attention_heads")
+    hidden = _hf_num(cfg, "hidden_size")
     kw: dict = {}
     if model_type == "qwen":  # Qwen v1: intermediate_size is twice the per-projection width
-        ffn = int(cfg["intermediate_size"]) // 2
+        ffn = _hf_num(cfg, "intermediate_size") // 2
         kv_heads = heads
-        ctx = int(cfg.get("seq_length", cfg.get("max_position_embeddings", 2048)))
-        kw.update(qkv_bias=True, rope_theta=float(cfg.get("rotary_emb_base", 10000.0)),
-                  rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-6)))
+        ctx = _hf_num(cfg, "seq_length" if "seq_length" in cfg else "max_position_embeddings", 2048)
+        kw.update(qkv_bias=True, rope_theta=_hf_num(cfg, "rotary_emb_base", 10000.0, float),
+                  rms_norm_eps=_hf_num(cfg, "layer_norm_epsilon", 1e-6, float))
     else:
-        ffn = int(cfg["intermediate_size"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        ctx = int(cfg.get("max_position_embeddings", 4096))
-        kw.update(rope_theta=float(cfg.get("rope_theta", 10000.0)),
-                  rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-5))))
+        ffn = _hf_num(cfg, "intermediate_size")
+        kv_heads = _hf_num(cfg, "num_key_value_heads", heads)
+        ctx = _hf_num(cfg, "max_position_embeddings", 4096)
+        kw.update(rope_theta=_hf_num(cfg, "rope_theta", 10000.0, float),
+                  rms_norm_eps=_hf_num(cfg, "rms_norm_eps" if "rms_norm_eps" in cfg else "layer_norm_eps", 1e-5, float))
         if model_type == "phi":
             kw.update(gated_mlp=False, linear_bias=True, qkv_bias=True, parallel_block=True)
         elif model_type == "qwen2" or cfg.get("attention_bias") or cfg.get("bias"):
@@ -245,13 +268,13 @@ def _arch_from_hf_dict(cfg: dict, name: str) -> ModelArch:
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").lower()
     return ModelArch(
         name=name,
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=_hf_num(cfg, "num_hidden_layers"),
         hidden_size=hidden,
         intermediate_size=ffn,
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        vocab_size=int(cfg["vocab_size"]),
+        head_dim=_hf_num(cfg, "head_dim", hidden // heads),
+        vocab_size=_hf_num(cfg, "vocab_size"),
         max_context=ctx,
         dtype_bytes=_DTYPE_BYTES.get(dtype, 2),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -19,7 +19,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 
 from paraflex import catalog
 from paraflex.catalog import ModelArch
@@ -32,6 +32,11 @@ POLICIES = ("full-batch-first", "prefill-first", "sarathi")
 _DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _MS_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?:ms)?$")
 _STAGE_TIME_RE = re.compile(r"^(x|/)\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)$", re.IGNORECASE)
+# ModelArch fields by type, for an inline `arch:` mapping and the checks of every model.
+_ARCH_INTS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+              "vocab_size", "max_context", "dtype_bytes")
+_ARCH_FLOATS = ("rope_theta", "rms_norm_eps")
+_ARCH_FLAGS = ("tie_embeddings", "qkv_bias", "gated_mlp", "linear_bias", "parallel_block")
 
 
 # ---------------------------------------------------------------------------------------
@@ -196,6 +201,8 @@ def load_config(path: str) -> Config:
             text = fh.read()
     except OSError as exc:
         raise UserError(f"cannot read config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"config {path} is not UTF-8 text; give a YAML or JSON config file") from None
     if ext == ".json":
         try:
             data = json.loads(text)
@@ -245,8 +252,9 @@ def _parse_cluster(raw, base_dir: str) -> ClusterConfig:
     from paraflex.devices import get_device
 
     s = Section(raw, "cluster", tuple(ClusterConfig.__dataclass_fields__))
+    device_name = s.str("device", "cpu")
     try:
-        spec = get_device(s.str("device", "cpu"))
+        spec = get_device(device_name)
     except UserError as exc:
         raise ConfigError("cluster.device", str(exc)) from None
     device = spec.name
@@ -335,14 +343,22 @@ def _resolve_arch(s: Section, kind: str, base_dir: str):
 
 
 def _arch_from_mapping(d: dict, path: str) -> ModelArch:
+    """An inline `arch:` mapping, each field read with its type: name a string, sizes positive
+    integers, rope_theta/rms_norm_eps numbers > 0, flags booleans, rope_scaling a mapping."""
     fields = ModelArch.__dataclass_fields__
-    unknown = [k for k in d if k not in fields]
-    if unknown:
-        raise ConfigError(f"{path}.{unknown[0]}", f"unknown architecture key; allowed: {', '.join(fields)}")
-    try:
-        return ModelArch(**d)
-    except TypeError as exc:
-        raise ConfigError(path, f"incomplete architecture mapping: {exc}") from None
+    s = Section(d, path, tuple(fields))
+    kw = {"name": s.str("name", required=True)}
+    for key in _ARCH_INTS:
+        default = fields[key].default
+        kw[key] = s.int(key, None if default is MISSING else default, required=default is MISSING, minimum=1)
+    kw.update({key: s.num(key, fields[key].default, positive=True) for key in _ARCH_FLOATS})
+    kw.update({key: s.bool(key, fields[key].default) for key in _ARCH_FLAGS})
+    if kw["dtype_bytes"] not in (1, 2, 4):
+        raise ConfigError(s.at("dtype_bytes"), f"must be 1, 2 or 4 bytes per parameter (float8, 16-bit, float32), got {kw['dtype_bytes']}")
+    rope_scaling = d.get("rope_scaling")
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise ConfigError(s.at("rope_scaling"), f"expected a mapping (as in HF config.json) or nothing, got {value_kind(rope_scaling)}")
+    return ModelArch(**kw, rope_scaling=rope_scaling)
 
 
 def _check_models(models: list[ModelConfig], cluster: ClusterConfig) -> None:
@@ -354,7 +370,7 @@ def _check_models(models: list[ModelConfig], cluster: ClusterConfig) -> None:
             raise ConfigError(f"{path}.name", f"duplicate name {m.name!r} (also models[{seen[m.name]}]); give each instance its own name")
         seen[m.name] = i
         a = m.arch
-        for attr in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_context", "dtype_bytes"):
+        for attr in _ARCH_INTS:
             if not isinstance(getattr(a, attr), int) or getattr(a, attr) <= 0:
                 raise ConfigError(f"{path}.arch.{attr}", f"must be a positive integer, got {getattr(a, attr)!r}")
         if a.num_heads % a.num_kv_heads:

@@ -1,14 +1,16 @@
 """Request traces: `arrived_at,num_prefill_tokens,num_decode_tokens` CSVs (Vidur/Splitwise).
 
-Loaded once per path and validated row by row (a malformed row is a `UserError` naming the
-file, line and fix). arrivals.py replays a trace per model from a random offset, time-scaled
-to the model's rate; lengths.py can draw token counts from it.
+Loaded once per path (UTF-8, a leading BOM allowed) and validated row by row (a malformed row
+is a `UserError` naming the file, line and fix). arrivals.py replays a trace per model from a
+random offset, time-scaled to the model's rate; lengths.py can draw token counts from it.
 """
 
 from __future__ import annotations
 
 import csv
 import functools
+import io
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +18,7 @@ import numpy as np
 from paraflex.errors import UserError
 
 COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
+MAX_TOKENS = 2**31 - 1  # a token count must fit int32; a larger one is a unit mistake
 
 
 @dataclass(frozen=True)
@@ -44,34 +47,39 @@ class Trace:
 @functools.lru_cache(maxsize=8)
 def load_trace(path: str) -> Trace:
     try:
-        fh = open(path, newline="")
+        with open(path, encoding="utf-8-sig", newline="") as fh:
+            text = fh.read()
     except OSError as exc:
         raise UserError(f"trace {path!r}: cannot open ({exc.strerror}); pass an existing CSV") from None
-    with fh:
-        reader = csv.reader(fh)
-        header = next(reader, None)
-        if header is None:
-            raise UserError(f"trace {path!r}: empty file; expected a header {','.join(COLUMNS)}")
-        header = [h.strip() for h in header]
-        missing = [c for c in COLUMNS if c not in header]
-        if missing:
-            raise UserError(f"trace {path!r}: header lacks {', '.join(missing)}; expected columns {','.join(COLUMNS)}")
-        idx = [header.index(c) for c in COLUMNS]
-        t, p, o = [], [], []
-        for line, row in enumerate(reader, start=2):
-            if not row or all(not c.strip() for c in row):
-                continue
-            try:
-                at, pre, dec = (float(row[i]) for i in idx)
-            except (ValueError, IndexError):
-                raise UserError(f"trace {path}:{line}: malformed row {','.join(row)!r}; expected numbers for {','.join(COLUMNS)}") from None
-            if not (at >= 0 and pre >= 1 and dec >= 1) or pre != int(pre) or dec != int(dec):
-                raise UserError(f"trace {path}:{line}: bad values {','.join(row)!r}; need arrived_at >= 0 and integer token counts >= 1")
-            if t and at < t[-1]:
-                raise UserError(f"trace {path}:{line}: arrived_at {at} is earlier than the row before; sort the trace by arrived_at")
-            t.append(at)
-            p.append(int(pre))
-            o.append(int(dec))
+    except UnicodeDecodeError:
+        raise UserError(f"trace {path!r}: not a UTF-8 text CSV; pass a CSV with columns {','.join(COLUMNS)}") from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header = next(reader, None)
+    if header is None:
+        raise UserError(f"trace {path!r}: empty file; expected a header {','.join(COLUMNS)}")
+    header = [h.strip() for h in header]
+    missing = [c for c in COLUMNS if c not in header]
+    if missing:
+        raise UserError(f"trace {path!r}: header lacks {', '.join(missing)}; expected columns {','.join(COLUMNS)}")
+    idx = [header.index(c) for c in COLUMNS]
+    t, p, o = [], [], []
+    for line, row in enumerate(reader, start=2):
+        if not row or all(not c.strip() for c in row):
+            continue
+        try:
+            at, pre, dec = (float(row[i]) for i in idx)
+        except (ValueError, IndexError):
+            raise UserError(f"trace {path}:{line}: malformed row {','.join(row)!r}; expected numbers for {','.join(COLUMNS)}") from None
+        if not (math.isfinite(at) and at >= 0 and 1 <= pre <= MAX_TOKENS and 1 <= dec <= MAX_TOKENS) or pre != int(pre) or dec != int(dec):
+            raise UserError(
+                f"trace {path}:{line}: bad values {','.join(row)!r}; need a finite arrived_at >= 0 "
+                f"and integer token counts >= 1 (at most {MAX_TOKENS})"
+            )
+        if t and at < t[-1]:
+            raise UserError(f"trace {path}:{line}: arrived_at {at} is earlier than the row before; sort the trace by arrived_at")
+        t.append(at)
+        p.append(int(pre))
+        o.append(int(dec))
     if not t:
         raise UserError(f"trace {path!r}: no rows; expected at least one request")
     return Trace(path, np.asarray(t, dtype=float), np.asarray(p, dtype=np.int64), np.asarray(o, dtype=np.int64))
