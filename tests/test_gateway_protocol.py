@@ -43,6 +43,13 @@ def test_out_of_range_values_name_their_field(field, value):
     assert err.status == 400 and err.param == field and err.message.startswith(f"{field}:")
 
 
+@pytest.mark.parametrize("field, value", [("temperature", "0"), ("max_tokens", "16"), ("top_p", True), ("n", "1")])
+def test_numbers_given_as_strings_or_booleans_are_rejected(field, value):
+    """(hypothesis found "0" read as temperature 0.0: pydantic's lax mode; OpenAI rejects it)"""
+    err = error_of(CompletionRequest, {"model": "m", "prompt": "p", field: value})
+    assert err.status == 400 and err.param == field and "must be a number" in err.message
+
+
 def test_nested_fields_are_named_like_openai():
     err = error_of(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "a"},
                                                                       {"role": "robot", "content": "b"}]})

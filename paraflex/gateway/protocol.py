@@ -52,6 +52,15 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    @field_validator("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "presence_penalty", "frequency_penalty",
+                     mode="before")
+    @classmethod
+    def _a_number(cls, v):
+        """Numbers only, as OpenAI checks them (pydantic would read "0" or true as 0 and 1)."""
+        if isinstance(v, (str, bool)):
+            raise ValueError(f"must be a number, got {type(v).__name__} {v!r}")
+        return v
+
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
