@@ -20,8 +20,10 @@ an engine's KV pool at run time may use all of `engine_memory_bytes - weight_byt
 as a fraction of one engine's memory (`params["engine_memory_bytes"]`).
 
 `Placement.load` checks the structure (every layer of every replica placed exactly once, engine
-ids in range, engines' resident stages matching the models' replicas); constraints that need the
-config (memory, kappa) are checked by `paraflex.planner.validate`.
+ids in range, engines' resident stages matching the models' replicas); `check_models` checks
+that a loaded plan serves exactly a config's models with all their layers (what `paraflex serve`
+needs before it loads weights); the other constraints that need the config (memory, kappa) are
+checked by `paraflex.planner.validate`.
 """
 
 from __future__ import annotations
@@ -189,11 +191,30 @@ class Placement:
             d = json.loads(p.read_text())
         except FileNotFoundError:
             raise UserError(f"{p}: placement file not found (write one with `paraflex plan CONFIG -o {p}`)") from None
+        except IsADirectoryError:
+            raise UserError(f"{p} is a directory; pass a placement JSON file") from None
         except json.JSONDecodeError as exc:
             raise UserError(f"{p}: not valid JSON: {exc}") from None
         return cls.from_dict(d, source=str(p), check=check)
 
     # ---- structure -----------------------------------------------------------------------
+
+    def check_models(self, config, source: str = "placement") -> None:
+        """Raise a UserError unless this plan places exactly the config's models, each cut into
+        contiguous stages covering the layers [0, num_layers) of the model's architecture in
+        the config (a plan made for another config would serve a model with the wrong layers)."""
+        fix = f"re-run `paraflex plan {config.source} -o {source}` for this config"
+        placed, configured = sorted(self.models), sorted(m.name for m in config.models)
+        if placed != configured:
+            raise UserError(f"{source}: places models {', '.join(placed)} but {config.source} has "
+                            f"{', '.join(configured)}; {fix}")
+        for mc in config.models:
+            stages = self.models[mc.name].stages
+            if not _covers(stages, mc.arch.num_layers):
+                covered = ", ".join(f"{a}-{b - 1}" for a, b in stages) or "none"
+                raise UserError(f"{source}: model {mc.name}: stages cover layers {covered} but its "
+                                f"architecture {mc.arch.name} in {config.source} has {mc.arch.num_layers} "
+                                f"layers (0-{mc.arch.num_layers - 1}); {fix}")
 
     def structural_problems(self) -> list[str]:
         """Violations of the file's own invariants, one readable line each (empty when sound)."""
@@ -237,6 +258,16 @@ class Placement:
                 if model not in self.models:
                     out.append(f"engine {k}: kv_bytes names unknown model {model!r}")
         return out
+
+
+def _covers(stages: list[tuple[int, int]], num_layers: int) -> bool:
+    """True when the stages are non-empty, contiguous and cover exactly layers [0, num_layers)."""
+    pos = 0
+    for a, b in stages:
+        if a != pos or b <= a:
+            return False
+        pos = b
+    return bool(stages) and pos == num_layers
 
 
 def _ref_key(ref: StageRef):

@@ -7,6 +7,7 @@ constraint violation of an existing placement and exits 2 if there is any.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -45,6 +46,8 @@ def run(args) -> int:
         return _validate(args.validate, config)
     if args.time_limit is not None and args.time_limit <= 0:
         raise UserError("--time-limit must be > 0 seconds")
+    _check_output("-o", args.output, "placement.json")
+    png_path = _png_output(args.png) if args.png is not None else None
     if args.solver == "milp" and config.cluster.num_engines > _MILP_ENGINES:
         print(f"warning: milp proves optimality up to about {_MILP_ENGINES} engines; this cluster has "
               f"{config.cluster.num_engines}, so expect the {args.time_limit:g} s time limit "
@@ -56,14 +59,51 @@ def run(args) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     for problem in violations(placement, config):
         print(f"warning: {args.solver} layout: {problem}", file=sys.stderr)
-    placement.save(args.output)
-    if args.png:
-        png(placement, args.png)
+    _write("-o", args.output, placement.save)
+    if png_path:
+        _write("--png", png_path, lambda path: png(placement, path))
     if not args.quiet:
         print(table(placement))
-        print(f"wrote {args.output}" + (f" and {args.png}" if args.png else "")
+        print(f"wrote {args.output}" + (f" and {png_path}" if png_path else "")
               + f" in {time.monotonic() - started:.2f} s")
     return 0
+
+
+def _check_output(flag: str, path: str, example: str) -> None:
+    """Raise a UserError naming `flag` unless `path` names a file that can be created or replaced
+    in an existing directory (checked before planning, so a typo costs no solver time)."""
+    if not path:
+        raise UserError(f"{flag}: empty file name; pass a file, e.g. {flag} {example}")
+    if os.path.isdir(path):
+        raise UserError(f"{flag}: {path} is a directory; pass a file name, e.g. {flag} {os.path.join(path, example)}")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        problem = "is not a directory" if os.path.exists(folder) else "does not exist"
+        raise UserError(f"{flag}: {folder} {problem}; pass a file in an existing directory, e.g. {flag} {example}")
+
+
+def _png_output(path: str) -> str:
+    """The file `--png PATH` draws to: PATH, or PATH.png when PATH has no suffix (as matplotlib
+    would name it); a UserError when PATH cannot be written or is not in a format matplotlib draws."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if path and not os.path.splitext(path)[1]:
+        path += ".png"
+    _check_output("--png", path, "placement.png")
+    fmt = os.path.splitext(path)[1][1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if fmt not in formats:
+        raise UserError(f"--png: {path}: matplotlib cannot draw .{fmt} files; end the name in .png "
+                        f"(or another of its formats: {', '.join(sorted(formats))})")
+    return path
+
+
+def _write(flag: str, path: str, save) -> None:
+    """`save(path)`, an OSError (no permission, disk full, ...) as a UserError naming `flag`."""
+    try:
+        save(path)
+    except OSError as exc:
+        raise UserError(f"{flag}: cannot write {path} ({exc.strerror or exc}); pass another file") from None
 
 
 def _validate(path: str, config) -> int:

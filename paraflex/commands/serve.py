@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 
 from paraflex.errors import UserError
@@ -55,13 +56,27 @@ def load_placement(config, path: str | None):
     from paraflex.placement import Placement
 
     if path is not None:
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise UserError(f"--placement: {path} does not exist; create it with `paraflex plan CONFIG -o {path}`")
-        return Placement.load(path)
+        placement = Placement.load(path)
+        placement.check_models(config, source=path)  # before any engine loads the wrong layers
+        return placement
     from paraflex.planner import plan
 
     print(f"planning {len(config.models)} models on {config.cluster.num_engines} engines ...", flush=True)
     return plan(config)
+
+
+def check_host(host: str, port: int) -> None:
+    """Raise a UserError naming --host when no socket can listen on `host` at all (an address
+    of no interface here, or no address); a taken --port is `bind`'s to report."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, 0))
+        except OSError as exc:
+            raise UserError(f"--host: cannot listen on {host}:{port} ({exc.strerror}); "
+                            "pick another --host or --port") from None
 
 
 def start_backend(config, placement, args):
@@ -90,6 +105,7 @@ def run(args) -> int:
         raise UserError("--max-outstanding: must be at least 1")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port: {args.port} is not a TCP port (0-65535)")
+    check_host(args.host, args.port)
     config_path = args.config or default_config_path()
     config = load_config(config_path)
     placement = load_placement(config, args.placement)
