@@ -1,4 +1,4 @@
-"""`paraflex serve` refuses, before any engine starts, a --placement that is a directory or
+"""`paraflex serve` (and `generate`) refuse, before any engine starts, a --placement that is a directory or
 was planned for another config (models or layer counts differ), and an unbindable --host."""
 
 import pytest
@@ -64,3 +64,9 @@ def test_unbindable_host_names_host_and_port(tmp_path, placement, capsys):
     err = _error(capsys)
     assert "--host: cannot listen on 192.0.2.1:8123 (" in err
     assert err.endswith("pick another --host or --port")
+
+
+def test_generate_checks_its_placement_too(tmp_path, placement, capsys):
+    cfg = _config(tmp_path, tiny_4l="tiny-8l")
+    assert main(["generate", cfg, "--model", "tiny-2l", "--prompt", "hi", "--placement", placement]) == 2
+    assert "model tiny-4l: stages cover layers 0-0, 1-3" in capsys.readouterr().err
