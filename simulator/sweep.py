@@ -122,7 +122,7 @@ def run_sweep(config, systems: list[str], rates: list[float], base: SimSettings,
 
     try:
         if jobs > 1:
-            with ProcessPoolExecutor(max_workers=jobs) as pool:
+            with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
                 futures = {pool.submit(_point, tasks[j]): j for j in order}
                 for fut in as_completed(futures):
                     record(futures[fut], fut.result())

@@ -1,5 +1,6 @@
-"""`paraflex serve` (and `generate`) refuse, before any engine starts, a --placement that is a directory or
-was planned for another config (models or layer counts differ), and an unbindable --host."""
+"""`paraflex serve` (and `generate`) refuse, before any engine starts, a --placement that is a
+directory or was planned for another config (models or layer counts differ), and an
+unbindable --host."""
 
 import pytest
 import yaml

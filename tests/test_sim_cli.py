@@ -107,6 +107,17 @@ def test_bad_workload_values(cfg, capsys, flags, message):
     assert code == 2 and message in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--rate", "1", "--rates", "1,2"], "--rates applies to --sweep only"),
+    (["--rate", "1", "--systems", "paraflex"], "--systems applies to --sweep only"),
+    (["--rate", "1", "--seeds", "3"], "--seeds applies to --sweep only"),
+    (["--sweep", "--rates", "1", "--systems", ""], "--systems: give at least one system"),
+])
+def test_sweep_flags_belong_to_the_sweep(cfg, capsys, flags, message):
+    code, err = _err(["simulate", str(cfg), *flags], capsys)
+    assert code == 2 and message in err and len(err.splitlines()) == 1
+
+
 def test_output_path_that_cannot_be_a_directory(cfg, tmp_path, capsys):
     taken = tmp_path / "afile"
     taken.write_text("")

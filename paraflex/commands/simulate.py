@@ -117,7 +117,9 @@ def run(args) -> int:
         if not args.rates:
             raise UserError("--sweep needs --rates, e.g. --rates 1,2,4,8")
         rates = _floats(args.rates, "--rates")
-        systems = [s.strip() for s in args.systems.split(",")] if args.systems else list(SYSTEMS_ORDER)
+        systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems is not None else list(SYSTEMS_ORDER)
+        if not systems:
+            raise UserError("--systems: give at least one system, e.g. --systems paraflex,ray-serve (or leave it out: all five)")
         for s in systems:
             SYSTEMS.get(s.split("+")[0], "--systems")
         out = _output_dir(args.output or os.path.join("sim-results", "sweep"))
@@ -128,6 +130,10 @@ def run(args) -> int:
                   f"{_num(r['e2e_p99_s'], 10)} {_num(r['slo_attainment'], 8)}")
         print(f"results: {out}/ (sweep.csv, sweep.json, latency_vs_throughput.png, per_model.png)")
         return 0
+    sweep_only = [f for f, given in (("--rates", args.rates is not None), ("--systems", args.systems is not None),
+                                     ("--seeds", args.seeds != 1)) if given]
+    if sweep_only:
+        raise UserError(f"{sweep_only[0]} applies to --sweep only; add --sweep (one run takes --system and --rate)")
     rate = args.rate if args.rate is not None else config.workload.rate
     if rate is None:
         raise UserError("give --rate R (total requests/s) or set workload.rate in the config")
