@@ -20,8 +20,9 @@ Readings of the pseudo-code's gaps (docs/plan.md):
   computes all starts of a replica at once, the engines outside its window via a sliding
   minimum over the doubled engine ring.
 * Each iteration re-places every replica from scratch, as the paper does; since the order is
-  fixed and ties are deterministic, the state before the replicated model is reused instead of
-  recomputed (same result, less work).
+  fixed and ties are deterministic, the state before the replicated model, and after its own
+  earlier replicas, is reused instead of recomputed (same result, less work: one new replica
+  per iteration instead of all of that model's).
 
 Additions beyond the pseudo-code (measured by bench/planner_quality.py, docs/plan.md):
 * fail fast when the weights plus kappa on every stage exceed the cluster's memory;
@@ -130,8 +131,7 @@ class _Placer:
     def taken(self, starts: list[int], num_stages: int) -> np.ndarray:
         """Engines already holding one of these replicas of a model (constraint 4)."""
         taken = np.zeros(self.n, dtype=bool)
-        for p in starts:
-            taken[self.windows(num_stages)[p]] = True
+        taken[self.windows(num_stages)[starts]] = True  # (every engine of every listed replica)
         return taken
 
     def _single_moves(self, cap, cnt, placed, weights) -> bool:
@@ -231,22 +231,24 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
     replicas = [1] * len(models)
     last = None  # (cap, cnt, starts per model, iteration) of the last feasible step
     floor = max(float(problem.kappa_bytes), 0.0)
-    resume = 0
+    resume = 0  # the first model of `order` this iteration places (the replicated one)
+    kept = 0  # snapshots kept: those before it, and its own when its earlier replicas stand
     iteration = 0
     while True:
         iteration += 1
-        del snapshots[resume:]
-        if resume:
-            cap, cnt = snapshots[resume - 1][0].copy(), snapshots[resume - 1][1].copy()
+        del snapshots[kept:]
+        if kept:
+            cap, cnt = snapshots[kept - 1][0].copy(), snapshots[kept - 1][1].copy()
         else:
             cap, cnt = np.full(n, float(problem.memory_bytes)), np.zeros(n, dtype=np.int64)
-        placed = {order[q]: list(snapshots[q][2]) for q in range(resume)}
+        placed = {order[q]: list(snapshots[q][2]) for q in range(kept)}
         repaired = False
         try:
             for q in range(resume, len(order)):
                 i = order[q]
-                placed[i] = []
-                for j in range(replicas[i]):
+                if q >= kept:
+                    placed[i] = []
+                for j in range(len(placed[i]), replicas[i]):
                     start, best = placer.best_start(cap, cnt, placer.taken(placed[i], len(weights[i])), weights[i])
                     if (start < 0 or best < floor) and not repaired and (repair_mode or not retrying or last is None):
                         # repair: local search on what is placed so far, then try this replica again
@@ -260,7 +262,11 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                     cap[win] -= weights[i]
                     cnt[win] += 1
                     placed[i].append(start)
-                snapshots.append((cap.copy(), cnt.copy(), list(placed[i])))
+                snapshot = (cap.copy(), cnt.copy(), list(placed[i]))
+                if q < kept:
+                    snapshots[q] = snapshot
+                else:
+                    snapshots.append(snapshot)
         except _Failed as fail:
             if order[0] != fail.index and promoted < min(len(models), _MAX_PROMOTIONS):
                 # place the model that did not fit first, then retry this step
@@ -279,7 +285,7 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                 )
                 return _finish(problem, placer, weights, last, reason, polish)
             snapshots.clear()
-            resume = 0
+            resume = kept = 0
             iteration -= 1
             retrying = True
             continue
@@ -294,7 +300,10 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
             reason = "Alg. 1: the next replica of the chosen model would not fit in the engines"
             return _finish(problem, placer, weights, last, reason, polish)
         replicas[chosen] += 1
+        # The models before it, and its own replicas so far, are placed as in this iteration
+        # (same state, same greedy order, same ties): reuse them and place the new replica.
         resume = min(position[chosen], len(snapshots))
+        kept = min(position[chosen] + 1, len(snapshots))
 
 
 def _check_capacity(problem: Problem) -> None:
