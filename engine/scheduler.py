@@ -257,7 +257,8 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
         if blocks > self.pool.capacity:
             raise UserError(
                 f"request {req_id!r}: {prompt_len} prompt tokens + max_tokens {max_new_tokens} need {blocks} KV blocks "
-                f"at {model} stage 0, but engine {self.engine_id} holds {self.pool.capacity}; shorten the prompt or lower max_tokens"
+                f"at {model} stage 0, but engine {self.engine_id} holds {self.pool.capacity}; shorten the prompt or lower max_tokens "
+                f"(or give the engine more KV memory: cluster.memory_gb, or fewer stages per engine)"
             )
         req = self._new_request(req_id, st, arrival_time, prompt_len, max_new_tokens, sampling,
                                 list(prompt_token_ids) if prompt_token_ids is not None else None)

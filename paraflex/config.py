@@ -191,6 +191,40 @@ def _model_to_dict(m: ModelConfig, with_rate: bool) -> dict:
 # ---------------------------------------------------------------------------------------
 # loading
 # ---------------------------------------------------------------------------------------
+def _unique_keys(path: str):
+    """json's object_pairs_hook: a key given twice in one object is an error (the last would win)."""
+    def hook(pairs):
+        out = {}
+        for k, v in pairs:
+            if k in out:
+                raise UserError(f"{path}: key {k!r} appears twice in one object; give each key once")
+            out[k] = v
+        return out
+    return hook
+
+
+def _unique_key_loader():
+    """yaml's SafeLoader refusing a key given twice in one mapping (it would keep the last)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping; "
+                                                            "give each key once", key_node.start_mark)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
+
+
 def load_config(path: str) -> Config:
     """Read a YAML (.yaml/.yml) or JSON (.json) config file and validate it."""
     if not os.path.isfile(path):
@@ -205,14 +239,14 @@ def load_config(path: str) -> Config:
         raise UserError(f"config {path} is not UTF-8 text; give a YAML or JSON config file") from None
     if ext == ".json":
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys(path))
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
     elif ext in (".yaml", ".yml"):
         import yaml
 
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_unique_key_loader())
         except yaml.YAMLError as exc:
             raise UserError(f"{path}: invalid YAML: {' '.join(str(exc).split())}") from None
     else:

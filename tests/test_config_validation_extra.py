@@ -93,3 +93,27 @@ def test_inline_arch_mapping_keeps_its_values():
     a = cfg.models[0].arch
     assert (a.dtype_bytes, a.rope_theta, a.gated_mlp, a.rope_scaling) == (4, 1e6, False, {"type": "linear", "factor": 2.0})
     assert Config.from_dict(cfg.to_dict()).models[0].arch == a
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("c.yaml", "cluster: {num_engines: 1, device: cpu, memory_gb: 1}\nmodels: [{name: a, arch: tiny-2l}]\n"
+               "cluster: {num_engines: 2}\n", "key 'cluster' appears twice in one mapping"),
+    ("c.yaml", "cluster: {num_engines: 1, device: cpu, memory_gb: 1, num_engines: 2}\nmodels: [{name: a, arch: tiny-2l}]\n",
+     "key 'num_engines' appears twice in one mapping"),
+    ("c.json", '{"cluster": {"num_engines": 1, "num_engines": 2}, "models": [{"name": "a", "arch": "tiny-2l"}]}',
+     "key 'num_engines' appears twice in one object"),
+])
+def test_a_key_given_twice_is_an_error(tmp_path, name, text, message):
+    """(yaml and json keep the last of two equal keys: a silent override of the first)"""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(UserError, match=message):
+        load_config(str(path))
+
+
+def test_plan_time_limit_must_be_finite(tmp_path, capsys):
+    code, err = _plan_error(tmp_path, capsys, _config({"name": "a", "arch": "tiny-2l"}))
+    assert code == 0
+    cfg = tmp_path / "c.json"
+    assert main(["plan", str(cfg), "--time-limit", "nan", "-o", str(tmp_path / "p.json")]) == 2
+    assert "--time-limit must be a finite number > 0" in capsys.readouterr().err

@@ -44,8 +44,8 @@ def run(args) -> int:
     config = load_config(args.config)
     if args.validate:
         return _validate(args.validate, config)
-    if args.time_limit is not None and args.time_limit <= 0:
-        raise UserError("--time-limit must be > 0 seconds")
+    if args.time_limit is not None and not 0 < args.time_limit < float("inf"):
+        raise UserError(f"--time-limit must be a finite number > 0 seconds, got {args.time_limit:g}")
     _check_output("-o", args.output, "placement.json")
     png_path = _png_output(args.png) if args.png is not None else None
     if args.solver == "milp" and config.cluster.num_engines > _MILP_ENGINES:
