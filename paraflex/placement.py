@@ -200,18 +200,19 @@ class Placement:
     # ---- structure -----------------------------------------------------------------------
 
     def check_models(self, config, source: str = "placement") -> None:
-        """Raise a UserError unless this plan places exactly the config's models, each cut into
-        contiguous stages covering the layers [0, num_layers) of the model's architecture in
-        the config (a plan made for another config would serve a model with the wrong layers)."""
+        """Raise a UserError unless this plan places exactly the config's models, each with the
+        layer count of the model's architecture in the config (a plan made for another config
+        would serve a model with the wrong layers). Its stages cover [0, num_layers) without gaps
+        already: `load` checks the structure."""
         fix = f"re-run `paraflex plan {config.source} -o {source}` for this config"
         placed, configured = sorted(self.models), sorted(m.name for m in config.models)
         if placed != configured:
             raise UserError(f"{source}: places models {', '.join(placed)} but {config.source} has "
                             f"{', '.join(configured)}; {fix}")
         for mc in config.models:
-            stages = self.models[mc.name].stages
-            if not _covers(stages, mc.arch.num_layers):
-                covered = ", ".join(f"{a}-{b - 1}" for a, b in stages) or "none"
+            m = self.models[mc.name]
+            if m.num_layers != mc.arch.num_layers:
+                covered = ", ".join(f"{a}-{b - 1}" for a, b in m.stages)
                 raise UserError(f"{source}: model {mc.name}: stages cover layers {covered} but its "
                                 f"architecture {mc.arch.name} in {config.source} has {mc.arch.num_layers} "
                                 f"layers (0-{mc.arch.num_layers - 1}); {fix}")
@@ -258,16 +259,6 @@ class Placement:
                 if model not in self.models:
                     out.append(f"engine {k}: kv_bytes names unknown model {model!r}")
         return out
-
-
-def _covers(stages: list[tuple[int, int]], num_layers: int) -> bool:
-    """True when the stages are non-empty, contiguous and cover exactly layers [0, num_layers)."""
-    pos = 0
-    for a, b in stages:
-        if a != pos or b <= a:
-            return False
-        pos = b
-    return bool(stages) and pos == num_layers
 
 
 def _ref_key(ref: StageRef):
