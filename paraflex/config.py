@@ -277,8 +277,7 @@ def _parse_config(data, source: str, base_dir: str) -> Config:
                 "workload.zipf_alpha sets every model's rate from its position in the list; "
                 "remove the per-model rate or the zipf_alpha",
             )
-        for m, share in zip(models, workload.model_shares(models)):
-            m.rate = share
+        workload.write_zipf_rates(models)
     return Config(cluster, models, planner, scheduler, workload, top.str("name"), source)
 
 

@@ -38,7 +38,7 @@ class WorkloadConfig:
         """Fraction of the total request rate going to each model, in list order (sums to 1).
 
         With `zipf_alpha` the model at list position k (0-based) gets weight 1/(k+1)^alpha;
-        the loader already wrote these shares into each `ModelConfig.rate`."""
+        the loader already wrote these shares into each `ModelConfig.rate` (`write_zipf_rates`)."""
         if self.zipf_alpha is not None:
             try:
                 weights = [1.0 / (rank + 1) ** self.zipf_alpha for rank in range(len(models))]
@@ -51,6 +51,11 @@ class WorkloadConfig:
             weights = [m.rate for m in models]
         total = sum(weights)
         return [w / total for w in weights]
+
+    def write_zipf_rates(self, models: list[ModelConfig]) -> None:
+        """Set each model's rate to its Zipf share (the rates the planner reads)."""
+        for m, share in zip(models, self.model_shares(models)):
+            m.rate = share
 
 
 def _parse_workload(raw, base_dir: str) -> WorkloadConfig:

@@ -77,8 +77,7 @@ def _workload(args, config):
         changes["num_requests"] = None
     w = dataclasses.replace(w, **changes)
     if "zipf_alpha" in changes:  # the planner reads the models' rates: the loader's Zipf shares, redone
-        for m, share in zip(config.models, w.model_shares(config.models)):
-            m.rate = share
+        w.write_zipf_rates(config.models)
     if w.arrival == "trace" and not w.trace:
         raise UserError("--arrival trace needs a trace: pass --trace FILE or set workload.trace")
     if w.trace:

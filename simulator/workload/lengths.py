@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from paraflex.simulator.registry import Registry
-from paraflex.simulator.workload.trace import Trace
+from paraflex.simulator.workload.trace import MAX_TOKENS, Trace
 
 LENGTH_SOURCES: Registry = Registry("length source")
 
@@ -42,7 +42,7 @@ def from_trace(rng: np.random.Generator, n: int, rows: np.ndarray | None, trace:
 def scale(lengths: np.ndarray, factor: float) -> np.ndarray:
     if factor == 1.0:
         return lengths
-    return np.clip(np.rint(lengths * factor), 1, 2**31 - 1).astype(np.int64)  # (clip_to_context cuts to the context)
+    return np.clip(np.rint(lengths * factor), 1, MAX_TOKENS).astype(np.int64)  # (clip_to_context cuts to the context)
 
 
 def clip_to_context(prompt: np.ndarray, output: np.ndarray, max_context: int):
