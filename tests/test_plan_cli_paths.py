@@ -4,6 +4,7 @@ naming the flag and the fix (not a traceback from the write); --png prints the f
 import pytest
 import yaml
 
+from cli_errors import error_line
 from paraflex.cli import main
 from paraflex.placement import Placement
 
@@ -24,14 +25,6 @@ def cfg(tmp_path, monkeypatch):
     return "c.yaml"
 
 
-def _error(capsys) -> str:
-    """The one error line on stderr (planner warnings may precede it), without its prefix."""
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("paraflex plan: error: ")]
-    assert len(errors) == 1 and "Traceback" not in err, err
-    return errors[0].removeprefix("paraflex plan: error: ")
-
-
 @pytest.mark.parametrize("output, expected", [
     ("o", "-o: o is a directory; pass a file name, e.g. -o o/placement.json"),
     ("", "-o: empty file name; pass a file, e.g. -o placement.json"),
@@ -40,7 +33,7 @@ def _error(capsys) -> str:
 ], ids=["directory", "empty", "under-a-file", "missing-folder"])
 def test_bad_output_path_is_a_user_error(cfg, capsys, output, expected):
     assert main(["plan", cfg, "-q", "-o", output]) == 2
-    assert expected in _error(capsys)
+    assert expected in error_line(capsys, "plan")
 
 
 def test_unwritable_output_is_a_user_error(cfg, capsys, monkeypatch):
@@ -49,7 +42,7 @@ def test_unwritable_output_is_a_user_error(cfg, capsys, monkeypatch):
 
     monkeypatch.setattr(Placement, "save", refuse)
     assert main(["plan", cfg, "-q", "-o", "p.json"]) == 2
-    assert "-o: cannot write p.json (Permission denied); pass another file" in _error(capsys)
+    assert "-o: cannot write p.json (Permission denied); pass another file" in error_line(capsys, "plan")
 
 
 @pytest.mark.parametrize("png, expected", [
@@ -58,7 +51,7 @@ def test_unwritable_output_is_a_user_error(cfg, capsys, monkeypatch):
 ], ids=["under-a-file", "unknown-format"])
 def test_bad_png_path_is_a_user_error(cfg, tmp_path, capsys, png, expected):
     assert main(["plan", cfg, "-q", "-o", "p.json", "--png", png]) == 2
-    assert expected in _error(capsys)
+    assert expected in error_line(capsys, "plan")
     assert not (tmp_path / "p.json").exists()  # refused before planning
 
 
@@ -70,4 +63,4 @@ def test_png_without_suffix_reports_the_file_written(cfg, tmp_path, capsys):
 
 def test_validate_a_directory_is_a_user_error(cfg, capsys):
     assert main(["plan", cfg, "--validate", "o"]) == 2
-    assert _error(capsys).endswith("o is a directory; pass a placement JSON file")
+    assert error_line(capsys, "plan").endswith("o is a directory; pass a placement JSON file")

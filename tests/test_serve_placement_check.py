@@ -5,6 +5,7 @@ unbindable --host."""
 import pytest
 import yaml
 
+from cli_errors import error_line
 from gateway_cluster import LAYOUT, config_dict, make_placement
 from paraflex.cli import main
 
@@ -26,18 +27,10 @@ def _config(tmp_path, **archs) -> str:
     return str(path)
 
 
-def _error(capsys) -> str:
-    """The one error line on stderr (planner warnings may precede it), without its prefix."""
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("paraflex serve: error: ")]
-    assert len(errors) == 1 and "Traceback" not in err, err
-    return errors[0].removeprefix("paraflex serve: error: ")
-
-
 def test_placement_directory_is_a_user_error(tmp_path, capsys):
     (tmp_path / "o").mkdir()
     assert main(["serve", _config(tmp_path), "--placement", str(tmp_path / "o"), "--in-process"]) == 2
-    assert _error(capsys).endswith("o is a directory; pass a placement JSON file")
+    assert error_line(capsys, "serve").endswith("o is a directory; pass a placement JSON file")
 
 
 def test_placement_with_other_layer_counts_is_refused(tmp_path, placement, capsys):
@@ -45,7 +38,7 @@ def test_placement_with_other_layer_counts_is_refused(tmp_path, placement, capsy
     cfg = _config(tmp_path, tiny_4l="tiny-8l")
     assert main(["serve", cfg, "--placement", placement, "--in-process"]) == 2
     assert (f"{placement}: model tiny-4l: stages cover layers 0-0, 1-3 but its architecture tiny-8l in "
-            f"{cfg} has 8 layers (0-7); re-run `paraflex plan {cfg} -o {placement}` for this config") in _error(capsys)
+            f"{cfg} has 8 layers (0-7); re-run `paraflex plan {cfg} -o {placement}` for this config") in error_line(capsys, "serve")
 
 
 def test_placement_with_other_models_is_refused(tmp_path, placement, capsys):
@@ -55,14 +48,14 @@ def test_placement_with_other_models_is_refused(tmp_path, placement, capsys):
     cfg.write_text(yaml.safe_dump(d))
     assert main(["serve", str(cfg), "--placement", placement, "--in-process"]) == 2
     assert (f"places models tiny-2l, tiny-4l, tiny-8l but {cfg} has tiny-2l, tiny-4l; "
-            "re-run `paraflex plan") in _error(capsys)
+            "re-run `paraflex plan") in error_line(capsys, "serve")
 
 
 def test_unbindable_host_names_host_and_port(tmp_path, placement, capsys):
     # 192.0.2.1 (TEST-NET-1) is reserved for documentation: no interface has it
     assert main(["serve", _config(tmp_path), "--placement", placement, "--in-process",
                  "--host", "192.0.2.1", "--port", "8123"]) == 2
-    err = _error(capsys)
+    err = error_line(capsys, "serve")
     assert "--host: cannot listen on 192.0.2.1:8123 (" in err
     assert err.endswith("pick another --host or --port")
 
