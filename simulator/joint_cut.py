@@ -9,7 +9,6 @@ engine/bulk_advance.py), then hands what is still running or in flight to real e
 
 from __future__ import annotations
 
-from paraflex.costmodel import CostModel
 from paraflex.engine.messages import DECODE, BatchMessage, DecodeEntry, TokenEntry, TokenMessage
 from paraflex.simulator.joint_state import ARRIVE, END, Admitted, PipeBatch, ReplicaBatch
 
@@ -109,18 +108,18 @@ def apply_cut(sim) -> None:
                          time)
             if isinstance(what, PipeBatch):
                 if j < sim.last:
-                    nbytes = CostModel.hidden_bytes(sim.arch, what.n)
+                    nbytes, dt = sim.hop(what.n)
                     metrics.hop(nbytes)
-                    cluster.send_batch(group[j + 1].eng, pkey, _message(sim, what, j + 1),
-                                       time + cluster.interconnect.transfer_time(nbytes))
+                    cluster.send_batch(group[j + 1].eng, pkey, _message(sim, what, j + 1), time + dt)
                 else:  # (members with their last token finish at its end: `Cluster.replay_done`)
+                    fin = sim.last_tokens(what)
                     metrics.tokens([records[rid] for rid in what.rids], time)
-                    cluster.send_tokens(group[0].eng, pkey, _tokens(sim, what), time + sim.back)
-                    es.eng.running.finished = sim.last_tokens(what)
+                    cluster.send_tokens(group[0].eng, pkey, _tokens(sim, what, fin), time + sim.back)
+                    es.eng.running.finished = fin
         elif kind == ARRIVE:
             cluster.send_batch(es.eng, pkey, _message(sim, what, j), time)
         else:
-            cluster.send_tokens(es.eng, pkey, _tokens(sim, what), time)
+            cluster.send_tokens(es.eng, pkey, _tokens(sim, what, sim.last_tokens(what)), time)
     for es in sim.held:
         cluster.hold(es.eng, pkey, sim.cut)
     if cluster.check:
@@ -133,8 +132,8 @@ def _message(sim, b: PipeBatch, stage: int) -> BatchMessage:
                         [DecodeEntry(rid, None, p) for rid, p in zip(b.rids, b.pos)], b.formed_at)
 
 
-def _tokens(sim, b: PipeBatch) -> TokenMessage:
-    fin = sim.last_tokens(b)
+def _tokens(sim, b: PipeBatch, fin: list) -> TokenMessage:
+    """The token message of b's last stage; `fin`: its members whose token is their last."""
     return TokenMessage(sim.pkey[0], b.bid, [TokenEntry(rid, None, p + 1, True, "length") if rid in fin else
                                               TokenEntry(rid, None, p + 1, False, None) for rid, p in zip(b.rids, b.pos)])
 

@@ -70,7 +70,7 @@ class GroupSim:
         horizon = self.horizon
         decide = self._decide
         serve_pipe = self._serve_pipe
-        hop = self._hop
+        hop = self.hop
         hops, tokens = self.hops, self.tokens
         back = self.back
         last_stage = self.last
@@ -271,7 +271,7 @@ class GroupSim:
             self.raw = (x, nxt)
         return nxt
 
-    def _hop(self, n: int) -> tuple[int, float]:
+    def hop(self, n: int) -> tuple[int, float]:
         """(bytes, transfer time) of a hop of n tokens (the handlers' expressions), cached per n."""
         h = self.hop_cache.get(n)
         if h is None:
