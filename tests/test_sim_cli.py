@@ -112,6 +112,8 @@ def test_bad_workload_values(cfg, capsys, flags, message):
     (["--rate", "1", "--systems", "paraflex"], "--systems applies to --sweep only"),
     (["--rate", "1", "--seeds", "3"], "--seeds applies to --sweep only"),
     (["--sweep", "--rates", "1", "--systems", ""], "--systems: give at least one system"),
+    (["--sweep", "--rates", "1", "--system", "sarathi"], "--system applies to one run only; with --sweep give --systems"),
+    (["--sweep", "--rates", "1", "--rate", "2"], "--rate applies to one run only; with --sweep give --rates"),
 ])
 def test_sweep_flags_belong_to_the_sweep(cfg, capsys, flags, message):
     code, err = _err(["simulate", str(cfg), *flags], capsys)

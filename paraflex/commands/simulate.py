@@ -22,7 +22,7 @@ HELP = "simulate serving a config on a cluster (cost model, no GPU): latency, th
 
 def add_arguments(p) -> None:
     p.add_argument("config", help="cluster + models (+ workload) YAML/JSON config")
-    p.add_argument("--system", default="paraflex", help="paraflex | ray-serve | sarathi | alpaserve | vllm-tp (default paraflex)")
+    p.add_argument("--system", help="paraflex | ray-serve | sarathi | alpaserve | vllm-tp (default paraflex)")
     p.add_argument("--rate", type=float, help="total request rate over all models, req/s (default: workload.rate)")
     p.add_argument("-o", "--output", help="results directory (default sim-results/<system>-r<rate> or sim-results/sweep)")
     p.add_argument("--seed", type=int, help="random seed of the workload and random placement (default: workload.seed)")
@@ -106,13 +106,17 @@ def run(args) -> int:
     config = load_config(args.config)
     config.workload = _workload(args, config)
     seed = args.seed if args.seed is not None else config.workload.seed
-    base = SimSettings(system=args.system, rate=1.0, seed=seed, no_sharding=args.no_sharding,
+    base = SimSettings(system=args.system or "paraflex", rate=1.0, seed=seed, no_sharding=args.no_sharding,
                        random_placement=args.random_placement, prefill_first=args.prefill_first,
                        host_link_gbps=args.host_link_gbps, check_invariants=args.check_invariants,
                        fast_forward=not args.no_fast_forward)
     if args.sweep:
         from paraflex.simulator.sweep import run_sweep
 
+        one_run = [f for f, given in (("--system", args.system is not None), ("--rate", args.rate is not None)) if given]
+        if one_run:
+            plural = {"--system": "--systems", "--rate": "--rates"}[one_run[0]]
+            raise UserError(f"{one_run[0]} applies to one run only; with --sweep give {plural} (comma-separated)")
         if not args.rates:
             raise UserError("--sweep needs --rates, e.g. --rates 1,2,4,8")
         rates = _floats(args.rates, "--rates")
@@ -136,7 +140,7 @@ def run(args) -> int:
     rate = args.rate if args.rate is not None else config.workload.rate
     if rate is None:
         raise UserError("give --rate R (total requests/s) or set workload.rate in the config")
-    SYSTEMS.get(args.system, "--system")
+    SYSTEMS.get(base.system, "--system")
     return _run_one(config, dataclasses.replace(base, rate=rate), args.output)
 
 
