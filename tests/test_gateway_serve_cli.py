@@ -17,6 +17,7 @@ import yaml
 
 from gateway_cluster import config_dict, make_placement
 from paraflex.cli import main
+from paraflex.errors import UserError
 
 
 @pytest.fixture
@@ -110,3 +111,17 @@ def test_serve_rejects_a_bad_outstanding_limit(files, capsys):
     cfg, pl = files
     assert main(["serve", cfg, "--placement", pl, "--in-process", "--max-outstanding", "0"]) == 2
     assert "--max-outstanding" in capsys.readouterr().err
+
+
+def test_bind_names_the_flag_at_fault():
+    from paraflex.gateway.server import bind
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(UserError, match=rf"^--port: cannot listen on 127.0.0.1:{port} \("):
+            bind("127.0.0.1", port)
+    for host in ("192.0.2.1", "no-such-host.invalid"):  # TEST-NET-1: on no interface here; a name that never resolves
+        with pytest.raises(UserError, match=rf"^--host: cannot listen on {host}:0 \("):
+            bind(host, 0)

@@ -51,13 +51,13 @@ def test_placement_with_other_models_is_refused(tmp_path, placement, capsys):
             "re-run `paraflex plan") in error_line(capsys, "serve")
 
 
-def test_unbindable_host_names_host_and_port(tmp_path, placement, capsys):
+def test_unbindable_host_is_named_before_any_planning(tmp_path, placement, capsys):
     # 192.0.2.1 (TEST-NET-1) is reserved for documentation: no interface has it
     assert main(["serve", _config(tmp_path), "--placement", placement, "--in-process",
                  "--host", "192.0.2.1", "--port", "8123"]) == 2
     err = error_line(capsys, "serve")
     assert "--host: cannot listen on 192.0.2.1:8123 (" in err
-    assert err.endswith("pick another --host or --port")
+    assert err.endswith("pick an address of this machine (127.0.0.1, 0.0.0.0 for all)")
 
 
 def test_generate_checks_its_placement_too(tmp_path, placement, capsys):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 
 from paraflex.errors import UserError
@@ -67,18 +66,6 @@ def load_placement(config, path: str | None):
     return plan(config)
 
 
-def check_host(host: str, port: int) -> None:
-    """Raise a UserError naming --host when no socket can listen on `host` at all (an address
-    of no interface here, or no address); a taken --port is `bind`'s to report."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, 0))
-        except OSError as exc:
-            raise UserError(f"--host: cannot listen on {host}:{port} ({exc.strerror}); "
-                            "pick another --host or --port") from None
-
-
 def start_backend(config, placement, args):
     if args.in_process:
         from paraflex.gateway.in_process_backend import InProcessBackend
@@ -105,21 +92,22 @@ def run(args) -> int:
         raise UserError("--max-outstanding: must be at least 1")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port: {args.port} is not a TCP port (0-65535)")
-    check_host(args.host, args.port)
-    config_path = args.config or default_config_path()
-    config = load_config(config_path)
-    placement = load_placement(config, args.placement)
-    sock = bind(args.host, args.port)  # fail on a taken port before starting any engine
-    print(f"starting {len(placement.engines)} engines ({'in-process' if args.in_process else 'Ray'}) ...",
-          flush=True)
-    backend = start_backend(config, placement, args)
+    sock = bind(args.host, args.port)  # a bad --host or a taken --port fails before any planning or engine
     try:
-        app = build_app(backend, api_key=args.api_key, max_outstanding=args.max_outstanding)
-        names = ", ".join(c.name for c in backend.models())
-        serve(app, sock, announce=lambda: print(
-            f"serving {names}\n{base_url(sock)}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True))
+        config_path = args.config or default_config_path()
+        config = load_config(config_path)
+        placement = load_placement(config, args.placement)
+        print(f"starting {len(placement.engines)} engines ({'in-process' if args.in_process else 'Ray'}) ...",
+              flush=True)
+        backend = start_backend(config, placement, args)
+        try:
+            app = build_app(backend, api_key=args.api_key, max_outstanding=args.max_outstanding)
+            names = ", ".join(c.name for c in backend.models())
+            serve(app, sock, announce=lambda: print(
+                f"serving {names}\n{base_url(sock)}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True))
+        finally:
+            print("stopping engines ...", file=sys.stderr, flush=True)
+            asyncio.run(backend.close())
     finally:
-        print("stopping engines ...", file=sys.stderr, flush=True)
-        asyncio.run(backend.close())
         sock.close()
     return 0

@@ -10,6 +10,7 @@ by handle.
 
 from __future__ import annotations
 
+import errno
 import signal
 import socket
 import threading
@@ -22,16 +23,22 @@ from paraflex.errors import UserError
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0 = any free port)."""
+    """A listening TCP socket on host:port (port 0 = any free port). A failure is a UserError
+    naming --port when the port is the cause (taken, or privileged) and --host otherwise."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock = None
     try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError as exc:
-        sock.close()
-        raise UserError(f"--port: cannot listen on {host}:{port} ({exc.strerror}); pick another port "
-                        "or 0 for any free one") from exc
+        if sock is not None:
+            sock.close()
+        if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+            raise UserError(f"--port: cannot listen on {host}:{port} ({exc.strerror}); pick another port "
+                            "or 0 for any free one") from None
+        raise UserError(f"--host: cannot listen on {host}:{port} ({exc.strerror}); pick an address of this "
+                        "machine (127.0.0.1, 0.0.0.0 for all)") from None
     sock.listen(2048)
     sock.setblocking(False)
     return sock
