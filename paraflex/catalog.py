@@ -319,36 +319,34 @@ def _read_gguf_arch(path: str, _size: int, _mtime_ns: int) -> ModelArch:
     except Exception as exc:  # gguf raises ValueError/struct errors on a bad file
         raise UserError(f"cannot read GGUF header of {path}: {exc}") from None
     arch = _gguf_value(reader, "general.architecture") or "llama"
-
-    def key(suffix, default=None, required=True):
-        value = _gguf_value(reader, f"{arch}.{suffix}")
-        if value is None:
-            if required and default is None:
-                raise UserError(f"GGUF {path} lacks {arch}.{suffix}; is it a decoder-only LLM?")
-            return default
-        return value
-
-    hidden = int(key("embedding_length"))
-    heads = int(key("attention.head_count"))
+    meta = {k: fld.contents() for k, fld in reader.fields.items() if k.startswith(f"{arch}.")}
     tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
-    vocab = key("vocab_size", default=len(tokens) if tokens else None)
+    if meta.get(f"{arch}.vocab_size") is None and tokens:
+        meta[f"{arch}.vocab_size"] = len(tokens)
+    num = lambda suffix, default=None, cast=int: _hf_num(meta, f"{arch}.{suffix}", default, cast)  # noqa: E731
     tensor_names = {t.name for t in reader.tensors}
     name = _gguf_value(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
-    name = str(name).strip().lower().replace(" ", "-")
-    return ModelArch(
-        name=name,
-        num_layers=int(key("block_count")),
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_heads=heads,
-        num_kv_heads=int(key("attention.head_count_kv", default=heads)),
-        head_dim=int(key("attention.key_length", default=hidden // heads)),
-        vocab_size=int(vocab),
-        max_context=int(key("context_length", default=4096)),
-        tie_embeddings="output.weight" not in tensor_names,
-        rope_theta=_f32(key("rope.freq_base", default=10000.0)),
-        rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", default=1e-5)),
-    )
+    try:
+        hidden, heads = num("embedding_length"), num("attention.head_count")
+        return ModelArch(
+            name=str(name).strip().lower().replace(" ", "-"),
+            num_layers=num("block_count"),
+            hidden_size=hidden,
+            intermediate_size=num("feed_forward_length"),
+            num_heads=heads,
+            num_kv_heads=num("attention.head_count_kv", heads),
+            head_dim=num("attention.key_length", hidden // heads),
+            vocab_size=num("vocab_size"),
+            max_context=num("context_length", 4096),
+            tie_embeddings="output.weight" not in tensor_names,
+            rope_theta=_f32(num("rope.freq_base", 10000.0, float)),
+            rms_norm_eps=_f32(num("attention.layer_norm_rms_epsilon", 1e-5, float)),
+        )
+    except KeyError as exc:
+        raise UserError(f"GGUF {path} lacks {exc.args[0]}; is it a decoder-only LLM?") from None
+    except ValueError as exc:
+        raise UserError(f"GGUF {path}: {exc}; ParaFlex reads one positive number per model there "
+                        "(no per-layer arrays)") from None
 
 
 def smollm2_gguf_path() -> str:

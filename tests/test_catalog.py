@@ -147,15 +147,16 @@ def test_hf_errors_name_the_problem(tmp_path):
         arch_from_hf_config(str(bad))
 
 
-def _tiny_gguf(path, with_output: bool):
+def _tiny_gguf(path, with_output: bool, heads=6, layers=True):
     import gguf
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("Tiny Test")
-    w.add_block_count(3)
+    if layers:
+        w.add_block_count(3)
     w.add_embedding_length(48)
     w.add_feed_forward_length(96)
-    w.add_head_count(6)
+    w.add_head_count(heads)
     w.add_head_count_kv(2)
     w.add_context_length(1024)
     w.add_rope_freq_base(50000.0)
@@ -187,6 +188,17 @@ def test_gguf_errors(tmp_path):
     junk.write_bytes(b"not a gguf file at all")
     with pytest.raises(UserError, match="cannot read GGUF"):
         arch_from_gguf(str(junk))
+
+
+@pytest.mark.parametrize("heads, layers, message", [
+    (0, True, "'llama.attention.head_count' is 0, not a positive number"),
+    ([6, 6, 6], True, r"'llama.attention.head_count' is \[6, 6, 6\], not a positive number; .*no per-layer arrays"),
+    (6, False, "lacks llama.block_count; is it a decoder-only LLM"),
+])
+def test_gguf_header_values_that_cannot_make_a_model(tmp_path, heads, layers, message):
+    path = _tiny_gguf(tmp_path / f"bad-{layers}.gguf", False, heads=heads, layers=layers)
+    with pytest.raises(UserError, match=message):
+        arch_from_gguf(path)
 
 
 @pytest.mark.slow
