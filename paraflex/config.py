@@ -7,7 +7,8 @@ mistake raises `ConfigError(path, reason)` with the field path (``models[2].rate
 fix. `Config.to_dict()` gives a plain dict that `Config.from_dict` reads back unchanged (saved
 next to results). The full key reference is docs/config.md. The `workload:` section's
 dataclass and parser live in paraflex/workload_config.py (`WorkloadConfig` is re-exported
-here); the typed, path-aware field reader shared by all sections is paraflex/config_fields.py.
+here); the typed, path-aware field reader shared by all sections is paraflex/config_fields.py;
+reading the file itself (YAML/JSON, duplicate keys refused) is paraflex/config_file.py.
 
 Units: humans write GiB (``memory_gb``, 2**30 bytes), Gbit/s, microseconds and milliseconds;
 the dataclasses keep those numbers and offer byte/second accessors.
@@ -15,7 +16,6 @@ the dataclasses keep those numbers and offer byte/second accessors.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -24,6 +24,7 @@ from dataclasses import MISSING, dataclass, field
 from paraflex import catalog
 from paraflex.catalog import ModelArch
 from paraflex.config_fields import Section, resolve_path, value_kind
+from paraflex.config_file import read_config_file
 from paraflex.errors import ConfigError, UserError
 from paraflex.workload_config import WorkloadConfig, _parse_workload
 
@@ -191,67 +192,9 @@ def _model_to_dict(m: ModelConfig, with_rate: bool) -> dict:
 # ---------------------------------------------------------------------------------------
 # loading
 # ---------------------------------------------------------------------------------------
-def _unique_keys(path: str):
-    """json's object_pairs_hook: a key given twice in one object is an error (the last would win)."""
-    def hook(pairs):
-        out = {}
-        for k, v in pairs:
-            if k in out:
-                raise UserError(f"{path}: key {k!r} appears twice in one object; give each key once")
-            out[k] = v
-        return out
-    return hook
-
-
-def _unique_key_loader():
-    """yaml's SafeLoader refusing a key given twice in one mapping (it would keep the last)."""
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            seen = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                try:
-                    duplicate = key in seen
-                    seen.add(key)
-                except TypeError:  # an unhashable key: the base class reports it
-                    continue
-                if duplicate:
-                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping; "
-                                                            "give each key once", key_node.start_mark)
-            return super().construct_mapping(node, deep)
-
-    return UniqueKeyLoader
-
-
 def load_config(path: str) -> Config:
     """Read a YAML (.yaml/.yml) or JSON (.json) config file and validate it."""
-    if not os.path.isfile(path):
-        raise UserError(f"config file {path} does not exist")
-    ext = os.path.splitext(path)[1].lower()
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise UserError(f"cannot read config {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"config {path} is not UTF-8 text; give a YAML or JSON config file") from None
-    if ext == ".json":
-        try:
-            data = json.loads(text, object_pairs_hook=_unique_keys(path))
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
-    elif ext in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            data = yaml.load(text, Loader=_unique_key_loader())
-        except yaml.YAMLError as exc:
-            raise UserError(f"{path}: invalid YAML: {' '.join(str(exc).split())}") from None
-    else:
-        raise UserError(f"config {path}: unknown extension {ext!r}; use .yaml, .yml or .json")
-    return _parse_config(data, path, os.path.dirname(os.path.abspath(path)))
+    return _parse_config(read_config_file(path), path, os.path.dirname(os.path.abspath(path)))
 
 
 def _parse_config(data, source: str, base_dir: str) -> Config:
