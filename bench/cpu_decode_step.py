@@ -30,7 +30,7 @@ from unittest import mock
 
 import torch
 
-from paraflex.catalog import arch_from_gguf, smollm2_gguf_path
+from paraflex.arch_files import arch_from_gguf, smollm2_gguf_path
 from paraflex.engine import native_attention, native_ops
 from paraflex.engine.attention import AttentionMetadata, paged_attention
 from paraflex.engine.kv_cache import KVCache

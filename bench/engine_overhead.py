@@ -157,7 +157,7 @@ def main(argv=None) -> int:
           f"{args.gen} new tokens")
     with tempfile.TemporaryDirectory() as d:
         hf = build_checkpoint(d).to(device=device, dtype=dtype)
-        from paraflex.catalog import arch_from_hf_config
+        from paraflex.arch_files import arch_from_hf_config
 
         arch = arch_from_hf_config(d)
         whole = Stage(arch, 0, LAYERS, load_stage_weights(d, arch, 0, LAYERS, dtype, device, "hf"), device)

@@ -36,7 +36,7 @@ MODEL = "smollm2-135m"
 def export_smollm2(model) -> str:
     """A temporary HF checkpoint directory of `model` (bench/transformers_peer.py's `transformers_model`)
     with its tokenizer; the caller removes it."""
-    from paraflex.catalog import smollm2_gguf_path
+    from paraflex.arch_files import smollm2_gguf_path
     from paraflex.engine.tokenizer import load_gguf_tokenizer
 
     out = tempfile.mkdtemp(prefix="serve-load-smollm2-")

@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import MISSING, dataclass, field
 
-from paraflex import catalog
+from paraflex import arch_files, catalog
 from paraflex.catalog import ModelArch
 from paraflex.config_fields import Section, resolve_path, value_kind
 from paraflex.config_file import read_config_file
@@ -309,13 +309,13 @@ def _resolve_arch(s: Section, kind: str, base_dir: str):
         return catalog.get_arch(text), text.lower(), "builtin"
     if kind == "hf":
         folder = resolve_path(text, base_dir)
-        return catalog.arch_from_hf_config(folder), folder, "hf"
+        return arch_files.arch_from_hf_config(folder), folder, "hf"
     if text.lower() == "smollm2-135m":
         # The package GGUF's header equals the built-in entry (tests check it); reading the
         # header costs ~5 s of token-list parsing, so the built-in numbers are used here.
-        return catalog.get_arch("smollm2-135m"), catalog.smollm2_gguf_path(), "gguf"
+        return catalog.get_arch("smollm2-135m"), arch_files.smollm2_gguf_path(), "gguf"
     path = resolve_path(text, base_dir)
-    return catalog.arch_from_gguf(path), path, "gguf"
+    return arch_files.arch_from_gguf(path), path, "gguf"
 
 
 def _arch_from_mapping(d: dict, path: str) -> ModelArch:

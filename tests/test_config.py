@@ -11,7 +11,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paraflex.catalog import get_arch, smollm2_gguf_path
+from paraflex.arch_files import smollm2_gguf_path
+from paraflex.catalog import get_arch
 from paraflex.config import GIB, Config, load_config
 from paraflex.errors import ConfigError, UserError
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from oracle_models import VOCAB, build_llama, build_qwen2, run_stages
 
-from paraflex.catalog import arch_from_hf_config
+from paraflex.arch_files import arch_from_hf_config
 from paraflex.engine import native_build
 from paraflex.engine.attention import AttentionMetadata
 from paraflex.engine.model import Stage

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle_models import VOCAB, build_llama, run_stages
 
-from paraflex.catalog import arch_from_hf_config
+from paraflex.arch_files import arch_from_hf_config
 from paraflex.engine import native_build, native_ops
 from paraflex.engine.model import Stage
 from paraflex.engine.model import layer_ops

@@ -5,7 +5,7 @@ import pytest
 import torch
 from oracle_models import build_llama, make_placement
 
-from paraflex.catalog import arch_from_gguf
+from paraflex.arch_files import arch_from_gguf
 from paraflex.engine.attention import AttentionMetadata
 from paraflex.engine.model import Stage
 from paraflex.engine.weights import load_stage_weights

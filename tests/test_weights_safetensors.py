@@ -7,7 +7,8 @@ import pytest
 import torch
 from oracle_models import build_llama
 
-from paraflex.catalog import arch_from_hf_config, get_arch
+from paraflex.arch_files import arch_from_hf_config
+from paraflex.catalog import get_arch
 from paraflex.engine.weights import load_stage_weights, resolve_source
 from paraflex.engine.weights.names import stage_tensor_shapes
 from paraflex.errors import UserError

@@ -39,7 +39,7 @@ def resolve_source(source: str | None, model_name: str, source_kind: str | None 
     if builtin.startswith("tiny-"):
         return "random", builtin
     if builtin == "smollm2-135m":
-        from paraflex.catalog import smollm2_gguf_path
+        from paraflex.arch_files import smollm2_gguf_path
 
         return "gguf", smollm2_gguf_path()
     raise UserError(
