@@ -46,6 +46,12 @@ class EventLoop:
             raise ValueError(f"event {type(event).__name__} at {event.time} is not at the current instant {self.now}")
         self._last.append(event)
 
+    def next_time(self) -> float:
+        """Time of the next event (inf when none is left)."""
+        if self._last:
+            return self.now
+        return self._heap[0][0] if self._heap else float("inf")
+
     def __len__(self) -> int:
         return len(self._heap) + len(self._last)
 

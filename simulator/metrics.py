@@ -75,6 +75,7 @@ class MetricsStore:
         self.num_engines = num_engines
         self.gpus_per_engine = gpus_per_engine
         self.requests: dict[int, RequestRecord] = {}
+        self.finished = 0  # requests finished so far (progress output)
         self.tbt: dict[str, array] = {m: array("d") for m in slos}
         self.busy: list[array] = [array("d") for _ in range(num_engines)]  # start, end pairs
         self.batches = 0
@@ -145,6 +146,7 @@ class MetricsStore:
 
     def finish(self, rec: RequestRecord, t: float) -> None:
         rec.finish = t
+        self.finished += 1
 
     def batch(self, engine: int, start: float, end: float, is_prefill: bool, size: int, tokens: int) -> None:
         b = self.busy[engine]

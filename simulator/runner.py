@@ -13,6 +13,7 @@ import gc
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 from paraflex.config import WorkloadConfig
 from paraflex.errors import ParaflexError, UserError
@@ -22,6 +23,8 @@ from paraflex.simulator.events import RequestArrivalEvent
 from paraflex.simulator.metrics import MetricsStore, ModelSLO
 from paraflex.simulator.systems import SystemLayout, build_system
 from paraflex.simulator.workload import SimRequest, WorkloadModel, generate
+
+Progress = Callable[[float, int, int, int], None]  # (simulated s, finished, total requests, events)
 
 # Aegaeon's production SLOs (§7.1 there), used for models whose config sets none.
 DEFAULT_TTFT_MS, DEFAULT_TBT_MS = 10_000.0, 100.0
@@ -75,10 +78,12 @@ def workload_of(config) -> WorkloadConfig:
 
 
 def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, cost=None,
-             requests: list[SimRequest] | None = None, loop: EventLoop | None = None) -> SimResult:
+             requests: list[SimRequest] | None = None, loop: EventLoop | None = None,
+             progress: Progress | None = None) -> SimResult:
     """Simulate `config` served by `settings.system`. `layout` skips re-planning (sweeps),
-    `cost` replaces the cost model, `requests` the generated workload (tests) and `loop` the
-    event loop (bench/sim_speed.py's naive peer)."""
+    `cost` replaces the cost model, `requests` the generated workload (tests), `loop` the
+    event loop (bench/sim_speed.py's naive peer); `progress(simulated_s, finished, total,
+    events)` is called between slices of simulated time (same results with or without)."""
     settings.validate()
     wall0 = time.perf_counter()
     if layout is None:
@@ -112,7 +117,10 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        loop.run(sim)
+        if progress is None:
+            loop.run(sim)
+        else:
+            _run_reporting(loop, sim, progress, max((r.arrival for r in requests), default=0.0), len(requests))
     finally:
         if was_enabled:
             gc.enable()
@@ -133,6 +141,20 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
     })
     resolved = {"config": config.to_dict(), "simulation": asdict(settings), "layout": layout.describe()}
     return SimResult(layout.name, layout, metrics, summary, resolved, cluster.engines)
+
+
+PROGRESS_SLICES = 200  # slices of the arrival window between progress calls
+
+
+def _run_reporting(loop: EventLoop, sim, progress: Progress, window: float, total: int) -> None:
+    """`loop.run(sim)` in slices of simulated time, calling `progress` after each. The loop
+    stops between two instants only (every event at or before the slice's end has run and
+    settled), so the events run in the same order as in one call."""
+    step = window / PROGRESS_SLICES if window > 0 else 1.0
+    metrics = sim.cluster.metrics
+    while len(loop):
+        loop.run(sim, until=max(loop.now + step, loop.next_time()))
+        progress(loop.now, metrics.finished, total, loop.processed)
 
 
 class _Sim:

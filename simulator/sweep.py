@@ -3,7 +3,7 @@
 `run_sweep(config, systems, rates, base_settings, out_dir, jobs)` plans each system once (a
 system may carry §8.5 ablations: `paraflex+no-sharding`, `paraflex+random-placement`,
 `paraflex+prefill-first`),
-simulates every (system, rate, replicate) point in a process pool, prints a progress bar on
+simulates every (system, rate, replicate) point in a process pool, prints a progress bar (progress.py) on
 stderr, appends each finished point to points.jsonl, and writes sweep.csv, sweep.json and two PNGs: latency_vs_throughput.png (median and
 P99 E2E latency versus achieved throughput, one line per system: Fig. 8) and per_model.png
 (the same per model: Fig. 9); with several replicates the curves show the mean over seeds
@@ -22,12 +22,11 @@ import csv
 import dataclasses
 import json
 import os
-import sys
-import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from paraflex.errors import UserError
 from paraflex.simulator.output import pyplot, write_json
+from paraflex.simulator.progress import Progress
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.systems import build_system
 
@@ -60,26 +59,6 @@ def _point(args):
     summary["system"] = label
     summary["replicate"] = replicate
     return summary
-
-
-class Progress:
-    """A one-line text progress bar on stderr."""
-
-    def __init__(self, total: int, label: str, stream=None):
-        self.total, self.label, self.done, self.t0 = total, label, 0, time.perf_counter()
-        self.stream = stream if stream is not None else sys.stderr
-
-    def step(self, note: str = "") -> None:
-        self.done += 1
-        width = 30
-        fill = int(width * self.done / self.total)
-        el = time.perf_counter() - self.t0
-        eta = el / self.done * (self.total - self.done)
-        self.stream.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
-                          f"{el:5.0f}s elapsed, ~{eta:4.0f}s left {note[:40]:<40}")
-        if self.done == self.total:
-            self.stream.write("\n")
-        self.stream.flush()
 
 
 def point_seed(base_seed: int, rate_index: int, replicate: int) -> int:

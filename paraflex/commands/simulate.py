@@ -164,11 +164,16 @@ def _num(v, width: int) -> str:
 
 def _run_one(config, settings, output) -> int:
     from paraflex.simulator.output import write_run
+    from paraflex.simulator.progress import RunProgress
     from paraflex.simulator.runner import simulate
 
     settings.validate()
     out = _output_dir(output or os.path.join("sim-results", f"{settings.system}-r{settings.rate:g}"))
-    result = simulate(config, settings)
+    progress = RunProgress(settings.system)
+    try:
+        result = simulate(config, settings, progress=progress)
+    finally:
+        progress.close()
     write_run(out, result)
     s = result.summary
     if not s["finished"]:
