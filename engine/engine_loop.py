@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from paraflex.engine.messages import BatchMessage, FreeMessage, TokenMessage
-from paraflex.engine.sampling import Sampler, SamplingParams, StopChecker
+from paraflex.engine.sampling import SampleResult, Sampler, SamplingParams, StopChecker
 from paraflex.engine.transport import Envelope, Transport
 
 log = logging.getLogger(__name__)
@@ -119,14 +119,15 @@ class EngineLoop:
             hidden, _ = self._parked.pop((batch.batch_id, batch.stage))
         try:
             out = self.worker.run(batch, hidden)
-        except Exception as exc:  # a failed batch fails its requests, not the engine
+            sampled = self._sample(batch, out) if batch.is_last else None
+        except Exception as exc:  # a failed batch (forward pass or sampling) fails its requests, not the engine
             log.exception("engine %d: batch %s failed", self.engine_id, batch.batch_id)
             self._fail(batch, f"{type(exc).__name__}: {exc}")
             return True
         self.stats["batches"] += 1
         self.stats["tokens"] += batch.num_tokens
         if batch.is_last:
-            self._finish_last(batch, out)
+            self._finish_last(batch, *sampled)
         else:
             meta = batch.message
             meta.tensor_shapes = {"hidden": list(out.shape)}
@@ -135,11 +136,14 @@ class EngineLoop:
             self._broadcast_aborts(batch.model, done.aborted)
         return True
 
-    def _finish_last(self, batch, logits: torch.Tensor) -> None:
+    def _sample(self, batch, logits: torch.Tensor) -> tuple[list, list[SamplingParams], SampleResult | None]:
+        """(the requests that sample a token, their parameters, the sampler's result)."""
         sampling = [r for r in batch.requests if r.samples]
-        ids = [r.req_id for r in sampling]
         params = [self._params_of(r) for r in sampling]
-        result = self.sampler.sample(logits, ids, params) if sampling else None
+        result = self.sampler.sample(logits, [r.req_id for r in sampling], params) if sampling else None
+        return sampling, params, result
+
+    def _finish_last(self, batch, sampling: list, params: list[SamplingParams], result: SampleResult | None) -> None:
         tokens, stopped = {}, set()
         for i, r in enumerate(sampling):
             tok = result.token_ids[i]

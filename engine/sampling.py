@@ -18,10 +18,15 @@ from paraflex.engine import native_ops
 from paraflex.errors import UserError
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (logits / T would overflow float32)
+MAX_STOP_STRINGS = 64  # each is searched for after every token
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator takes
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 = whole vocabulary
     seed: int | None = None
@@ -41,12 +46,14 @@ class SamplingParams:
             raise UserError(f"top_p: {self.top_p!r} must be in (0, 1]")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
             raise UserError(f"top_k: {self.top_k!r} must be -1 (off) or an integer >= 1")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise UserError(f"seed: {self.seed!r} must be an integer")
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise UserError(f"seed: {self.seed!r} must be an integer from -2**63 to 2**64 - 1")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not all(isinstance(s, str) and s for s in self.stop):
             raise UserError(f"stop: {self.stop!r} must be a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise UserError(f"stop: {len(self.stop)} strings; give at most {MAX_STOP_STRINGS}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise UserError(f"stop_token_ids: {self.stop_token_ids!r} must be non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
@@ -94,7 +101,7 @@ class Sampler:
             tokens = native_ops.argmax_rows(logits)
         else:
             tokens = logits.argmax(-1).cpu()
-        rows = [i for i, p in enumerate(params) if p.temperature > 0]
+        rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
         if rows:
             sub = logits[rows]
             temps = torch.tensor([params[i].temperature for i in rows], device=sub.device)
@@ -120,7 +127,7 @@ class Sampler:
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     vocab = logits.shape[-1]
-    ks = [k if k > 0 else vocab for k in top_k]
+    ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
     if all(k >= vocab for k in ks) and all(p >= 1.0 for p in top_p):
         return logits
     sorted_logits, order = logits.sort(-1, descending=True)

@@ -16,8 +16,8 @@ def _logits(rows=4, vocab=50, seed=0):
 
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", 0), ("temperature", -1.0), ("temperature", float("nan")), ("top_p", 0.0),
-    ("top_p", 1.5), ("top_k", -3), ("seed", "x"), ("stop", [""]), ("stop_token_ids", [-1]),
-    ("logprobs", 21),
+    ("top_p", 1.5), ("top_k", -3), ("seed", "x"), ("seed", 2**64), ("seed", -(2**63) - 1), ("stop", [""]),
+    ("stop", [f"s{i}" for i in range(65)]), ("stop_token_ids", [-1]), ("logprobs", 21),
 ])
 def test_validate_names_the_bad_field(field, value):
     with pytest.raises(UserError, match=f"^{field}:"):
@@ -36,6 +36,21 @@ def test_greedy_and_degenerate_filters_pick_the_argmax():
     assert s.sample(logits, ids, [SamplingParams(temperature=0)] * 4).token_ids == best
     assert s.sample(logits, ids, [SamplingParams(top_k=1)] * 4).token_ids == best
     assert s.sample(logits, ids, [SamplingParams(top_p=1e-6)] * 4).token_ids == best
+
+
+def test_extreme_but_valid_values_sample_instead_of_failing():
+    """A client may send any valid number: a temperature so small that logits / T overflow
+    float32, a top_k beyond the vocabulary (and beyond int64), the widest seeds."""
+    logits = _logits(rows=3)
+    best = logits.argmax(-1).tolist()
+    s = Sampler(0)
+    tiny = s.sample(logits, ["a", "b", "c"], [SamplingParams(temperature=t) for t in (1e-45, 1e-300, 1e-6)])
+    assert tiny.token_ids == best
+    huge_k = [SamplingParams(top_k=10**30, top_p=0.9), SamplingParams(top_k=2**63, seed=2**64 - 1),
+              SamplingParams(top_k=51, seed=-(2**63))]
+    for p in huge_k:
+        p.validate()
+    assert all(0 <= t < 50 for t in s.sample(logits, ["a", "b", "c"], huge_k).token_ids)
 
 
 @given(st.integers(1, 10), st.floats(0.05, 1.0), st.integers(0, 1000))
