@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from paraflex.admission import check_request
@@ -132,6 +133,9 @@ class LLMCluster:
         self._check_fits(model, len(prompt) + params.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
         with self._wake:
+            if self.loop_error is not None:  # checked under the lock the failing loop takes
+                raise ParaflexError(f"the engines stopped after an internal error ({self._loop_failure()}); "
+                                    "restart the server")
             if rid in self._live or any(e[1] == rid for e in self._inbox if e[0] == "add"):
                 raise UserError(f"request_id: {rid!r} is already in use")
             self._inbox.append(("add", rid, model, prompt, params, sink))
@@ -157,8 +161,14 @@ class LLMCluster:
         True if anything happened."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
-        for item in inbox:
-            self._apply(item)
+        for i, item in enumerate(inbox):
+            try:
+                self._apply(item)
+            except BaseException:  # what was not applied goes back, for the failure path to end
+                with self._lock:
+                    applied = item[0] == "add" and item[1] in self._live
+                    self._inbox[:0] = inbox[i + 1:] if applied else inbox[i:]
+                raise
         worked = bool(inbox)
         for engine in self.engines:
             worked |= engine.step()
@@ -204,10 +214,20 @@ class LLMCluster:
                         return
                 if not self.step() and not self.hub.pending():
                     time.sleep(0.0005)
-        except BaseException as exc:  # surface to waiters instead of dying silently
-            self.loop_error = exc
+        except BaseException as exc:  # surface to the log and to every waiter instead of dying silently
+            traceback.print_exc()
+            with self._wake:
+                self.loop_error = exc
+                queued, self._inbox = self._inbox, []
+            error = f"runtime loop failed: {self._loop_failure()}"
             for rid in list(self._live):
-                self._emit(rid, [], "abort", f"runtime loop failed: {type(exc).__name__}: {exc}")
+                self._emit(rid, [], "abort", error)
+            for item in queued:  # submitted, never applied: they end too
+                if item[0] == "add" and item[5] is not None:
+                    item[5].on_output(item[1], [], "abort", error)
+
+    def _loop_failure(self) -> str:
+        return f"{type(self.loop_error).__name__}: {self.loop_error}"
 
     # ------------------------------------------------------------------ blocking API
     def generate(self, model: str, prompts, params: SamplingParams | None = None,

@@ -11,7 +11,7 @@ from oracle_models import make_placement
 from paraflex.cli import main
 from paraflex.config import Config
 from paraflex.engine.sampling import SamplingParams
-from paraflex.errors import UserError
+from paraflex.errors import ParaflexError, UserError
 from paraflex.runtime import LLMCluster
 
 torch.set_num_threads(1)
@@ -203,3 +203,30 @@ def test_a_failing_sampler_fails_its_batch_not_the_engine(monkeypatch):
     monkeypatch.setattr(sampler, "sample", real_sample)
     ok = c.generate("tiny-2l", "hi", SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert ok.finish_reason == "length" and len(ok.token_ids) == 3
+
+
+def test_after_the_engine_loop_fails_every_request_ends_and_new_ones_are_refused(monkeypatch, capsys):
+    pl = make_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 2)
+    c = LLMCluster(_demo_config(), pl, kv_bytes=1 << 20, models=["tiny-2l"])
+    live, queued = Sink(), Sink()
+    c.submit("tiny-2l", [256, 1, 2], SamplingParams(max_tokens=4), request_id="live", sink=live)
+    c.step()  # "live" is admitted and running
+    c.submit("tiny-2l", [256, 3], SamplingParams(max_tokens=4), request_id="queued", sink=queued)
+    monkeypatch.setattr(c.engines[0], "step", lambda: (_ for _ in ()).throw(RuntimeError("engine bug")))
+    c._loop()  # what the background thread runs: returns once it failed
+    error = "runtime loop failed: RuntimeError: engine bug"
+    assert live.calls[-1] == ([], "abort", error, {}) and queued.calls == [([], "abort", error, {})]
+    assert "RuntimeError: engine bug" in capsys.readouterr().err  # the traceback reaches the log
+    with pytest.raises(ParaflexError, match="engines stopped after an internal error .*engine bug.*restart"):
+        c.submit("tiny-2l", [256], SamplingParams(max_tokens=2), sink=Sink())
+
+
+def test_a_failure_while_admitting_ends_the_requests_queued_behind_it(monkeypatch):
+    pl = make_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 2)
+    c = LLMCluster(_demo_config(), pl, kv_bytes=1 << 20, models=["tiny-2l"])
+    monkeypatch.setattr(c.dispatcher, "pick", lambda model: (_ for _ in ()).throw(RuntimeError("dispatch bug")))
+    sinks = [Sink(), Sink()]
+    for i, sink in enumerate(sinks):
+        c.submit("tiny-2l", [256, i], SamplingParams(max_tokens=2), sink=sink)
+    c._loop()
+    assert [s.calls for s in sinks] == [[([], "abort", "runtime loop failed: RuntimeError: dispatch bug", {})]] * 2
