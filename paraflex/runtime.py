@@ -52,6 +52,9 @@ class _Live:
     sink: object
 
 
+STALL_ROUNDS = 3  # rounds in which no engine ran anything and nothing travelled: a stall
+
+
 class _Collector:
     """Sink of `generate`: accumulates tokens into a `Result`."""
 
@@ -183,8 +186,10 @@ class LLMCluster:
                 idle = 0
             else:
                 idle += 1
-                if idle > 3:
-                    raise ParaflexError(self._stall_report())
+                if idle > STALL_ROUNDS:
+                    if not self._break_stall():
+                        raise ParaflexError(self._stall_report())
+                    idle = 0
             if deadline is not None and time.monotonic() > deadline:
                 raise ParaflexError(f"generation did not finish within {timeout_s} s")
 
@@ -205,6 +210,7 @@ class LLMCluster:
         self.hub.close()
 
     def _loop(self) -> None:
+        idle = 0
         try:
             while True:
                 with self._wake:
@@ -212,7 +218,13 @@ class LLMCluster:
                         self._wake.wait()
                     if self._stop:
                         return
-                if not self.step() and not self.hub.pending():
+                if self.step() or self.hub.pending():
+                    idle = 0
+                    continue
+                idle += 1
+                if idle > STALL_ROUNDS and self._break_stall():
+                    idle = 0
+                else:
                     time.sleep(0.0005)
         except BaseException as exc:  # surface to the log and to every waiter instead of dying silently
             traceback.print_exc()
@@ -270,6 +282,13 @@ class LLMCluster:
                     "the engine more KV memory"
                 )
 
+    def _holds_kv(self, rid: str) -> bool:
+        for engine in self.engines:
+            req = engine.scheduler.request(rid)
+            if req is not None and req.alloc is not None:
+                return True
+        return False
+
     def _stall_report(self) -> str:
         stuck = [
             f"engine {e.engine_id} ({e.scheduler.pool.num_free} of {e.scheduler.pool.capacity} KV blocks "
@@ -291,14 +310,31 @@ class LLMCluster:
                 self._live[rid] = _Live(model, replica, sink)
             self._by_id[first].add_request(model, rid, prompt, params)
             return
-        rid = item[1]
+        self._end(item[1], None)
+
+    def _end(self, rid: str, error: str | None) -> None:
+        """Abort a live request: free its KV on every stage, finish its stream ("abort")."""
         live = self._live.get(rid)
         if live is None:
             return
         meta = FreeMessage(live.model, [rid], "aborted").to_dict()
         for eid in self.placement.models[live.model].replicas[live.replica]:
             self.hub.send(Envelope(eid, eid, live.model, "free", meta))
-        self._emit(rid, [], "abort", None)
+        self._emit(rid, [], "abort", error)
+
+    def _break_stall(self) -> bool:
+        """No engine can run anything and nothing travels between them: the live requests' KV
+        fills the pools and the swap space, and only an end frees some. End the newest request
+        holding KV with an explicit error (as vLLM preempts its newest; its KV frees on every
+        stage and the others go on; requests still waiting for their prompt hold none and
+        wait). False when no request holds KV."""
+        with self._lock:
+            live = list(self._live)
+        rid = next((r for r in reversed(live) if self._holds_kv(r)), None)
+        if rid is None:
+            return False
+        self._end(rid, f"stopped to free KV memory, {self._stall_report()}; retry it")
+        return True
 
     def on_output(self, request_id, token_ids, finish_reason, error, **extra) -> None:
         """The engines' sink: forward to the request's own sink; drop output after the end."""

@@ -230,3 +230,30 @@ def test_a_failure_while_admitting_ends_the_requests_queued_behind_it(monkeypatc
         c.submit("tiny-2l", [256, i], SamplingParams(max_tokens=2), sink=sink)
     c._loop()
     assert [s.calls for s in sinks] == [[([], "abort", "runtime loop failed: RuntimeError: dispatch bug", {})]] * 2
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_kv_stall_ends_the_newest_holder_with_an_error_and_the_rest_finish(threaded):
+    """8 requests whose decodes outgrow a 48-block pool with no swap space: step by step no
+    engine could run anything. The runtime ends the newest request holding KV (explicitly) until
+    the others can go on; every request ends, the oldest with all its tokens."""
+    pl = make_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 2)
+    c = LLMCluster(_demo_config(), pl, kv_bytes=200_000, host_kv_bytes=0, models=["tiny-2l"])
+    assert c.engines[0].scheduler.pool.capacity == 48  # 384 tokens per layer; each request needs 181
+    sinks = [Sink() for _ in range(8)]
+    for i, sink in enumerate(sinks):
+        c.submit("tiny-2l", [256] + [5 + i] * 60, SamplingParams(max_tokens=120, ignore_eos=True), sink=sink)
+    if threaded:
+        c.start()
+        deadline = time.monotonic() + 120
+        while c.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        c.shutdown()
+    else:
+        c.run_until_idle(timeout_s=120)
+    ends = [s.calls[-1][1:3] for s in sinks]
+    assert all(reason in ("length", "abort") for reason, _ in ends)
+    assert ends[0] == ("length", None) and len(sinks[0].tokens) == 120
+    stopped = [error for reason, error in ends if reason == "abort"]
+    assert stopped and all(e.startswith("stopped to free KV memory, pipeline stalled") for e in stopped)
+    assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
