@@ -125,3 +125,13 @@ def test_bind_names_the_flag_at_fault():
     for host in ("192.0.2.1", "no-such-host.invalid"):  # TEST-NET-1: on no interface here; a name that never resolves
         with pytest.raises(UserError, match=rf"^--host: cannot listen on {host}:0 \("):
             bind(host, 0)
+
+
+def test_an_empty_api_key_is_refused_and_an_empty_env_key_means_none(files, capsys, monkeypatch):
+    cfg, pl = files
+    assert main(["serve", cfg, "--placement", pl, "--in-process", "--api-key", " "]) == 2
+    assert "--api-key: empty; give a key, or leave the flag out" in capsys.readouterr().err
+    from paraflex.cli import build_parser
+
+    monkeypatch.setenv("PARAFLEX_API_KEY", "")
+    assert build_parser().parse_args(["serve"]).api_key is None

@@ -28,7 +28,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="interface to listen on (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
-    parser.add_argument("--api-key", default=os.environ.get("PARAFLEX_API_KEY"),
+    parser.add_argument("--api-key", default=os.environ.get("PARAFLEX_API_KEY") or None,
                         help="require 'Authorization: Bearer KEY' (default: $PARAFLEX_API_KEY, else no auth)")
     parser.add_argument("--max-outstanding", type=int, default=256, metavar="N",
                         help="admitted requests before new ones get 503 (default 256)")
@@ -88,6 +88,8 @@ def run(args) -> int:
         raise UserError("--in-process: cannot be combined with --ray-address or --max-restarts (Ray only)")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts: {args.max_restarts} is negative; use 0 (never) or more")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key: empty; give a key, or leave the flag out to serve without one")
     if args.max_outstanding < 1:
         raise UserError("--max-outstanding: must be at least 1")
     if not 0 <= args.port <= 65535:

@@ -23,6 +23,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paraflex.errors import UserError
 from paraflex.gateway.backend import Backend, ModelCard
@@ -41,6 +42,7 @@ from paraflex.gateway.protocol import (
 )
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of text, ~1 MB as token ids
 _OPEN_PATHS = ("/health", "/metrics")
 
 
@@ -52,10 +54,12 @@ class ApiError(Exception):
         super().__init__(message)
 
     def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status == 503 else None
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error",
                 503: "service_unavailable"}.get(self.status, "server_error")
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def _param_of(message: str) -> str | None:
@@ -89,15 +93,64 @@ def _validation_error(exc: ValidationError) -> ApiError:
     return ApiError(400, f"{param}: {msg}" if param else msg, param=param)
 
 
+async def _body(request: Request) -> bytes:
+    """The request body, refused (413) past MAX_BODY_BYTES before it is all read."""
+    declared = request.headers.get("content-length", "")
+    too_big = ApiError(413, f"request body is over {MAX_BODY_BYTES >> 20} MiB; send a shorter prompt")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_big
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_big
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # only unpaired surrogates fail
+        return False
+    return True
+
+
+def _surrogate_at(body) -> str | None:
+    """Path of the first string (or key) holding an unpaired UTF-16 surrogate, e.g. a JSON
+    "\\ud800" escape: such text cannot be encoded, so no tokenizer can read it."""
+    stack = [("", body)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not _encodable(v):
+                return path or "body"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                key_path = f"{path}.{k}" if path else str(k)
+                if not _encodable(k):
+                    return path or "body"
+                stack.append((key_path, item))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(v) if isinstance(item, (str, list, dict)))
+    return None
+
+
 async def _parse(request: Request, schema):
+    body = await _body(request)
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "request body is not valid JSON")
-    if not isinstance(body, dict):
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # bad JSON/encoding, >4300-digit ints, deep nesting
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(":")[0]
+        raise ApiError(400, f"request body is not valid JSON ({detail})")
+    if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
+    bad = _surrogate_at(data)
+    if bad is not None:
+        raise ApiError(400, f"{bad}: holds an unpaired UTF-16 surrogate (e.g. \\ud800); send valid Unicode text",
+                       param=bad)
     try:
-        return schema.model_validate(body)
+        return schema.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc)
 
@@ -111,17 +164,27 @@ class _BearerAuth:
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(key, self.expected):
                 response = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                     code="invalid_api_key").response()
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _model_entry(card: ModelCard, created: int) -> dict:
+    return {"id": card.name, "object": "model", "created": created, "owned_by": "paraflex",
+            "root": card.name, "parent": None, "max_model_len": card.max_context}
+
+
+def _chat_ids(card: ModelCard, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    text = card.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return card.tokenizer.encode(text, add_special_tokens=False)
 
 
 class _TicketedStream(StreamingResponse):
@@ -156,9 +219,9 @@ class Gateway:
 
     # -- request preparation -------------------------------------------------------------
 
-    def prompt_ids(self, card: ModelCard, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            ids = card.tokenizer.encode(prompt, add_special_tokens=True)
+    async def prompt_ids(self, card: ModelCard, prompt) -> list[int]:
+        if isinstance(prompt, str):  # on a worker thread: a long prompt must not stall the event loop
+            ids = await asyncio.to_thread(card.tokenizer.encode, prompt, add_special_tokens=True)
         else:
             ids = list(prompt)
             bad = [t for t in ids if t >= card.tokenizer.vocab_size]
@@ -169,11 +232,11 @@ class Gateway:
             raise ApiError(400, "prompt: encodes to zero tokens; send some text", param="prompt")
         return ids
 
-    def chat_ids(self, card: ModelCard, messages: list[dict]) -> list[int]:
-        text = card.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return card.tokenizer.encode(text, add_special_tokens=False)
+    async def chat_ids(self, card: ModelCard, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return await asyncio.to_thread(_chat_ids, card, messages, add_generation_prompt)
 
-    def budget(self, card: ModelCard, n_prompt: int, requested: int | None, default: int | None) -> int:
+    def budget(self, card: ModelCard, n_prompt: int, requested: int | None, default: int | None,
+               field: str = "max_tokens") -> int:
         room = card.max_context - n_prompt
         if room < 1:
             raise ApiError(400, f"prompt: {n_prompt} tokens leave no room in {card.name}'s context of "
@@ -181,9 +244,9 @@ class Gateway:
         if requested is None:
             return min(default, room) if default is not None else room
         if requested > room:
-            raise ApiError(400, f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({requested}) exceeds "
+            raise ApiError(400, f"{field}: prompt ({n_prompt} tokens) + {field} ({requested}) exceeds "
                            f"{card.name}'s context of {card.max_context} tokens; ask for at most {room}",
-                           param="max_tokens")
+                           param=field)
         return requested
 
     def params(self, req, max_tokens: int):
@@ -275,20 +338,30 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
     async def _api_error(_request: Request, exc: ApiError):
         return exc.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        what = {404: f"no route {request.url.path}; see GET /v1/models, POST /v1/completions, "
+                     "/v1/chat/completions, /tokenize, /detokenize, GET /health, /metrics",
+                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return ApiError(exc.status_code, what).response()
+
     if api_key is not None:
         app.add_middleware(_BearerAuth, api_key=api_key)
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [
-            {"id": c.name, "object": "model", "created": gw.created, "owned_by": "paraflex",
-             "root": c.name, "parent": None, "max_model_len": c.max_context} for c in gw.cards.values()]}
+        return {"object": "list", "data": [_model_entry(c, gw.created) for c in gw.cards.values()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        card = gw.card(model_id)
+        return _model_entry(card, gw.created)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await _parse(request, CompletionRequest)
         card = gw.card(req.model)
-        ids = gw.prompt_ids(card, req.prompt)
+        ids = await gw.prompt_ids(card, req.prompt)
         params = gw.params(req, gw.budget(card, len(ids), req.max_tokens, DEFAULT_COMPLETION_TOKENS))
         rid = f"cmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": card.name}
@@ -308,9 +381,9 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
     async def chat_completions(request: Request):
         req = await _parse(request, ChatCompletionRequest)
         card = gw.card(req.model)
-        ids = gw.chat_ids(card, req.chat_messages())
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = gw.params(req, gw.budget(card, len(ids), requested, None))
+        ids = await gw.chat_ids(card, req.chat_messages())
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = gw.params(req, gw.budget(card, len(ids), getattr(req, field), None, field))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": card.name}
         ticket = gw.admit()
@@ -337,10 +410,9 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
             raise ApiError(400, "prompt: send exactly one of `prompt` or `messages`", param="prompt")
         if req.messages is not None:
             msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-            text = card.tokenizer.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
-            ids = card.tokenizer.encode(text, add_special_tokens=False)
+            ids = await gw.chat_ids(card, msgs, req.add_generation_prompt)
         else:
-            ids = card.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await asyncio.to_thread(card.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": card.max_context, "tokens": ids}
 
     @app.post("/detokenize")
@@ -353,7 +425,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
                            f"{card.tokenizer.vocab_size})", param="tokens")
         return {"prompt": card.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         state = gw.backend.health()
         return JSONResponse(state, status_code=200 if state.get("ok") else 503)

@@ -10,6 +10,7 @@ stop_token_ids and ignore_eos are accepted.
 
 from __future__ import annotations
 
+import json
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -18,7 +19,10 @@ from paraflex.engine.sampling import SamplingParams
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """JSON types as sent: no "3" for 3, no true for 1, no "yes" for true (pydantic's lax mode
+    would convert them); unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -28,7 +32,7 @@ class StreamOptions(_Strict):
 
 def _neutral(name: str, value, neutral):
     if value is not None and value != neutral:
-        raise ValueError(f"{name}={value!r} is not supported by this server; leave it at {neutral!r}")
+        raise ValueError(f"{name}={json.dumps(value)} is not supported by this server; leave it at {json.dumps(neutral)}")
     return value
 
 
@@ -118,9 +122,12 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", mode="before")
     @classmethod
     def _logprobs(cls, v):
+        if isinstance(v, bool):
+            raise ValueError("the completions API takes an integer count here (or null); this server supports "
+                             "only null")
         return _neutral("logprobs", v, None)
 
     @field_validator("echo")
@@ -139,6 +146,14 @@ class CompletionRequest(_SamplingFields):
     @classmethod
     def _suffix(cls, v):
         return _neutral("suffix", v, None)
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, v, handler):
+        try:
+            return handler(v)
+        except ValueError:
+            raise ValueError("give a string or a list of token ids (integers)") from None
 
     @field_validator("prompt")
     @classmethod
@@ -163,6 +178,15 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextPart]]
     name: str | None = None
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _content_shape(cls, v, handler):
+        try:
+            return handler(v)
+        except ValueError:
+            raise ValueError('give a string or a list of text parts {"type": "text", "text": "..."} '
+                             "(this server takes text only)") from None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -195,7 +219,7 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Strict):
     model: str
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
