@@ -169,12 +169,15 @@ def test_generate_command_prints_the_completion(tmp_path, capsys):
     assert "nope" in capsys.readouterr().err
 
 
-def test_a_failing_batch_fails_its_requests_not_the_engine(monkeypatch):
+@pytest.mark.parametrize("part, method", [("worker", "run"), ("sampler", "sample")])
+def test_a_failing_batch_fails_its_requests_not_the_engine(monkeypatch, part, method):
+    """The forward pass or the sampling of the last stage raises: that batch's request ends
+    with the error, its KV frees everywhere, the engine serves the next request."""
     pl = make_placement({"tiny-2l": (2, [(0, 1), (1, 2)], [[0, 1]])}, 2)
     c = LLMCluster(_demo_config(), pl, kv_bytes=1 << 20, models=["tiny-2l"])
-    worker = c.engines[1].worker
-    real_run = worker.run
-    monkeypatch.setattr(worker, "run", lambda batch, hidden=None: (_ for _ in ()).throw(RuntimeError("boom")))
+    target = getattr(c.engines[1], part)
+    real = getattr(target, method)
+    monkeypatch.setattr(target, method, lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     sink = Sink()
     c.submit("tiny-2l", [256, 1, 2], SamplingParams(max_tokens=4), sink=sink)
     c.run_until_idle()
@@ -182,25 +185,7 @@ def test_a_failing_batch_fails_its_requests_not_the_engine(monkeypatch):
     for _ in range(3):
         c.step()
     assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
-    monkeypatch.setattr(worker, "run", real_run)  # the engine still serves the next request
-    ok = c.generate("tiny-2l", "hi", SamplingParams(max_tokens=3, ignore_eos=True))[0]
-    assert ok.finish_reason == "length" and len(ok.token_ids) == 3
-
-
-def test_a_failing_sampler_fails_its_batch_not_the_engine(monkeypatch):
-    pl = make_placement({"tiny-2l": (2, [(0, 1), (1, 2)], [[0, 1]])}, 2)
-    c = LLMCluster(_demo_config(), pl, kv_bytes=1 << 20, models=["tiny-2l"])
-    sampler = c.engines[1].sampler
-    real_sample = sampler.sample
-    monkeypatch.setattr(sampler, "sample", lambda *a: (_ for _ in ()).throw(RuntimeError("bad probabilities")))
-    sink = Sink()
-    c.submit("tiny-2l", [256, 1, 2], SamplingParams(max_tokens=4), sink=sink)
-    c.run_until_idle()
-    assert sink.calls == [([], "abort", "RuntimeError: bad probabilities", {})]
-    for _ in range(3):
-        c.step()
-    assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
-    monkeypatch.setattr(sampler, "sample", real_sample)
+    monkeypatch.setattr(target, method, real)  # the engine still serves the next request
     ok = c.generate("tiny-2l", "hi", SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert ok.finish_reason == "length" and len(ok.token_ids) == 3
 

@@ -36,6 +36,17 @@ def _neutral(name: str, value, neutral):
     return value
 
 
+def _shape_error(field: str, message: str):
+    """A validator replacing pydantic's error for a union field (one line per member type,
+    none saying what is accepted) by `message`."""
+    def explain(cls, v, handler):
+        try:
+            return handler(v)
+        except ValueError:
+            raise ValueError(message) from None
+    return field_validator(field, mode="wrap")(classmethod(explain))
+
+
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -147,13 +158,7 @@ class CompletionRequest(_SamplingFields):
     def _suffix(cls, v):
         return _neutral("suffix", v, None)
 
-    @field_validator("prompt", mode="wrap")
-    @classmethod
-    def _prompt_shape(cls, v, handler):
-        try:
-            return handler(v)
-        except ValueError:
-            raise ValueError("give a string or a list of token ids (integers)") from None
+    _prompt_shape = _shape_error("prompt", "give a string or a list of token ids (integers)")
 
     @field_validator("prompt")
     @classmethod
@@ -179,14 +184,8 @@ class ChatMessage(_Strict):
     content: Union[str, list[TextPart]]
     name: str | None = None
 
-    @field_validator("content", mode="wrap")
-    @classmethod
-    def _content_shape(cls, v, handler):
-        try:
-            return handler(v)
-        except ValueError:
-            raise ValueError('give a string or a list of text parts {"type": "text", "text": "..."} '
-                             "(this server takes text only)") from None
+    _content_shape = _shape_error("content", 'give a string or a list of text parts {"type": "text", "text": "..."} '
+                                  "(this server takes text only)")
 
     def text(self) -> str:
         if isinstance(self.content, str):
