@@ -57,6 +57,7 @@ class EngineActor:
         self.transport = RayTransport(engine_id, "cpu" if device == "auto" else device,
                                       on_error=self._transport_error)
         self._stats: dict = {}
+        self._snapshots = 0
         self._inbox: list[tuple] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -106,8 +107,12 @@ class EngineActor:
             live[r.model] = live.get(r.model, 0) + 1
             if r.state == WAITING_PREFILL and r.stage == 0:
                 waiting[r.model] = waiting.get(r.model, 0) + 1
+        self._snapshots += 1
+        # batches + snapshots let the controller tell a stall (the loop turns, nothing runs)
+        # from a long batch (no snapshot until it ends)
         self._stats = {"kv_usage": sched.pool.num_used / cap if cap else 0.0,
-                       "live": live, "waiting": waiting}
+                       "live": live, "waiting": waiting, "batches": self.loop.stats["batches"],
+                       "snapshots": self._snapshots}
 
     def connect(self, peers: dict, groups: list, store_host: str, store_port: int) -> dict:
         """Peer handles and this engine's process groups (all members call at once)."""

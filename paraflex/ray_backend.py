@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -35,6 +36,7 @@ from paraflex.errors import UserError
 from paraflex.gateway.backend import BackendMetrics, ModelCard, Output
 
 MONITOR_EVERY_S = 0.5
+STALL_AFTER_S = 5.0  # no engine ran a batch this long, though requests are live and none is mid-batch
 ALIVE, DEAD = "alive", "dead"
 
 
@@ -44,6 +46,7 @@ class _Stream:
     replica: int
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    tokens: int = 0  # received so far (a request with tokens holds KV on every stage)
 
 
 class RayBackend:
@@ -72,6 +75,9 @@ class RayBackend:
         self._incarnation: dict[int, str] = {}
         self._restarts: dict[int, int] = {}  # Ray's restart count when last seen alive
         self._status: dict[int, dict] = {}
+        self.stall_after_s = STALL_AFTER_S
+        self._still_since: float | None = None  # since when no engine ran a batch (with streams live)
+        self._seen_counts: dict[int, tuple] = {}  # engine -> (batches, snapshots) at the last check
         self._closed = threading.Event()
         self._threads = [threading.Thread(target=self._monitor, name="pf-monitor", daemon=True),
                          threading.Thread(target=self._poll_outputs, name="pf-outputs", daemon=True)]
@@ -187,14 +193,15 @@ class RayBackend:
             self.dispatcher.done(s.model, s.replica)
         return s
 
-    def _abort_now(self, rid: str, notify: bool) -> None:
+    def _abort_now(self, rid: str, notify: bool, error: str | None = None) -> None:
         with self._lock:
             s = self._end(rid)
         if s is None:
             return
         self._free_on_replica(s.model, s.replica, [rid])
         if notify:
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, Output(finish_reason="abort"))
+            out = Output(error=error) if error else Output(finish_reason="abort")
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, out)
 
     def _free_on_replica(self, model: str, replica: int, rids: list[str], skip: int | None = None) -> None:
         payload = msgpack.packb([model, rids], use_bin_type=True)
@@ -217,6 +224,7 @@ class RayBackend:
                     with self._lock:
                         s = self._end(rid) if out.final else self._streams.get(rid)
                     if s is not None:
+                        s.tokens += len(out.token_ids)
                         s.loop.call_soon_threadsafe(s.queue.put_nowait, out)
 
     def _fail_all(self, error: str) -> None:
@@ -249,6 +257,33 @@ class RayBackend:
                     self._engine_down(e, f"engine {e} died ({type(exc).__name__})")
                     continue
                 self._engine_seen(e, st)
+            self._check_stall(time.monotonic())
+
+    def _check_stall(self, now: float) -> None:
+        """A KV stall: streams are live, yet for `stall_after_s` no live engine ran a batch while
+        every engine holding requests kept turning its loop (none is mid-batch). The requests'
+        decodes have outgrown KV and swap space, and only an end frees some: end the newest
+        stream that has tokens (it holds KV on every stage of its replica; else the newest)
+        with an explicit error, then give the others the same time to go on."""
+        with self._lock:
+            status = {e: st for e, st in self._status.items() if self.engine_state[e] == ALIVE}
+            streams = list(self._streams.items())
+        counts = {e: (st.get("batches"), st.get("snapshots")) for e, st in status.items()}
+        seen, self._seen_counts = self._seen_counts, counts
+        ran = any(seen.get(e, (None,))[0] != c[0] for e, c in counts.items())
+        mid_batch = any(st.get("live") and seen.get(e, (None, None))[1] == counts[e][1] for e, st in status.items())
+        if not streams or ran or mid_batch or self._still_since is None:
+            self._still_since = now if streams else None
+            return
+        if now - self._still_since < self.stall_after_s:
+            return
+        self._still_since = now
+        rid = next((r for r, s in reversed(streams) if s.tokens), streams[-1][0])
+        self._abort_now(rid, notify=True, error=(
+            f"stopped to free KV memory: no engine could run any of the {len(streams)} live requests for "
+            f"{self.stall_after_s:g} s (their KV fills the pools and the swap space); retry it, or give the "
+            "engines more KV memory (cluster.memory_gb) or swap space (cluster.host_memory_gb), or lower "
+            "scheduler.max_batch_size"))
 
     def _engine_seen(self, e: int, st: dict) -> None:
         with self._lock:

@@ -1,0 +1,49 @@
+"""The Ray backend's KV-stall watchdog: eight requests whose decodes outgrow one engine
+actor's 48-block pool (no swap space) would wait for ever; the backend sees that no engine
+runs anything while every loop turns, ends the newest request holding KV with an explicit
+error, and the others go on. Every request ends; the oldest with all its tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hand_placement import hand_placement
+from paraflex.config import Config
+from paraflex.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def _drain(backend, rid: str, prompt: list[int]):
+    async def run():
+        tokens, last = 0, None
+        async for out in backend.stream("tiny-2l", prompt, SamplingParams(max_tokens=120, ignore_eos=True), rid):
+            tokens += len(out.token_ids)
+            last = out
+        return tokens, last.finish_reason, last.error
+    return run()
+
+
+def test_a_kv_stall_ends_the_newest_holder_with_an_error_and_the_rest_finish(ray_session):
+    from paraflex.serving import start_cluster
+
+    config = Config.from_dict({
+        "cluster": {"num_engines": 1, "device": "cpu", "memory_gb": 0.5, "host_memory_gb": 0},
+        "models": [{"name": "tiny-2l", "arch": "tiny-2l", "rate": 1}],
+        "scheduler": {"max_batch_size": 4, "block_bytes": 4096},
+    }, source="kv-stall")
+    placement = hand_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 1, 200_000)
+    backend = start_cluster(config, placement, progress=lambda line: None)
+    backend.stall_after_s = 1.0
+    try:
+        async def all_of_them():
+            return await asyncio.gather(*[_drain(backend, f"r{i}", [256] + [5 + i] * 60) for i in range(8)])
+        ends = asyncio.run(asyncio.wait_for(all_of_them(), timeout=180))
+    finally:
+        asyncio.run(backend.close())
+    assert ends[0] == (120, "length", None)
+    stopped = [e for e in ends if e[2] is not None]
+    assert stopped and all(e[2].startswith("stopped to free KV memory: no engine could run any of the") for e in stopped)
+    assert all(e == (120, "length", None) or e in stopped for e in ends)
