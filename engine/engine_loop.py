@@ -66,6 +66,9 @@ class EngineLoop:
         self._stoppers: dict[str, StopChecker] = {}
         self._params: dict[str, SamplingParams] = {}
         self.stats = {"batches": 0, "tokens": 0, "sampled": 0}
+        # per resident model: batches [started, finished] (the KV-stall watch reads them from
+        # another thread; every key exists from the start, so the dict never changes size)
+        self.runs: dict[str, list[int]] = {m: [0, 0] for m in routes}
 
     # ------------------------------------------------------------------ events in
     def add_request(self, model: str, request_id: str, prompt_token_ids: list[int],
@@ -117,13 +120,17 @@ class EngineLoop:
         hidden = None
         if not batch.is_first:
             hidden, _ = self._parked.pop((batch.batch_id, batch.stage))
+        count = self.runs[batch.model]
+        count[0] += 1
         try:
             out = self.worker.run(batch, hidden)
             sampled = self._sample(batch, out) if batch.is_last else None
         except Exception as exc:  # a failed batch (forward pass or sampling) fails its requests, not the engine
+            count[1] += 1
             log.exception("engine %d: batch %s failed", self.engine_id, batch.batch_id)
             self._fail(batch, f"{type(exc).__name__}: {exc}")
             return True
+        count[1] += 1
         self.stats["batches"] += 1
         self.stats["tokens"] += batch.num_tokens
         if batch.is_last:
@@ -135,6 +142,15 @@ class EngineLoop:
             done = self.scheduler.complete(batch)
             self._broadcast_aborts(batch.model, done.aborted)
         return True
+
+    def run_counts(self) -> dict[str, tuple[int, int]]:
+        """Per resident model (batches started, batches finished), safe to call from another
+        thread: finished is read first, so a batch under way never looks finished."""
+        out = {}
+        for model, count in self.runs.items():
+            finished = count[1]
+            out[model] = (count[0], finished)
+        return out
 
     def _sample(self, batch, logits: torch.Tensor) -> tuple[list, list[SamplingParams], SampleResult | None]:
         """(the requests that sample a token, their parameters, the sampler's result)."""

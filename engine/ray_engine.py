@@ -57,7 +57,6 @@ class EngineActor:
         self.transport = RayTransport(engine_id, "cpu" if device == "auto" else device,
                                       on_error=self._transport_error)
         self._stats: dict = {}
-        self._snapshots = 0
         self._inbox: list[tuple] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -95,6 +94,8 @@ class EngineActor:
                "pid": os.getpid(), "progress": list(self.progress), "error": self.error,
                "groups": self.transport.group_generations(), "transport_errors": len(self.transport.errors)}
         out.update(self._stats)
+        if self.loop is not None:  # batches started/finished per model, now (the KV-stall watch)
+            out["runs"] = self.loop.run_counts()
         return out
 
     def _snapshot(self) -> None:
@@ -107,12 +108,8 @@ class EngineActor:
             live[r.model] = live.get(r.model, 0) + 1
             if r.state == WAITING_PREFILL and r.stage == 0:
                 waiting[r.model] = waiting.get(r.model, 0) + 1
-        self._snapshots += 1
-        # batches + snapshots let the controller tell a stall (the loop turns, nothing runs)
-        # from a long batch (no snapshot until it ends)
         self._stats = {"kv_usage": sched.pool.num_used / cap if cap else 0.0,
-                       "live": live, "waiting": waiting, "batches": self.loop.stats["batches"],
-                       "snapshots": self._snapshots}
+                       "live": live, "waiting": waiting}
 
     def connect(self, peers: dict, groups: list, store_host: str, store_port: int) -> dict:
         """Peer handles and this engine's process groups (all members call at once)."""

@@ -12,6 +12,8 @@ that dies (or whose loop failed) ends every request on its replicas with an erro
 of the replica, and the replica leaves dispatch; `health()` reports it and other models keep
 serving. With `max_restarts` > 0 Ray restarts the actor; once it has reloaded, the monitor
 rebuilds the process groups of its replicas (next generation) and the replicas rejoin dispatch.
+The same monitor hands each round's batch counts and live streams to the KV-stall watch
+(paraflex/kv_stall.py), which names requests to end when a replica has stopped making progress.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ from paraflex.engine.tokenizer import load_tokenizer
 from paraflex.engine.transport_ray import GroupSpec
 from paraflex.errors import UserError
 from paraflex.gateway.backend import BackendMetrics, ModelCard, Output
+from paraflex.kv_stall import LiveRequest, StallWatch
 
 MONITOR_EVERY_S = 0.5
-STALL_AFTER_S = 5.0  # no engine ran a batch this long, though requests are live and none is mid-batch
 ALIVE, DEAD = "alive", "dead"
 
 
@@ -75,9 +77,7 @@ class RayBackend:
         self._incarnation: dict[int, str] = {}
         self._restarts: dict[int, int] = {}  # Ray's restart count when last seen alive
         self._status: dict[int, dict] = {}
-        self.stall_after_s = STALL_AFTER_S
-        self._still_since: float | None = None  # since when no engine ran a batch (with streams live)
-        self._seen_counts: dict[int, tuple] = {}  # engine -> (batches, snapshots) at the last check
+        self.stall_watch = StallWatch()
         self._closed = threading.Event()
         self._threads = [threading.Thread(target=self._monitor, name="pf-monitor", daemon=True),
                          threading.Thread(target=self._poll_outputs, name="pf-outputs", daemon=True)]
@@ -247,6 +247,7 @@ class RayBackend:
                     pending[e] = actor.status.remote()
             ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=MONITOR_EVERY_S)
             ready = set(ready)
+            fresh: set[int] = set()
             for e, ref in list(pending.items()):
                 if ref not in ready:
                     continue
@@ -257,33 +258,21 @@ class RayBackend:
                     self._engine_down(e, f"engine {e} died ({type(exc).__name__})")
                     continue
                 self._engine_seen(e, st)
-            self._check_stall(time.monotonic())
+                fresh.add(e)
+            self._check_stall(time.monotonic(), fresh)
 
-    def _check_stall(self, now: float) -> None:
-        """A KV stall: streams are live, yet for `stall_after_s` no live engine ran a batch while
-        every engine holding requests kept turning its loop (none is mid-batch). The requests'
-        decodes have outgrown KV and swap space, and only an end frees some: end the newest
-        stream that has tokens (it holds KV on every stage of its replica; else the newest)
-        with an explicit error, then give the others the same time to go on."""
+    def _check_stall(self, now: float, fresh: set[int]) -> None:
+        """Hand the KV-stall watch (paraflex/kv_stall.py) the batch counts of the engines that
+        answered this round and the live streams per replica; end the requests it names."""
         with self._lock:
-            status = {e: st for e, st in self._status.items() if self.engine_state[e] == ALIVE}
-            streams = list(self._streams.items())
-        counts = {e: (st.get("batches"), st.get("snapshots")) for e, st in status.items()}
-        seen, self._seen_counts = self._seen_counts, counts
-        ran = any(seen.get(e, (None,))[0] != c[0] for e, c in counts.items())
-        mid_batch = any(st.get("live") and seen.get(e, (None, None))[1] == counts[e][1] for e, st in status.items())
-        if not streams or ran or mid_batch or self._still_since is None:
-            self._still_since = now if streams else None
-            return
-        if now - self._still_since < self.stall_after_s:
-            return
-        self._still_since = now
-        rid = next((r for r, s in reversed(streams) if s.tokens), streams[-1][0])
-        self._abort_now(rid, notify=True, error=(
-            f"stopped to free KV memory: no engine could run any of the {len(streams)} live requests for "
-            f"{self.stall_after_s:g} s (their KV fills the pools and the swap space); retry it, or give the "
-            "engines more KV memory (cluster.memory_gb) or swap space (cluster.host_memory_gb), or lower "
-            "scheduler.max_batch_size"))
+            runs = {e: st.get("runs") if e in fresh else None for e, st in self._status.items()
+                    if self.engine_state[e] == ALIVE}
+            replicas: dict = {}
+            for rid, s in self._streams.items():
+                engines = self.placement.models[s.model].replicas[s.replica]
+                replicas.setdefault((s.model, s.replica), (engines, []))[1].append(LiveRequest(rid, s.tokens))
+        for rid, error in self.stall_watch.check(now, runs, replicas):
+            self._abort_now(rid, notify=True, error=error)
 
     def _engine_seen(self, e: int, st: dict) -> None:
         with self._lock:

@@ -18,9 +18,9 @@ Two ways to drive it:
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 
 from paraflex.admission import check_request
@@ -31,6 +31,9 @@ from paraflex.engine.sampling import SamplingParams
 from paraflex.engine.tokenizer import Tokenizer, load_tokenizer
 from paraflex.engine.transport import Envelope, LocalTransport
 from paraflex.errors import ParaflexError, UserError
+from paraflex.kv_stall import LiveRequest, StallWatch, stall_message
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,9 +53,11 @@ class _Live:
     model: str
     replica: int
     sink: object
+    tokens: int = 0  # emitted so far (the KV-stall watch)
 
 
 STALL_ROUNDS = 3  # rounds in which no engine ran anything and nothing travelled: a stall
+WATCH_EVERY_S = 0.5  # how often the background loop asks the KV-stall watch about each replica
 
 
 class _Collector:
@@ -115,6 +120,7 @@ class LLMCluster:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.loop_error: BaseException | None = None
+        self.stall_watch = StallWatch()
 
     # ------------------------------------------------------------------ models
     def models(self) -> list[str]:
@@ -211,6 +217,7 @@ class LLMCluster:
 
     def _loop(self) -> None:
         idle = 0
+        watched = time.monotonic()
         try:
             while True:
                 with self._wake:
@@ -218,6 +225,10 @@ class LLMCluster:
                         self._wake.wait()
                     if self._stop:
                         return
+                now = time.monotonic()
+                if now - watched >= WATCH_EVERY_S:
+                    watched = now
+                    self._watch_stalls(now)
                 if self.step() or self.hub.pending():
                     idle = 0
                     continue
@@ -227,16 +238,19 @@ class LLMCluster:
                 else:
                     time.sleep(0.0005)
         except BaseException as exc:  # surface to the log and to every waiter instead of dying silently
-            traceback.print_exc()
+            log.exception("runtime: the engine loop failed")
             with self._wake:
                 self.loop_error = exc
                 queued, self._inbox = self._inbox, []
             error = f"runtime loop failed: {self._loop_failure()}"
-            for rid in list(self._live):
-                self._emit(rid, [], "abort", error)
-            for item in queued:  # submitted, never applied: they end too
-                if item[0] == "add" and item[5] is not None:
-                    item[5].on_output(item[1], [], "abort", error)
+            ends = [(rid, lambda rid=rid: self._emit(rid, [], "abort", error)) for rid in list(self._live)]
+            ends += [(item[1], lambda item=item: item[5].on_output(item[1], [], "abort", error))
+                     for item in queued if item[0] == "add" and item[5] is not None]  # submitted, never applied
+            for rid, end in ends:
+                try:
+                    end()
+                except Exception:  # noqa: BLE001 - one broken sink must not keep the others waiting
+                    log.exception("runtime: could not end request %s", rid)
 
     def _loop_failure(self) -> str:
         return f"{type(self.loop_error).__name__}: {self.loop_error}"
@@ -282,24 +296,22 @@ class LLMCluster:
                     "the engine more KV memory"
                 )
 
-    def _holds_kv(self, rid: str) -> bool:
-        for engine in self.engines:
+    def _holds_kv(self, rid: str, engines) -> bool:
+        for engine in engines:
             req = engine.scheduler.request(rid)
             if req is not None and req.alloc is not None:
                 return True
         return False
 
+    def _stuck(self) -> str:
+        return ", ".join(f"engine {e.engine_id}: {e.scheduler.pool.num_free} of {e.scheduler.pool.capacity} KV "
+                         f"blocks free, {e.scheduler.pool.host_num_free} host blocks free"
+                         for e in self.engines if e.has_work()) or "no engine has queued work"
+
     def _stall_report(self) -> str:
-        stuck = [
-            f"engine {e.engine_id} ({e.scheduler.pool.num_free} of {e.scheduler.pool.capacity} KV blocks "
-            f"free, {e.scheduler.pool.host_num_free} host blocks free)"
-            for e in self.engines if e.has_work()
-        ]
-        return (
-            f"pipeline stalled with {len(self._live)} request(s) left: queued work that does not fit "
-            f"in KV on {', '.join(stuck) or 'no engine'}; give later stages KV in proportion to "
-            "their layers, add host swap space, or lower scheduler.max_batch_size"
-        )
+        return (f"pipeline stalled with {len(self._live)} request(s) left: queued work that does not fit "
+                f"in KV ({self._stuck()}); give later stages KV in proportion to their layers, add host "
+                "swap space, or lower scheduler.max_batch_size")
 
     def _apply(self, item) -> None:
         if item[0] == "add":
@@ -325,16 +337,28 @@ class LLMCluster:
     def _break_stall(self) -> bool:
         """No engine can run anything and nothing travels between them: the live requests' KV
         fills the pools and the swap space, and only an end frees some. End the newest request
-        holding KV with an explicit error (as vLLM preempts its newest; its KV frees on every
-        stage and the others go on; requests still waiting for their prompt hold none and
-        wait). False when no request holds KV."""
+        holding KV on an engine that has queued work (else anywhere) with an explicit error, as
+        vLLM preempts its newest: its KV frees on every stage and the others go on; requests
+        still waiting for their prompt hold none and wait. False when no request holds KV."""
         with self._lock:
             live = list(self._live)
-        rid = next((r for r in reversed(live) if self._holds_kv(r)), None)
+        stuck = [e for e in self.engines if e.has_work()]
+        rid = next((r for engines in (stuck, self.engines) for r in reversed(live) if self._holds_kv(r, engines)), None)
         if rid is None:
             return False
-        self._end(rid, f"stopped to free KV memory, {self._stall_report()}; retry it")
+        self._end(rid, stall_message(f"no engine could run any of the {len(live)} live requests ({self._stuck()})"))
         return True
+
+    def _watch_stalls(self, now: float) -> None:
+        """A replica stalled while others work (paraflex/kv_stall.py): end what the watch names."""
+        with self._lock:
+            replicas: dict = {}
+            for rid, lv in self._live.items():
+                engines = self.placement.models[lv.model].replicas[lv.replica]
+                replicas.setdefault((lv.model, lv.replica), (engines, []))[1].append(LiveRequest(rid, lv.tokens))
+        runs = {e.engine_id: e.run_counts() for e in self.engines}
+        for rid, error in self.stall_watch.check(now, runs, replicas):
+            self._end(rid, error)
 
     def on_output(self, request_id, token_ids, finish_reason, error, **extra) -> None:
         """The engines' sink: forward to the request's own sink; drop output after the end."""
@@ -343,6 +367,7 @@ class LLMCluster:
 
     def _emit(self, rid, token_ids, finish_reason, error, **extra) -> None:
         live = self._live[rid]
+        live.tokens += len(token_ids)
         if finish_reason is not None:
             with self._lock:
                 del self._live[rid]

@@ -100,7 +100,7 @@ def test_openai_shapes_for_routes_methods_and_model_retrieval(url):
 
 
 def test_the_bearer_scheme_is_case_insensitive_and_overload_says_when_to_retry():
-    server = ServerThread(build_app(EchoBackend(delay=0.05), api_key="k", max_outstanding=1)).start()
+    server = ServerThread(build_app(EchoBackend(delay=0.2), api_key="k", max_outstanding=1)).start()
     try:
         body = {"model": "echo-a", "prompt": "abc", "max_tokens": 8}
         assert httpx.post(f"{server.url}/v1/completions", json=body, headers={"authorization": "bearer k"}).status_code == 200

@@ -122,7 +122,7 @@ def test_bind_names_the_flag_at_fault():
         port = s.getsockname()[1]
         with pytest.raises(UserError, match=rf"^--port: cannot listen on 127.0.0.1:{port} \("):
             bind("127.0.0.1", port)
-    for host in ("192.0.2.1", "no-such-host.invalid"):  # TEST-NET-1: on no interface here; a name that never resolves
+    for host in ("192.0.2.1",):  # TEST-NET-1: on no interface here
         with pytest.raises(UserError, match=rf"^--host: cannot listen on {host}:0 \("):
             bind(host, 0)
 
@@ -131,6 +131,8 @@ def test_an_empty_api_key_is_refused_and_an_empty_env_key_means_none(files, caps
     cfg, pl = files
     assert main(["serve", cfg, "--placement", pl, "--in-process", "--api-key", " "]) == 2
     assert "--api-key: empty; give a key, or leave the flag out" in capsys.readouterr().err
+    assert main(["serve", cfg, "--placement", pl, "--in-process", "--api-key", "k3y\n"]) == 2
+    assert "--api-key: contains whitespace" in capsys.readouterr().err
     from paraflex.cli import build_parser
 
     monkeypatch.setenv("PARAFLEX_API_KEY", "")

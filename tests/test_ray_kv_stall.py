@@ -1,7 +1,8 @@
-"""The Ray backend's KV-stall watchdog: eight requests whose decodes outgrow one engine
-actor's 48-block pool (no swap space) would wait for ever; the backend sees that no engine
-runs anything while every loop turns, ends the newest request holding KV with an explicit
-error, and the others go on. Every request ends; the oldest with all its tokens."""
+"""The Ray backend's KV-stall watch: six requests whose decodes outgrow one engine actor's
+48-block pool (no swap space) would wait for ever; the monitor hands the engines' batch counts
+and the live streams to the watch (paraflex/kv_stall.py), which ends the newest request with
+tokens with an explicit error, and the others go on. Every request ends; the oldest with all
+its tokens."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from hand_placement import hand_placement
 from paraflex.config import Config
 from paraflex.engine.sampling import SamplingParams
+from paraflex.kv_stall import StallWatch
 
 pytestmark = pytest.mark.slow
 
@@ -36,14 +38,15 @@ def test_a_kv_stall_ends_the_newest_holder_with_an_error_and_the_rest_finish(ray
     }, source="kv-stall")
     placement = hand_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 1, 200_000)
     backend = start_cluster(config, placement, progress=lambda line: None)
-    backend.stall_after_s = 1.0
+    backend.stall_watch = StallWatch(after_s=1.0)
     try:
         async def all_of_them():
-            return await asyncio.gather(*[_drain(backend, f"r{i}", [256] + [5 + i] * 60) for i in range(8)])
+            return await asyncio.gather(*[_drain(backend, f"r{i}", [256] + [5 + i] * 60) for i in range(6)])
         ends = asyncio.run(asyncio.wait_for(all_of_them(), timeout=180))
     finally:
         asyncio.run(backend.close())
     assert ends[0] == (120, "length", None)
     stopped = [e for e in ends if e[2] is not None]
-    assert stopped and all(e[2].startswith("stopped to free KV memory: no engine could run any of the") for e in stopped)
+    assert stopped and all(e[2].startswith("stopped to free KV memory: no batch of tiny-2l ran on its engines for 1 s")
+                           for e in stopped)
     assert all(e == (120, "length", None) or e in stopped for e in ends)

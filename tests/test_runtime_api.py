@@ -190,18 +190,18 @@ def test_a_failing_batch_fails_its_requests_not_the_engine(monkeypatch, part, me
     assert ok.finish_reason == "length" and len(ok.token_ids) == 3
 
 
-def test_after_the_engine_loop_fails_every_request_ends_and_new_ones_are_refused(monkeypatch, capsys):
+def test_after_the_engine_loop_fails_every_request_ends_and_new_ones_are_refused(monkeypatch, caplog):
     pl = make_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 2)
     c = LLMCluster(_demo_config(), pl, kv_bytes=1 << 20, models=["tiny-2l"])
-    live, queued = Sink(), Sink()
-    c.submit("tiny-2l", [256, 1, 2], SamplingParams(max_tokens=4), request_id="live", sink=live)
-    c.step()  # "live" is admitted and running
-    c.submit("tiny-2l", [256, 3], SamplingParams(max_tokens=4), request_id="queued", sink=queued)
+    running, second = Sink(), Sink()
+    c.submit("tiny-2l", [256, 1, 2], SamplingParams(max_tokens=4), request_id="running", sink=running)
+    c.step()  # "running" is admitted and has run its prompt
+    c.submit("tiny-2l", [256, 3], SamplingParams(max_tokens=4), request_id="second", sink=second)
     monkeypatch.setattr(c.engines[0], "step", lambda: (_ for _ in ()).throw(RuntimeError("engine bug")))
     c._loop()  # what the background thread runs: returns once it failed
     error = "runtime loop failed: RuntimeError: engine bug"
-    assert live.calls[-1] == ([], "abort", error, {}) and queued.calls == [([], "abort", error, {})]
-    assert "RuntimeError: engine bug" in capsys.readouterr().err  # the traceback reaches the log
+    assert running.calls[-1] == ([], "abort", error, {}) and second.calls == [([], "abort", error, {})]
+    assert "the engine loop failed" in caplog.text and "RuntimeError: engine bug" in caplog.text  # with its traceback
     with pytest.raises(ParaflexError, match="engines stopped after an internal error .*engine bug.*restart"):
         c.submit("tiny-2l", [256], SamplingParams(max_tokens=2), sink=Sink())
 
@@ -240,5 +240,24 @@ def test_a_kv_stall_ends_the_newest_holder_with_an_error_and_the_rest_finish(thr
     assert all(reason in ("length", "abort") for reason, _ in ends)
     assert ends[0] == ("length", None) and len(sinks[0].tokens) == 120
     stopped = [error for reason, error in ends if reason == "abort"]
-    assert stopped and all(e.startswith("stopped to free KV memory, pipeline stalled") for e in stopped)
+    assert stopped and all(e.startswith("stopped to free KV memory: ") and "cluster.memory_gb" in e for e in stopped)
     assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
+
+
+def test_the_background_loop_hands_each_replica_to_the_stall_watch():
+    """Driven by hand up to the stall (no exact detection involved): two checks of the watch
+    5 s apart end the newest request that has tokens, with the watch's message."""
+    pl = make_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 2)
+    c = LLMCluster(_demo_config(), pl, kv_bytes=200_000, host_kv_bytes=0, models=["tiny-2l"])
+    sinks = [Sink() for _ in range(6)]
+    for i, sink in enumerate(sinks):
+        c.submit("tiny-2l", [256] + [5 + i] * 60, SamplingParams(max_tokens=120, ignore_eos=True), sink=sink)
+    while c.step() or c.hub.pending():
+        pass
+    holders = [i for i, s in enumerate(sinks) if s.tokens and not s.calls[-1][1]]
+    assert len(holders) >= 2
+    c._watch_stalls(100.0)
+    c._watch_stalls(105.0)
+    ends = [(i, s.calls[-1][1:3]) for i, s in enumerate(sinks) if s.calls and s.calls[-1][1]]
+    assert [i for i, _ in ends] == [holders[-1]]
+    assert ends[0][1][0] == "abort" and ends[0][1][1].startswith("stopped to free KV memory: no batch of tiny-2l ran")

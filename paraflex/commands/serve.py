@@ -90,6 +90,9 @@ def run(args) -> int:
         raise UserError(f"--max-restarts: {args.max_restarts} is negative; use 0 (never) or more")
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key: empty; give a key, or leave the flag out to serve without one")
+    if args.api_key is not None and any(ch.isspace() for ch in args.api_key):
+        raise UserError("--api-key: contains whitespace, which an HTTP header cannot carry intact "
+                        "(check $PARAFLEX_API_KEY for a trailing newline); give a key without spaces")
     if args.max_outstanding < 1:
         raise UserError("--max-outstanding: must be at least 1")
     if not 0 <= args.port <= 65535:

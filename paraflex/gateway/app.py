@@ -182,6 +182,11 @@ def _model_entry(card: ModelCard, created: int) -> dict:
             "root": card.name, "parent": None, "max_model_len": card.max_context}
 
 
+async def _encode(card: ModelCard, text: str, add_special_tokens: bool) -> list[int]:
+    """Tokenize on a worker thread: a long prompt must not stall the event loop."""
+    return await asyncio.to_thread(card.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+
 def _chat_ids(card: ModelCard, messages: list[dict], add_generation_prompt: bool) -> list[int]:
     text = card.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     return card.tokenizer.encode(text, add_special_tokens=False)
@@ -220,8 +225,8 @@ class Gateway:
     # -- request preparation -------------------------------------------------------------
 
     async def prompt_ids(self, card: ModelCard, prompt) -> list[int]:
-        if isinstance(prompt, str):  # on a worker thread: a long prompt must not stall the event loop
-            ids = await asyncio.to_thread(card.tokenizer.encode, prompt, add_special_tokens=True)
+        if isinstance(prompt, str):
+            ids = await _encode(card, prompt, True)
         else:
             ids = list(prompt)
             bad = [t for t in ids if t >= card.tokenizer.vocab_size]
@@ -412,7 +417,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
             msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
             ids = await gw.chat_ids(card, msgs, req.add_generation_prompt)
         else:
-            ids = await asyncio.to_thread(card.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await _encode(card, req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": card.max_context, "tokens": ids}
 
     @app.post("/detokenize")
