@@ -9,7 +9,8 @@ import openai
 import pytest
 
 from gateway_fakes import EchoBackend
-from paraflex.gateway.app import MAX_BODY_BYTES, build_app
+from paraflex.gateway.app import build_app
+from paraflex.gateway.request_body import MAX_BODY_BYTES
 from paraflex.gateway.server import ServerThread
 
 

@@ -8,14 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from paraflex.gateway.app import ApiError, _validation_error
+from paraflex.gateway.api_error import ApiError
+from paraflex.gateway.request_body import validation_error
 from paraflex.gateway.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 
 
 def error_of(schema, body: dict) -> ApiError:
     with pytest.raises(ValidationError) as info:
         schema.model_validate(body)
-    return _validation_error(info.value)
+    return validation_error(info.value)
 
 
 @settings(max_examples=60, deadline=None)

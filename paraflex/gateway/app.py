@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI): the front door of `paraflex serve`.
 
-Data flow: client JSON -> protocol.py schema (400 naming a bad field) -> model lookup (404)
+Data flow: client JSON -> request_body.py: protocol.py schema (400 naming a bad field, 413 over
+8 MiB) -> model lookup (404)
 -> tokenize (chat template for chat) -> context check (400) -> admission (503 when too many
 requests are outstanding) -> generation.generate over the Backend -> OpenAI JSON, or SSE
 chunks ending in `data: [DONE]`. Non-streaming requests watch for the client going away and
@@ -22,137 +23,32 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paraflex.errors import UserError
+from paraflex.gateway.api_error import ApiError
 from paraflex.gateway.backend import Backend, ModelCard
 from paraflex.gateway.generation import Admission, Chunk, Ticket, generate
 from paraflex.gateway.metrics import GatewayMetrics
 from paraflex.gateway.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     FieldError,
     StreamOptions,
-    TextPart,
     TokenizeRequest,
     sampling_params,
 )
+from paraflex.gateway.request_body import parse
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of text, ~1 MB as token ids
 _OPEN_PATHS = ("/health", "/metrics")
-
-
-class ApiError(Exception):
-    """An OpenAI-style error response."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        self.status, self.message, self.param, self.code = status, message, param, code
-        super().__init__(message)
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status == 503 else None
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error",
-                503: "service_unavailable"}.get(self.status, "server_error")
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def _param_of(message: str) -> str | None:
     """The field a `UserError` message starts with ("max_tokens: ..."), if it names one."""
     m = re.match(r"([A-Za-z_][\w.\[\]]*):", message)
     return m.group(1) if m else None
-
-
-_FIELD_NAMES = {name for schema in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
-                                    ChatMessage, TextPart, StreamOptions) for name in schema.model_fields}
-
-
-def _field_path(loc: tuple) -> str | None:
-    """pydantic's error location as a field path (`messages[0].role`), minus union-member tags."""
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part in _FIELD_NAMES or not path:
-            path += f".{part}" if path else str(part)
-        else:
-            break
-    return path or None
-
-
-def _validation_error(exc: ValidationError) -> ApiError:
-    err = exc.errors()[0]
-    param = _field_path(tuple(err["loc"]))
-    msg = {"extra_forbidden": "unknown field; this server does not implement it, remove it",
-           "missing": "required field is missing"}.get(err["type"], err["msg"].removeprefix("Value error, "))
-    return ApiError(400, f"{param}: {msg}" if param else msg, param=param)
-
-
-async def _body(request: Request) -> bytes:
-    """The request body, refused (413) past MAX_BODY_BYTES before it is all read."""
-    declared = request.headers.get("content-length", "")
-    too_big = ApiError(413, f"request body is over {MAX_BODY_BYTES >> 20} MiB; send a shorter prompt")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_big
-    parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_big
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # only unpaired surrogates fail
-        return False
-    return True
-
-
-def _surrogate_at(body) -> str | None:
-    """Path of the first string (or key) holding an unpaired UTF-16 surrogate, e.g. a JSON
-    "\\ud800" escape: such text cannot be encoded, so no tokenizer can read it."""
-    stack = [("", body)]
-    while stack:
-        path, v = stack.pop()
-        if isinstance(v, str):
-            if not _encodable(v):
-                return path or "body"
-        elif isinstance(v, dict):
-            for k, item in v.items():
-                key_path = f"{path}.{k}" if path else str(k)
-                if not _encodable(k):
-                    return path or "body"
-                stack.append((key_path, item))
-        elif isinstance(v, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(v) if isinstance(item, (str, list, dict)))
-    return None
-
-
-async def _parse(request: Request, schema):
-    body = await _body(request)
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # bad JSON/encoding, >4300-digit ints, deep nesting
-        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(":")[0]
-        raise ApiError(400, f"request body is not valid JSON ({detail})")
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    bad = _surrogate_at(data)
-    if bad is not None:
-        raise ApiError(400, f"{bad}: holds an unpaired UTF-16 surrogate (e.g. \\ud800); send valid Unicode text",
-                       param=bad)
-    try:
-        return schema.model_validate(data)
-    except ValidationError as exc:
-        raise _validation_error(exc)
 
 
 def _sse(obj) -> str:
@@ -364,7 +260,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = await _parse(request, CompletionRequest)
+        req = await parse(request, CompletionRequest)
         card = gw.card(req.model)
         ids = await gw.prompt_ids(card, req.prompt)
         params = gw.params(req, gw.budget(card, len(ids), req.max_tokens, DEFAULT_COMPLETION_TOKENS))
@@ -384,7 +280,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = await _parse(request, ChatCompletionRequest)
+        req = await parse(request, ChatCompletionRequest)
         card = gw.card(req.model)
         ids = await gw.chat_ids(card, req.chat_messages())
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -409,7 +305,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        req = await _parse(request, TokenizeRequest)
+        req = await parse(request, TokenizeRequest)
         card = gw.card(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "prompt: send exactly one of `prompt` or `messages`", param="prompt")
@@ -422,7 +318,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        req = await _parse(request, DetokenizeRequest)
+        req = await parse(request, DetokenizeRequest)
         card = gw.card(req.model)
         bad = [t for t in req.tokens if not 0 <= t < card.tokenizer.vocab_size]
         if bad:

@@ -1,0 +1,27 @@
+"""The gateway's error responses: `ApiError` carries an HTTP status, a message naming the field
+at fault and the fix, and OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`.
+
+Place in the data flow: request parsing (request_body.py) and the routes (app.py) raise it; the
+app's exception handler turns it into the JSON response, so the `openai` client raises its
+typed exceptions.
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        self.status, self.message, self.param, self.code = status, message, param, code
+        super().__init__(message)
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status == 503 else None
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error",
+                503: "service_unavailable"}.get(self.status, "server_error")
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
