@@ -31,6 +31,15 @@ class LiveRequest:
     tokens: int  # received so far
 
 
+def live_by_replica(placement, live) -> dict[tuple[str, int], tuple[list[int], list[LiveRequest]]]:
+    """`StallWatch.check`'s `replicas` from (request id, model, replica, tokens) in age order."""
+    replicas: dict = {}
+    for rid, model, replica, tokens in live:
+        engines = placement.models[model].replicas[replica]
+        replicas.setdefault((model, replica), (engines, []))[1].append(LiveRequest(rid, tokens))
+    return replicas
+
+
 def stall_message(why: str) -> str:
     """The error a request ended to free KV carries (both backends, both detections)."""
     return (f"stopped to free KV memory: {why} (the live requests' KV fills the pools and the swap "

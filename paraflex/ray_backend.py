@@ -36,7 +36,7 @@ from paraflex.engine.tokenizer import load_tokenizer
 from paraflex.engine.transport_ray import GroupSpec
 from paraflex.errors import UserError
 from paraflex.gateway.backend import BackendMetrics, ModelCard, Output
-from paraflex.kv_stall import LiveRequest, StallWatch
+from paraflex.kv_stall import StallWatch, live_by_replica
 
 MONITOR_EVERY_S = 0.5
 ALIVE, DEAD = "alive", "dead"
@@ -267,10 +267,8 @@ class RayBackend:
         with self._lock:
             runs = {e: st.get("runs") if e in fresh else None for e, st in self._status.items()
                     if self.engine_state[e] == ALIVE}
-            replicas: dict = {}
-            for rid, s in self._streams.items():
-                engines = self.placement.models[s.model].replicas[s.replica]
-                replicas.setdefault((s.model, s.replica), (engines, []))[1].append(LiveRequest(rid, s.tokens))
+            replicas = live_by_replica(self.placement, [(rid, s.model, s.replica, s.tokens)
+                                                        for rid, s in self._streams.items()])
         for rid, error in self.stall_watch.check(now, runs, replicas):
             self._abort_now(rid, notify=True, error=error)
 

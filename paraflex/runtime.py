@@ -31,7 +31,7 @@ from paraflex.engine.sampling import SamplingParams
 from paraflex.engine.tokenizer import Tokenizer, load_tokenizer
 from paraflex.engine.transport import Envelope, LocalTransport
 from paraflex.errors import ParaflexError, UserError
-from paraflex.kv_stall import LiveRequest, StallWatch, stall_message
+from paraflex.kv_stall import StallWatch, live_by_replica, stall_message
 
 log = logging.getLogger(__name__)
 
@@ -243,14 +243,11 @@ class LLMCluster:
                 self.loop_error = exc
                 queued, self._inbox = self._inbox, []
             error = f"runtime loop failed: {self._loop_failure()}"
-            ends = [(rid, lambda rid=rid: self._emit(rid, [], "abort", error)) for rid in list(self._live)]
-            ends += [(item[1], lambda item=item: item[5].on_output(item[1], [], "abort", error))
-                     for item in queued if item[0] == "add" and item[5] is not None]  # submitted, never applied
-            for rid, end in ends:
-                try:
-                    end()
-                except Exception:  # noqa: BLE001 - one broken sink must not keep the others waiting
-                    log.exception("runtime: could not end request %s", rid)
+            for rid in list(self._live):
+                _guarded(rid, self._emit, rid, [], "abort", error)
+            for item in queued:  # submitted, never applied: they end too
+                if item[0] == "add" and item[5] is not None:
+                    _guarded(item[1], item[5].on_output, item[1], [], "abort", error)
 
     def _loop_failure(self) -> str:
         return f"{type(self.loop_error).__name__}: {self.loop_error}"
@@ -352,10 +349,8 @@ class LLMCluster:
     def _watch_stalls(self, now: float) -> None:
         """A replica stalled while others work (paraflex/kv_stall.py): end what the watch names."""
         with self._lock:
-            replicas: dict = {}
-            for rid, lv in self._live.items():
-                engines = self.placement.models[lv.model].replicas[lv.replica]
-                replicas.setdefault((lv.model, lv.replica), (engines, []))[1].append(LiveRequest(rid, lv.tokens))
+            replicas = live_by_replica(self.placement, [(rid, lv.model, lv.replica, lv.tokens)
+                                                        for rid, lv in self._live.items()])
         runs = {e.engine_id: e.run_counts() for e in self.engines}
         for rid, error in self.stall_watch.check(now, runs, replicas):
             self._end(rid, error)
@@ -374,6 +369,14 @@ class LLMCluster:
             self.dispatcher.done(live.model, live.replica)
         if live.sink is not None:
             live.sink.on_output(rid, token_ids, finish_reason, error, **extra)
+
+
+def _guarded(rid: str, end, *args) -> None:
+    """`end(*args)`, logging instead of raising: one broken sink must not keep the others waiting."""
+    try:
+        end(*args)
+    except Exception:  # noqa: BLE001
+        log.exception("runtime: could not end request %s", rid)
 
 
 def _restrict(placement, models):
