@@ -5,6 +5,9 @@ Place in the data flow: a request carries `SamplingParams` from the client (gate
 logits of a batch into one new token per request with `Sampler.sample` (greedy, temperature,
 top-k, top-p, per-request seed, optional logprobs) and asks `StopChecker` whether the request
 is done (stop token ids, end-of-sequence unless ignore_eos, stop strings, max_tokens).
+A request restarted by recompute (paraflex/recompute.py) carries the tokens it produced before
+in `resumed`: its stop strings are searched across the restart and its seeded generator skips
+the draws already made.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many top alternatives per token
+    # set by a backend, never by a client: tokens produced before a preemption by recompute
+    # (they end the prompt; max_tokens counts those still to come)
+    resumed: list[int] = field(default_factory=list)
 
     def validate(self) -> "SamplingParams":
         """Raise UserError naming the first bad field; returns self."""
@@ -86,12 +92,16 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._request_gens.pop(request_id, None)
 
-    def _gen(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def _gen(self, request_id: str, params: SamplingParams, vocab: int) -> torch.Generator:
         if params.seed is None:
             return self.generator
         gen = self._request_gens.get(request_id)
         if gen is None:
             gen = self._request_gens[request_id] = torch.Generator().manual_seed(params.seed)
+            if params.resumed:  # a restarted request: skip the draws its first run made
+                flat = torch.ones(vocab)
+                for _ in params.resumed:
+                    torch.multinomial(flat, 1, generator=gen)
         return gen
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> SampleResult:
@@ -109,7 +119,7 @@ class Sampler:
             sub = _top_k_top_p(sub, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
             probs = torch.softmax(sub, -1).cpu()
             for j, i in enumerate(rows):
-                gen = self._gen(request_ids[i], params[i])
+                gen = self._gen(request_ids[i], params[i], probs.shape[-1])
                 tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
         token_list = tokens.tolist()
         logprobs: list[dict | None] = [None] * len(params)
@@ -153,12 +163,17 @@ class StopChecker:
         self.longest_stop = max((len(s) for s in params.stop), default=0)
 
     def check(self, generated: list[int]) -> str | None:
-        """finish reason after the latest token of `generated`: "stop", "length" or None."""
+        """finish reason after the latest token of `generated` (this run's tokens; a restarted
+        request's earlier ones are `params.resumed`): "stop", "length" or None."""
         if generated[-1] in self.stop_ids:
             return "stop"
         if self.decode is not None:
             # a stop string must end inside the text of the newest token
-            tail = self.decode(generated[-(self.longest_stop + 8):])
+            window = self.longest_stop + 8
+            recent = generated[-window:]
+            if len(recent) < window and self.params.resumed:
+                recent = self.params.resumed[-(window - len(recent)):] + recent
+            tail = self.decode(recent)
             if any(s in tail for s in self.params.stop):
                 return "stop"
         if len(generated) >= self.params.max_tokens:

@@ -112,3 +112,29 @@ def test_stop_rules():
     text = list(b"hello world")
     ends = [chk.check(text[: i + 1]) for i in range(len(text))]
     assert ends.index("stop") == len("hello w") - 1
+
+
+def test_a_restarted_request_finds_a_stop_string_across_the_restart():
+    """Restarted by recompute after "hello " (paraflex/recompute.py): "lo w" ends at its first
+    new token, and max_tokens counts the new tokens only."""
+    tok = ByteTokenizer()
+    params = SamplingParams(stop=["lo w"], max_tokens=5, resumed=list(b"hello "))
+    chk = StopChecker(params, tok.eos_token_ids, tok.decode)
+    assert chk.check(list(b"w")) == "stop"
+    assert chk.check(list(b"x")) is None
+    assert StopChecker(SamplingParams(max_tokens=2, resumed=[1, 2, 3]), []).check([4, 5]) == "length"
+
+
+def test_a_restarted_seeded_request_draws_what_it_would_have_drawn():
+    """A seeded request restarted after k tokens skips the k draws its first run made: its next
+    tokens are those of a run never stopped, given the same logits."""
+    torch.manual_seed(3)
+    logits = torch.randn(6, 50)
+    seeded = SamplingParams(seed=11, temperature=1.0)
+    whole = Sampler(0)
+    straight = [whole.sample(logits[i:i + 1], ["a"], [seeded]).token_ids[0] for i in range(6)]
+    resumed = SamplingParams(seed=11, temperature=1.0, resumed=straight[:4])
+    again = Sampler(0)
+    assert [again.sample(logits[i:i + 1], ["a#recompute1"], [resumed]).token_ids[0] for i in (4, 5)] == straight[4:]
+    fresh = Sampler(0)
+    assert [fresh.sample(logits[i:i + 1], ["b"], [seeded]).token_ids[0] for i in (4, 5)] != straight[4:]
