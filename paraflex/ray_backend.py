@@ -13,7 +13,9 @@ of the replica, and the replica leaves dispatch; `health()` reports it and other
 serving. With `max_restarts` > 0 Ray restarts the actor; once it has reloaded, the monitor
 rebuilds the process groups of its replicas (next generation) and the replicas rejoin dispatch.
 The same monitor hands each round's batch counts and live streams to the KV-stall watch
-(paraflex/kv_stall.py), which names requests to end when a replica has stopped making progress.
+(paraflex/kv_stall.py), which names requests to stop when a replica has stopped making progress:
+each restarts by recompute (paraflex/recompute.py) under a new engine request id, and the
+output records are mapped back to the client's request id.
 """
 
 from __future__ import annotations
@@ -37,18 +39,16 @@ from paraflex.engine.transport_ray import GroupSpec
 from paraflex.errors import UserError
 from paraflex.gateway.backend import BackendMetrics, ModelCard, Output
 from paraflex.kv_stall import StallWatch, live_by_replica
+from paraflex.recompute import Restartable, preempt, restart, to_release
 
 MONITOR_EVERY_S = 0.5
 ALIVE, DEAD = "alive", "dead"
 
 
-@dataclass
-class _Stream:
-    model: str
-    replica: int
+@dataclass(kw_only=True)
+class _Stream(Restartable):
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    tokens: int = 0  # received so far (a request with tokens holds KV on every stage)
 
 
 class RayBackend:
@@ -70,7 +70,8 @@ class RayBackend:
                        if len(engines) > 1}
         self._cards = [ModelCard(m, config.model(m).arch.max_context, self._tokenizer(m))
                        for m in placement.models]
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # by the client's request id, oldest first
+        self._client_id: dict[str, str] = {}  # engine request id -> client request id
         self._lock = threading.Lock()
         self.engine_state = {e: ALIVE for e in actors}
         self.engine_error: dict[int, str] = {}
@@ -78,6 +79,7 @@ class RayBackend:
         self._restarts: dict[int, int] = {}  # Ray's restart count when last seen alive
         self._status: dict[int, dict] = {}
         self.stall_watch = StallWatch()
+        self.preemptions: dict[str, int] = {}  # per model: requests stopped to free KV, restarted
         self._closed = threading.Event()
         self._threads = [threading.Thread(target=self._monitor, name="pf-monitor", daemon=True),
                          threading.Thread(target=self._poll_outputs, name="pf-outputs", daemon=True)]
@@ -101,15 +103,16 @@ class RayBackend:
                      request_id: str) -> AsyncIterator[Output]:
         params = params.validate()
         prompt = check_request(self.config, self.placement, model, prompt_token_ids, params.max_tokens)
-        loop = asyncio.get_running_loop()
-        stream = _Stream(model, -1, loop, asyncio.Queue())
+        stream = _Stream(model=model, replica=-1, prompt=prompt, params=params, engine_rid=request_id,
+                         loop=asyncio.get_running_loop(), queue=asyncio.Queue())
         with self._lock:
-            if request_id in self._streams:
+            if request_id in self._streams or request_id in self._client_id:
                 raise UserError(f"request_id: {request_id!r} is already in use")
             replica = self._pick_live(model)
             if replica is not None:
                 stream.replica = replica
                 self._streams[request_id] = stream
+                self._client_id[request_id] = request_id
         if replica is None:
             yield Output(error=f"model {model!r} has no live replica: {self._dead_summary()}")
             return
@@ -147,17 +150,20 @@ class RayBackend:
 
     def metrics(self) -> BackendMetrics:
         with self._lock:
-            live = [s.model for s in self._streams.values()]
+            live = [s.model for s in self._streams.values() if not s.held]
+            held = [s.model for s in self._streams.values() if s.held]  # waiting for a restart
             status = dict(self._status)
-        waiting = {m: 0 for m in self.placement.models}
+            preemptions = dict(self.preemptions)
+        queued = {m: 0 for m in self.placement.models}  # waiting in the engines
         usage = {}
         for e, st in status.items():
             if "kv_usage" in st:
                 usage[e] = float(st["kv_usage"])
             for m, n in st.get("waiting", {}).items():
-                waiting[m] = waiting.get(m, 0) + n
-        running = {m: max(0, live.count(m) - waiting[m]) for m in waiting}
-        return BackendMetrics(running=running, waiting=waiting, kv_cache_usage=usage)
+                queued[m] = queued.get(m, 0) + n
+        running = {m: max(0, live.count(m) - n) for m, n in queued.items()}
+        waiting = {m: n + held.count(m) for m, n in queued.items()}
+        return BackendMetrics(running=running, waiting=waiting, kv_cache_usage=usage, preemptions=preemptions)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.shutdown)
@@ -191,6 +197,8 @@ class RayBackend:
         s = self._streams.pop(rid, None)
         if s is not None:
             self.dispatcher.done(s.model, s.replica)
+            if not s.held:
+                del self._client_id[s.engine_rid]
         return s
 
     def _abort_now(self, rid: str, notify: bool, error: str | None = None) -> None:
@@ -198,10 +206,43 @@ class RayBackend:
             s = self._end(rid)
         if s is None:
             return
-        self._free_on_replica(s.model, s.replica, [rid])
+        if not s.held:
+            self._free_on_replica(s.model, s.replica, [s.engine_rid])
         if notify:
             out = Output(error=error) if error else Output(finish_reason="abort")
             s.loop.call_soon_threadsafe(s.queue.put_nowait, out)
+        self._release((s.model, s.replica), ended=not s.held)
+
+    def _preempt(self, rid: str, error: str) -> None:
+        """Stop a request to free KV (a stall): it restarts by recompute (paraflex/recompute.py),
+        or ends with `error` after MAX_RECOMPUTES restarts."""
+        with self._lock:
+            s = self._streams.get(rid)
+            if s is None:
+                return
+            held = preempt(s)
+            if held:
+                del self._client_id[s.engine_rid]
+                self.preemptions[s.model] = self.preemptions.get(s.model, 0) + 1
+        if not held:
+            self._abort_now(rid, notify=True, error=error)
+            return
+        self.progress(f"paraflex: request {rid} stopped to free KV; it restarts by recompute after {s.tokens} token(s)")
+        self._free_on_replica(s.model, s.replica, [s.engine_rid])
+        self._release((s.model, s.replica), ended=False)
+
+    def _release(self, key: tuple[str, int], ended: bool) -> None:
+        """Restart the held request of replica `key` that `to_release` names. Submitted under the
+        lock, so an abort of it (which takes the lock first) reaches the engine after it."""
+        with self._lock:
+            rid = to_release(self._streams.items(), key, ended)
+            if rid is None or not self._replica_alive(*key):
+                return
+            s = self._streams[rid]
+            prompt, params = restart(rid, s, lambda x: x in self._streams or x in self._client_id)
+            self._client_id[s.engine_rid] = rid
+            self.actors[self.placement.models[s.model].replicas[s.replica][0]].add_request.remote(
+                msgpack.packb([s.model, s.engine_rid, prompt, params.to_dict()], use_bin_type=True))
 
     def _free_on_replica(self, model: str, replica: int, rids: list[str], skip: int | None = None) -> None:
         payload = msgpack.packb([model, rids], use_bin_type=True)
@@ -219,13 +260,17 @@ class RayBackend:
                 self._fail_all(f"output router failed: {type(exc).__name__}: {exc}")
                 return
             for payload in payloads:
-                for rid, tokens, finish, error in unpack_records(payload):
+                for engine_rid, tokens, finish, error in unpack_records(payload):
                     out = Output(list(tokens), finish, error)
                     with self._lock:
-                        s = self._end(rid) if out.final else self._streams.get(rid)
+                        rid = self._client_id.get(engine_rid)  # None: ended, or a run stopped for a restart
+                        s = None if rid is None else self._end(rid) if out.final else self._streams.get(rid)
+                        if s is not None:
+                            s.output.extend(out.token_ids)
                     if s is not None:
-                        s.tokens += len(out.token_ids)
                         s.loop.call_soon_threadsafe(s.queue.put_nowait, out)
+                        if out.final:
+                            self._release((s.model, s.replica), ended=True)
 
     def _fail_all(self, error: str) -> None:
         with self._lock:
@@ -268,9 +313,9 @@ class RayBackend:
             runs = {e: st.get("runs") if e in fresh else None for e, st in self._status.items()
                     if self.engine_state[e] == ALIVE}
             replicas = live_by_replica(self.placement, [(rid, s.model, s.replica, s.tokens)
-                                                        for rid, s in self._streams.items()])
+                                                        for rid, s in self._streams.items() if not s.held])
         for rid, error in self.stall_watch.check(now, runs, replicas):
-            self._abort_now(rid, notify=True, error=error)
+            self._preempt(rid, error)
 
     def _engine_seen(self, e: int, st: dict) -> None:
         with self._lock:
@@ -296,7 +341,8 @@ class RayBackend:
         self.progress(f"paraflex: {reason}; failing {len(hit)} request(s) on its replicas")
         by_replica: dict[tuple[str, int], list[str]] = {}
         for rid, s in hit:
-            by_replica.setdefault((s.model, s.replica), []).append(rid)
+            if not s.held:
+                by_replica.setdefault((s.model, s.replica), []).append(s.engine_rid)
             s.loop.call_soon_threadsafe(s.queue.put_nowait, Output(error=reason))
         for (model, replica), rids in by_replica.items():
             self._free_on_replica(model, replica, rids, skip=e)

@@ -3,7 +3,9 @@
 Place in the data flow: `LLMCluster(config, placement=None)` plans (with `paraflex.planner`
 when no placement is given), builds one `EngineLoop` per engine (`build_engine`), wires them
 with one `LocalTransport`, and dispatches each request to the replica of its model with the
-fewest outstanding requests. Tokens flow back through an `OutputSink` per request.
+fewest outstanding requests. Tokens flow back through an `OutputSink` per request. A request
+stopped to free KV in a stall restarts by recompute (paraflex/recompute.py) under a new engine
+request id; the engines' outputs are mapped back to the client's id.
 
 Two ways to drive it:
 
@@ -32,6 +34,7 @@ from paraflex.engine.tokenizer import Tokenizer, load_tokenizer
 from paraflex.engine.transport import Envelope, LocalTransport
 from paraflex.errors import ParaflexError, UserError
 from paraflex.kv_stall import StallWatch, live_by_replica, stall_message
+from paraflex.recompute import Restartable, preempt, restart, to_release
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +51,9 @@ class Result:
     logprobs: list[dict] | None = None
 
 
-@dataclass
-class _Live:
-    model: str
-    replica: int
+@dataclass(kw_only=True)
+class _Live(Restartable):
     sink: object
-    tokens: int = 0  # emitted so far (the KV-stall watch)
 
 
 STALL_ROUNDS = 3  # rounds in which no engine ran anything and nothing travelled: a stall
@@ -111,7 +111,8 @@ class LLMCluster:
                 progress=progress,
             ))
         self._by_id = {e.engine_id: e for e in self.engines}
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, _Live] = {}  # by the client's request id, oldest first
+        self._client_id: dict[str, str] = {}  # engine request id -> client request id
         self.dispatcher = Dispatcher.from_placement(placement)
         self._inbox: list[tuple] = []
         self._lock = threading.Lock()
@@ -121,6 +122,7 @@ class LLMCluster:
         self._stop = False
         self.loop_error: BaseException | None = None
         self.stall_watch = StallWatch()
+        self.preemptions: dict[str, int] = {}  # per model: requests stopped to free KV, restarted
 
     # ------------------------------------------------------------------ models
     def models(self) -> list[str]:
@@ -145,7 +147,7 @@ class LLMCluster:
             if self.loop_error is not None:  # checked under the lock the failing loop takes
                 raise ParaflexError(f"the engines stopped after an internal error ({self._loop_failure()}); "
                                     "restart the server")
-            if rid in self._live or any(e[1] == rid for e in self._inbox if e[0] == "add"):
+            if self._in_use(rid) or any(e[1] == rid for e in self._inbox if e[0] == "add"):
                 raise UserError(f"request_id: {rid!r} is already in use")
             self._inbox.append(("add", rid, model, prompt, params, sink))
             self._wake.notify()
@@ -156,6 +158,15 @@ class LLMCluster:
         with self._wake:
             self._inbox.append(("abort", request_id))
             self._wake.notify()
+
+    def held(self) -> dict[str, int]:
+        """Per model: requests stopped to free KV, waiting for their replica to restart them."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for live in self._live.values():
+                if live.held:
+                    out[live.model] = out.get(live.model, 0) + 1
+        return out
 
     def has_unfinished(self) -> bool:
         """Requests live or queued, or messages (tokens, frees) still travelling between engines."""
@@ -310,63 +321,118 @@ class LLMCluster:
                 f"in KV ({self._stuck()}); give later stages KV in proportion to their layers, add host "
                 "swap space, or lower scheduler.max_batch_size")
 
+    def _in_use(self, rid: str) -> bool:
+        return rid in self._live or rid in self._client_id
+
     def _apply(self, item) -> None:
         if item[0] == "add":
             _, rid, model, prompt, params, sink = item
             replica = self.dispatcher.pick(model)
-            first = self.placement.models[model].replicas[replica][0]
             with self._lock:
-                self._live[rid] = _Live(model, replica, sink)
-            self._by_id[first].add_request(model, rid, prompt, params)
-            return
-        self._end(item[1], None)
+                self._live[rid] = _Live(model=model, replica=replica, prompt=prompt, params=params,
+                                        engine_rid=rid, sink=sink)
+                self._client_id[rid] = rid
+            self._submit_to_engine(model, replica, rid, prompt, params)
+        elif item[0] == "restart":
+            _, rid, engine_rid, prompt, params = item
+            live = self._live.get(rid)
+            if live is not None and live.engine_rid == engine_rid:  # not ended meanwhile
+                self._submit_to_engine(live.model, live.replica, engine_rid, prompt, params)
+        else:
+            self._end(item[1], None)
+
+    def _submit_to_engine(self, model: str, replica: int, engine_rid: str, prompt, params) -> None:
+        first = self.placement.models[model].replicas[replica][0]
+        self._by_id[first].add_request(model, engine_rid, prompt, params)
+
+    def _free_everywhere(self, live: _Live) -> None:
+        """Free the request's KV on every stage of its replica (as an abort)."""
+        meta = FreeMessage(live.model, [live.engine_rid], "aborted").to_dict()
+        for eid in self.placement.models[live.model].replicas[live.replica]:
+            self.hub.send(Envelope(eid, eid, live.model, "free", meta))
 
     def _end(self, rid: str, error: str | None) -> None:
         """Abort a live request: free its KV on every stage, finish its stream ("abort")."""
         live = self._live.get(rid)
         if live is None:
             return
-        meta = FreeMessage(live.model, [rid], "aborted").to_dict()
-        for eid in self.placement.models[live.model].replicas[live.replica]:
-            self.hub.send(Envelope(eid, eid, live.model, "free", meta))
+        if not live.held:
+            self._free_everywhere(live)
         self._emit(rid, [], "abort", error)
+
+    def _preempt(self, rid: str, error: str) -> None:
+        """Stop a request to free KV (a stall): it restarts by recompute (paraflex/recompute.py),
+        or ends with `error` after MAX_RECOMPUTES restarts."""
+        live = self._live.get(rid)
+        if live is None:
+            return
+        if not preempt(live):
+            self._end(rid, error)
+            return
+        log.info("runtime: request %s stopped to free KV; it restarts by recompute after %d token(s)",
+                 rid, live.tokens)
+        self.preemptions[live.model] = self.preemptions.get(live.model, 0) + 1
+        self._free_everywhere(live)
+        with self._lock:
+            del self._client_id[live.engine_rid]
+        self._release((live.model, live.replica), ended=False)
+
+    def _release(self, key: tuple[str, int], ended: bool) -> None:
+        """Restart the held request of replica `key` that `to_release` names (on the next step:
+        this may run inside an engine's step, through a sink)."""
+        rid = to_release(self._live.items(), key, ended)
+        if rid is None:
+            return
+        with self._lock:
+            live = self._live[rid]
+            prompt, params = restart(rid, live, self._in_use)
+            self._client_id[live.engine_rid] = rid
+            self._inbox.append(("restart", rid, live.engine_rid, prompt, params))
 
     def _break_stall(self) -> bool:
         """No engine can run anything and nothing travels between them: the live requests' KV
-        fills the pools and the swap space, and only an end frees some. End the newest request
-        holding KV on an engine that has queued work (else anywhere) with an explicit error, as
-        vLLM preempts its newest: its KV frees on every stage and the others go on; requests
-        still waiting for their prompt hold none and wait. False when no request holds KV."""
+        fills the pools and the swap space, and only an end frees some. Stop the newest request
+        holding KV on an engine that has queued work (else anywhere), as vLLM preempts its
+        newest: its KV frees on every stage, the others go on, and it restarts by recompute;
+        requests still waiting for their prompt hold none and wait. False when no request holds
+        KV."""
         with self._lock:
-            live = list(self._live)
+            live = [(rid, lv.engine_rid) for rid, lv in self._live.items() if not lv.held]
         stuck = [e for e in self.engines if e.has_work()]
-        rid = next((r for engines in (stuck, self.engines) for r in reversed(live) if self._holds_kv(r, engines)), None)
+        rid = next((r for engines in (stuck, self.engines) for r, erid in reversed(live)
+                    if self._holds_kv(erid, engines)), None)
         if rid is None:
             return False
-        self._end(rid, stall_message(f"no engine could run any of the {len(live)} live requests ({self._stuck()})"))
+        self._preempt(rid, stall_message(f"no engine could run any of the {len(live)} running requests "
+                                         f"({self._stuck()})"))
         return True
 
     def _watch_stalls(self, now: float) -> None:
-        """A replica stalled while others work (paraflex/kv_stall.py): end what the watch names."""
+        """A replica stalled while others work (paraflex/kv_stall.py): stop what the watch names."""
         with self._lock:
             replicas = live_by_replica(self.placement, [(rid, lv.model, lv.replica, lv.tokens)
-                                                        for rid, lv in self._live.items()])
+                                                        for rid, lv in self._live.items() if not lv.held])
         runs = {e.engine_id: e.run_counts() for e in self.engines}
         for rid, error in self.stall_watch.check(now, runs, replicas):
-            self._end(rid, error)
+            self._preempt(rid, error)
 
     def on_output(self, request_id, token_ids, finish_reason, error, **extra) -> None:
-        """The engines' sink: forward to the request's own sink; drop output after the end."""
-        if request_id in self._live:
-            self._emit(request_id, token_ids, finish_reason, error, **extra)
+        """The engines' sink: forward to the request's own sink; drop output after the end (or
+        of a run stopped for a restart)."""
+        rid = self._client_id.get(request_id)
+        if rid is not None:
+            self._emit(rid, token_ids, finish_reason, error, **extra)
 
     def _emit(self, rid, token_ids, finish_reason, error, **extra) -> None:
         live = self._live[rid]
-        live.tokens += len(token_ids)
+        live.output.extend(token_ids)
         if finish_reason is not None:
             with self._lock:
                 del self._live[rid]
+                if not live.held:
+                    del self._client_id[live.engine_rid]
             self.dispatcher.done(live.model, live.replica)
+            self._release((live.model, live.replica), ended=not live.held)
         if live.sink is not None:
             live.sink.on_output(rid, token_ids, finish_reason, error, **extra)
 

@@ -23,7 +23,10 @@ def test_request_is_counted_under_vllm_names():
     m = GatewayMetrics(["a", "b"])
     # arrival 0, tokens at 0.5, 0.6, 0.8, end 1.0
     m.observe_request("a", 0.0, [0.5, 0.6, 0.8], 1.0, prompt_tokens=7, finish_reason="length")
-    s = parse(m.render(BackendMetrics(running={"a": 2}, waiting={"b": 1}, kv_cache_usage={0: 0.25, 1: 0.0})))
+    s = parse(m.render(BackendMetrics(running={"a": 2}, waiting={"b": 1}, kv_cache_usage={0: 0.25, 1: 0.0},
+                                      preemptions={"b": 3})))
+    assert s['vllm:num_preemptions_total{model_name="b"}'] == 3
+    assert s['vllm:num_preemptions_total{model_name="a"}'] == 0
     assert s['vllm:prompt_tokens_total{model_name="a"}'] == 7
     assert s['vllm:generation_tokens_total{model_name="a"}'] == 3
     assert s['vllm:generation_tokens_total{model_name="b"}'] == 0

@@ -12,6 +12,7 @@ from paraflex.cli import main
 from paraflex.config import Config
 from paraflex.engine.sampling import SamplingParams
 from paraflex.errors import ParaflexError, UserError
+from paraflex.recompute import MAX_RECOMPUTES
 from paraflex.runtime import LLMCluster
 
 torch.set_num_threads(1)
@@ -218,16 +219,22 @@ def test_a_failure_while_admitting_ends_the_requests_queued_behind_it(monkeypatc
 
 
 @pytest.mark.parametrize("threaded", [False, True])
-def test_a_kv_stall_ends_the_newest_holder_with_an_error_and_the_rest_finish(threaded):
-    """8 requests whose decodes outgrow a 48-block pool with no swap space: step by step no
-    engine could run anything. The runtime ends the newest request holding KV (explicitly) until
-    the others can go on; every request ends, the oldest with all its tokens."""
+def test_a_kv_stall_restarts_the_newest_holder_by_recompute_and_every_request_completes(threaded):
+    """8 greedy requests whose decodes outgrow a 48-block pool with no swap space: step by step
+    no engine could run anything. The runtime stops the newest request holding KV, frees it on
+    every stage and restarts it from its prompt and the tokens it has (paraflex/recompute.py)
+    once its replica can take it back: every request completes with all its tokens, the same
+    tokens as when it runs alone, and the pools end empty."""
     pl = make_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 2)
+    greedy = SamplingParams(max_tokens=120, ignore_eos=True, temperature=0)
+    prompts = [[256] + [5 + i] * 60 for i in range(8)]
+    alone = LLMCluster(_demo_config(), pl, kv_bytes=2_000_000, host_kv_bytes=0, models=["tiny-2l"])
+    expected = [alone.generate("tiny-2l", p, greedy)[0].token_ids for p in prompts]
     c = LLMCluster(_demo_config(), pl, kv_bytes=200_000, host_kv_bytes=0, models=["tiny-2l"])
     assert c.engines[0].scheduler.pool.capacity == 48  # 384 tokens per layer; each request needs 181
     sinks = [Sink() for _ in range(8)]
-    for i, sink in enumerate(sinks):
-        c.submit("tiny-2l", [256] + [5 + i] * 60, SamplingParams(max_tokens=120, ignore_eos=True), sink=sink)
+    for prompt, sink in zip(prompts, sinks):
+        c.submit("tiny-2l", prompt, greedy, sink=sink)
     if threaded:
         c.start()
         deadline = time.monotonic() + 120
@@ -236,17 +243,16 @@ def test_a_kv_stall_ends_the_newest_holder_with_an_error_and_the_rest_finish(thr
         c.shutdown()
     else:
         c.run_until_idle(timeout_s=120)
-    ends = [s.calls[-1][1:3] for s in sinks]
-    assert all(reason in ("length", "abort") for reason, _ in ends)
-    assert ends[0] == ("length", None) and len(sinks[0].tokens) == 120
-    stopped = [error for reason, error in ends if reason == "abort"]
-    assert stopped and all(e.startswith("stopped to free KV memory: ") and "cluster.memory_gb" in e for e in stopped)
+    assert c.preemptions["tiny-2l"] >= 1
+    assert [s.calls[-1][1:3] for s in sinks] == [("length", None)] * 8
+    assert [s.tokens for s in sinks] == expected
     assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
 
 
 def test_the_background_loop_hands_each_replica_to_the_stall_watch():
     """Driven by hand up to the stall (no exact detection involved): two checks of the watch
-    5 s apart end the newest request that has tokens, with the watch's message."""
+    5 s apart stop the newest request that has tokens; it is held (its stream open) while the
+    others of its replica run, then restarts, and every request completes."""
     pl = make_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 2)
     c = LLMCluster(_demo_config(), pl, kv_bytes=200_000, host_kv_bytes=0, models=["tiny-2l"])
     sinks = [Sink() for _ in range(6)]
@@ -256,8 +262,39 @@ def test_the_background_loop_hands_each_replica_to_the_stall_watch():
         pass
     holders = [i for i, s in enumerate(sinks) if s.tokens and not s.calls[-1][1]]
     assert len(holders) >= 2
+    used = c.engines[0].scheduler.pool.num_used
     c._watch_stalls(100.0)
     c._watch_stalls(105.0)
-    ends = [(i, s.calls[-1][1:3]) for i, s in enumerate(sinks) if s.calls and s.calls[-1][1]]
-    assert [i for i, _ in ends] == [holders[-1]]
-    assert ends[0][1][0] == "abort" and ends[0][1][1].startswith("stopped to free KV memory: no batch of tiny-2l ran")
+    assert c.preemptions == {"tiny-2l": 1} and c.held() == {"tiny-2l": 1}
+    while c.hub.pending():
+        c.step()
+    assert c.engines[0].scheduler.pool.num_used < used  # the stopped request's KV is free
+    assert not any(s.calls[-1][1] for s in sinks if s.calls)  # nobody ended
+    c.run_until_idle(timeout_s=120)
+    assert [s.calls[-1][1:3] for s in sinks] == [("length", None)] * 6
+    assert all(len(s.tokens) == 120 for s in sinks) and c.held() == {}
+
+
+def test_a_request_stopped_once_more_than_the_restart_cap_ends_with_the_stall_error():
+    """The newest holder has been restarted MAX_RECOMPUTES times: the watch's next stop ends it
+    (finish_reason "abort", the error names the config fields), frees its KV, and the others
+    complete."""
+    pl = make_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 2)
+    c = LLMCluster(_demo_config(), pl, kv_bytes=200_000, host_kv_bytes=0, models=["tiny-2l"])
+    sinks = [Sink() for _ in range(6)]
+    rids = [c.submit("tiny-2l", [256] + [5 + i] * 60, SamplingParams(max_tokens=120, ignore_eos=True), sink=sink)
+            for i, sink in enumerate(sinks)]
+    while c.step() or c.hub.pending():
+        pass
+    newest = [i for i, s in enumerate(sinks) if s.tokens and not s.calls[-1][1]][-1]
+    c._live[rids[newest]].recomputes = MAX_RECOMPUTES
+    c._watch_stalls(100.0)
+    c._watch_stalls(105.0)
+    reason, error = sinks[newest].calls[-1][1:3]
+    assert reason == "abort" and error.startswith("stopped to free KV memory: no batch of tiny-2l ran")
+    assert f"restarted by recompute {MAX_RECOMPUTES} times" in error and "cluster.memory_gb" in error
+    assert c.preemptions == {} and c.held() == {}
+    c.run_until_idle(timeout_s=120)
+    assert all(s.calls[-1][1:3] == ("length", None) for i, s in enumerate(sinks) if i != newest)
+    assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
+

@@ -60,11 +60,14 @@ class BackendMetrics:
     running / waiting: model name -> number of requests in that state (vLLM's
     num_requests_running / num_requests_waiting). kv_cache_usage: engine id -> fraction of
     that engine's KV block pool in use, 0..1 (vLLM's kv_cache_usage_perc, per engine).
+    preemptions: model name -> requests stopped to free KV and restarted by recompute so far
+    (vLLM's num_preemptions; paraflex/recompute.py).
     """
 
     running: dict[str, int] = field(default_factory=dict)
     waiting: dict[str, int] = field(default_factory=dict)
     kv_cache_usage: dict[int, float] = field(default_factory=dict)
+    preemptions: dict[str, int] = field(default_factory=dict)
 
 
 @runtime_checkable

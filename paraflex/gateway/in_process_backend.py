@@ -102,7 +102,11 @@ class InProcessBackend:
                 if stage.is_first:
                     waiting[stage.model] += len(stage.prefill_q)
         running = {m: max(0, live.count(m) - waiting[m]) for m in waiting}
-        return BackendMetrics(running=running, waiting=waiting, kv_cache_usage=usage)
+        for m, n in self.cluster.held().items():  # stopped to free KV, waiting for a restart
+            running[m] = max(0, running[m] - n)
+            waiting[m] += n
+        return BackendMetrics(running=running, waiting=waiting, kv_cache_usage=usage,
+                              preemptions=dict(self.cluster.preemptions))
 
     async def close(self) -> None:
         await asyncio.to_thread(self.cluster.shutdown)

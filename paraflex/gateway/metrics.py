@@ -106,6 +106,9 @@ class GatewayMetrics:
                "KV-cache usage of each engine's shared block pool. 1 means 100 percent usage.")
         for engine, usage in sorted(state.kv_cache_usage.items()):
             lines.append(f"vllm:kv_cache_usage_perc{_labels(engine=engine)} {float(usage)}")
+        per_model("vllm:num_preemptions_total", "counter",
+                  "Cumulative number of preemptions (requests stopped to free KV, restarted by recompute).",
+                  state.preemptions)
         per_model("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
                   self.prompt_tokens)
         per_model("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",

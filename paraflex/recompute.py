@@ -1,0 +1,83 @@
+"""Preemption by recompute: a request stopped to free KV restarts from the tokens it has.
+
+Place in the data flow: both serving backends (paraflex/runtime.py, paraflex/ray_backend.py)
+keep a `Restartable` record per live request. When the KV-stall watch (paraflex/kv_stall.py), or
+the in-process runtime's exact stall check, names a request to stop, the backend calls
+`preempt`: the request's KV is freed on every stage under its current engine request id (as an
+abort), and the request is held, keeping its place in dispatch. `to_release` says when its
+replica can take it back: after another request of that replica ends (which frees KV), or at
+once when none of its requests is running; one at a time, oldest first, so a restarted request
+cannot take back the blocks the others just got and stall them again. The backend then submits
+`restart(record)` to the replica's first stage under a new engine request id (the engines
+remember freed ids): the original prompt followed by every token the client has received,
+`max_tokens` lowered by as many, and `SamplingParams.resumed` holding those tokens (the last
+stage searches stop strings across the restart; a seeded generator skips the draws already
+made). The client's stream pauses and goes on, as in vLLM's recompute preemption. A request
+preempted `MAX_RECOMPUTES` times ends with the stall's error instead (a guard against one that
+can never keep its KV). Pure logic: no torch, Ray or HTTP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+MAX_RECOMPUTES = 3
+
+
+@dataclass(kw_only=True)
+class Restartable:
+    """What a backend keeps of a live request to restart it (its stream record extends this)."""
+
+    model: str
+    replica: int
+    prompt: list[int]
+    params: object  # SamplingParams (engine/sampling.py), as the client gave it
+    engine_rid: str  # the id the engines know it by now
+    output: list[int] = field(default_factory=list)  # tokens the client has received
+    recomputes: int = 0
+    held: bool = False  # preempted, waiting for its replica to take it back
+
+    @property
+    def tokens(self) -> int:
+        return len(self.output)
+
+
+def preempt(rec: Restartable) -> bool:
+    """Hold `rec` for a restart; False when it was preempted MAX_RECOMPUTES times already (the
+    caller ends it instead). The caller frees it on every stage under its engine id first."""
+    if rec.recomputes >= MAX_RECOMPUTES:
+        return False
+    rec.recomputes += 1
+    rec.held = True
+    return True
+
+
+def to_release(live, key: tuple[str, int], ended: bool) -> str | None:
+    """The held request of replica `key` = (model, replica) to restart now, or None.
+
+    `live`: (request id, Restartable) pairs of every live request, oldest first; `ended`: a
+    request of that replica has just ended (its KV is free)."""
+    held = None
+    running = False
+    for rid, rec in live:
+        if (rec.model, rec.replica) != key:
+            continue
+        if rec.held:
+            held = held or rid
+        else:
+            running = True
+    return held if ended or not running else None
+
+
+def restart(rid: str, rec: Restartable, in_use) -> tuple[list[int], object]:
+    """Make `rec` live again: a fresh engine id (not `in_use(id)`), and the (prompt, params) to
+    submit under it."""
+    n = rec.recomputes
+    while in_use(engine_rid := f"{rid}#recompute{n}"):
+        n += 1
+    rec.engine_rid = engine_rid
+    rec.held = False
+    params = dataclasses.replace(rec.params, max_tokens=rec.params.max_tokens - len(rec.output),
+                                 resumed=list(rec.output))
+    return rec.prompt + rec.output, params
