@@ -34,6 +34,7 @@ from paraflex.engine.request import WAITING_PREFILL
 from paraflex.engine.sampling import SamplingParams
 from paraflex.engine.transport import Envelope
 from paraflex.engine.transport_ray import GroupSpec, RayTransport
+from paraflex.errors import ParaflexError
 
 LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
 STATS_EVERY_S = 0.2  # how often the engine thread refreshes the numbers status() reports
@@ -96,6 +97,7 @@ class EngineActor:
         out.update(self._stats)
         if self.loop is not None:  # batches started/finished per model, now (the KV-stall watch)
             out["runs"] = self.loop.run_counts()
+            out["kv_token_limits"] = self.loop.scheduler.kv_token_limits()  # admission.check_kv_fit
         return out
 
     def _snapshot(self) -> None:
@@ -150,7 +152,10 @@ class EngineActor:
         for item in items:
             if item[0] == "add":
                 _, model, rid, prompt, sampling = item
-                self.loop.add_request(model, rid, prompt, SamplingParams.from_dict(sampling))
+                try:
+                    self.loop.add_request(model, rid, prompt, SamplingParams.from_dict(sampling))
+                except ParaflexError as exc:  # refused (e.g. an id used before): it ends, the engine goes on
+                    self.sink.on_output(rid, [], "abort", f"engine {self.engine_id} refused the request: {exc}")
             else:
                 _, model, rids = item
                 meta = FreeMessage(model, list(rids), "aborted").to_dict()

@@ -237,6 +237,12 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
                 return st
         raise ProtocolError(f"engine {self.engine_id} hosts no stage of model {model!r}")
 
+    def kv_token_limits(self) -> dict[str, int]:
+        """Per resident model: the most tokens of one request whose KV this engine's pool can
+        hold for its stage (prompt + max_tokens - 1 must not exceed it; serving backends refuse
+        a longer request up front: paraflex/admission.py)."""
+        return {st.model: self.pool.capacity // st.num_layers * st.tokens_per_block for st in self.stages}
+
     # ------------------------------------------------------------------ events in
     def add_request(self, req_id: str, model: str, prompt_len: int, max_new_tokens: int, arrival_time: float,
                     prompt_token_ids: list[int] | None = None, sampling: dict | None = None) -> StageRequest:

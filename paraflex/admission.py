@@ -2,8 +2,10 @@
 
 Shared by the in-process runtime (`paraflex.runtime.LLMCluster.submit`) and the Ray backend
 (`paraflex.ray_backend.RayBackend`): the model must be served, the prompt non-empty and inside
-the vocabulary, and prompt + max_tokens inside the model's context. Each failure is a
-`UserError` naming the field and the fix (the gateway turns it into a 400).
+the vocabulary, prompt + max_tokens inside the model's context (`check_request`), and the
+request's KV inside the pool of every engine holding a stage of the model (`check_kv_fit`: an
+engine could never run it). Each failure is a `UserError` naming the field and the fix (the
+gateway turns it into a 400).
 """
 
 from __future__ import annotations
@@ -28,3 +30,16 @@ def check_request(config, placement, model: str, prompt_token_ids, max_tokens: i
             f"context of {model} ({arch.max_context}); shorten the prompt or lower max_tokens"
         )
     return prompt
+
+
+def check_kv_fit(model: str, prompt_len: int, max_tokens: int, limits: dict[int, int]) -> None:
+    """Raise `UserError` unless one request of `prompt_len` + `max_tokens` tokens fits the KV pool
+    of each engine in `limits` (engine id -> `EngineScheduler.kv_token_limits()[model]`)."""
+    need = prompt_len + max_tokens - 1  # the last token is never fed back
+    for engine, limit in sorted(limits.items()):
+        if need > limit:
+            raise UserError(
+                f"max_tokens: prompt ({prompt_len}) + max_tokens ({max_tokens}) of {model} need KV for {need} "
+                f"tokens on engine {engine}, whose pool holds {limit} per request; shorten the prompt or lower "
+                "max_tokens (or give the engines more KV memory: cluster.memory_gb)"
+            )

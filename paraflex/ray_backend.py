@@ -30,7 +30,7 @@ from typing import AsyncIterator, Callable
 import msgpack
 import ray
 
-from paraflex.admission import check_request
+from paraflex.admission import check_kv_fit, check_request
 from paraflex.engine.dispatcher import Dispatcher
 from paraflex.engine.ray_engine import FAILED, READY
 from paraflex.engine.ray_output import unpack_records
@@ -70,6 +70,7 @@ class RayBackend:
                        if len(engines) > 1}
         self._cards = [ModelCard(m, config.model(m).arch.max_context, self._tokenizer(m))
                        for m in placement.models]
+        self._kv_limits: dict[str, dict[int, int]] = {m: {} for m in placement.models}  # admission.check_kv_fit
         self._streams: dict[str, _Stream] = {}  # by the client's request id, oldest first
         self._client_id: dict[str, str] = {}  # engine request id -> client request id
         self._lock = threading.Lock()
@@ -88,6 +89,8 @@ class RayBackend:
         for e, st in statuses.items():
             self._incarnation[e] = st["incarnation"]
             self._status[e] = st
+            for m, limit in st["kv_token_limits"].items():
+                self._kv_limits[m][e] = limit
         for t in self._threads:
             t.start()
 
@@ -103,6 +106,7 @@ class RayBackend:
                      request_id: str) -> AsyncIterator[Output]:
         params = params.validate()
         prompt = check_request(self.config, self.placement, model, prompt_token_ids, params.max_tokens)
+        check_kv_fit(model, len(prompt), params.max_tokens, self._kv_limits[model])
         stream = _Stream(model=model, replica=-1, prompt=prompt, params=params, engine_rid=request_id,
                          loop=asyncio.get_running_loop(), queue=asyncio.Queue())
         with self._lock:

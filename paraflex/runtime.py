@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from paraflex.admission import check_request
+from paraflex.admission import check_kv_fit, check_request
 from paraflex.engine.dispatcher import Dispatcher
 from paraflex.engine.engine_builder import build_engine, choose_device, engine_routes
 from paraflex.engine.messages import FreeMessage
@@ -111,6 +111,10 @@ class LLMCluster:
                 progress=progress,
             ))
         self._by_id = {e.engine_id: e for e in self.engines}
+        self._kv_limits: dict[str, dict[int, int]] = {m: {} for m in placement.models}  # admission.check_kv_fit
+        for e in self.engines:
+            for m, limit in e.scheduler.kv_token_limits().items():
+                self._kv_limits[m][e.engine_id] = limit
         self._live: dict[str, _Live] = {}  # by the client's request id, oldest first
         self._client_id: dict[str, str] = {}  # engine request id -> client request id
         self.dispatcher = Dispatcher.from_placement(placement)
@@ -141,7 +145,7 @@ class LLMCluster:
         """Queue a request; its output goes to `sink.on_output(...)`. Returns the request id."""
         params = (params or SamplingParams()).validate()
         prompt = check_request(self.config, self.placement, model, prompt_token_ids, params.max_tokens)
-        self._check_fits(model, len(prompt) + params.max_tokens)
+        check_kv_fit(model, len(prompt), params.max_tokens, self._kv_limits[model])
         rid = request_id or f"req-{next(self._ids)}"
         with self._wake:
             if self.loop_error is not None:  # checked under the lock the failing loop takes
@@ -289,21 +293,6 @@ class LLMCluster:
         return [c.result for c in collectors]
 
     # ------------------------------------------------------------------ internals
-    def _check_fits(self, model: str, tokens: int) -> None:
-        """A request whose whole context cannot fit in a stage's KV pool would never run."""
-        for engine in self.engines:
-            if model not in engine.routes:
-                continue
-            sched = engine.scheduler
-            st = sched.stage_of(model)
-            need = -(-tokens // st.tokens_per_block) * st.num_layers
-            if need > sched.pool.capacity:
-                raise UserError(
-                    f"max_tokens: {tokens} tokens of {model} need {need} KV blocks on engine "
-                    f"{engine.engine_id}, which has {sched.pool.capacity}; shorten the request or give "
-                    "the engine more KV memory"
-                )
-
     def _holds_kv(self, rid: str, engines) -> bool:
         for engine in engines:
             req = engine.scheduler.request(rid)
@@ -343,7 +332,10 @@ class LLMCluster:
 
     def _submit_to_engine(self, model: str, replica: int, engine_rid: str, prompt, params) -> None:
         first = self.placement.models[model].replicas[replica][0]
-        self._by_id[first].add_request(model, engine_rid, prompt, params)
+        try:
+            self._by_id[first].add_request(model, engine_rid, prompt, params)
+        except ParaflexError as exc:  # refused (e.g. an id used before): it ends, the engines go on
+            self.on_output(engine_rid, [], "abort", f"engine {first} refused the request: {exc}")
 
     def _free_everywhere(self, live: _Live) -> None:
         """Free the request's KV on every stage of its replica (as an abort)."""

@@ -116,6 +116,30 @@ def test_bad_requests_are_user_errors(cluster):
         cluster.submit("tiny-2l", [1], SamplingParams(top_p=0))
 
 
+def test_a_request_outgrowing_an_engine_kv_pool_is_refused_and_a_reused_id_ends_alone():
+    """Inside the context (2,048) but not inside the 48-block pool: refused at submit, naming
+    max_tokens. An id used before (the engines remember it): that request ends with the engine's
+    refusal, and the background loop goes on serving."""
+    pl = make_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 2)
+    c = LLMCluster(_demo_config(), pl, kv_bytes=200_000, host_kv_bytes=0, models=["tiny-2l"])
+    with pytest.raises(UserError, match=r"max_tokens: prompt \(3\) \+ max_tokens \(400\) of tiny-2l need KV for 402 "
+                                        r"tokens on engine 0, whose pool holds 384 per request"):
+        c.submit("tiny-2l", [256, 5, 6], SamplingParams(max_tokens=400))
+    c.start()
+    try:
+        sinks = [Sink(), Sink(), Sink()]
+        for rid, sink in zip(["a", "a", "b"], sinks):
+            c.submit("tiny-2l", [256, 5], SamplingParams(max_tokens=3), request_id=rid, sink=sink)
+            deadline = time.monotonic() + 30
+            while not (sink.calls and sink.calls[-1][1]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        c.shutdown()
+    assert [s.calls[-1][1] for s in sinks] == ["length", "abort", "length"]
+    assert sinks[1].calls[-1][2].startswith("engine 0 refused the request: request id 'a' already used on engine 0")
+    assert c.loop_error is None
+
+
 def test_background_thread_serves_concurrent_clients():
     pl = make_placement({"tiny-2l": (2, [(0, 1), (1, 2)], [[0, 1]])}, 2)
     c = LLMCluster(_demo_config(), pl, kv_bytes=1 << 20, models=["tiny-2l"])
