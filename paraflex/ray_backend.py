@@ -225,14 +225,15 @@ class RayBackend:
             if s is None:
                 return
             held = preempt(s)
-            if held:
+            if held:  # freed under the lock: a restart (which takes it) cannot rename it meanwhile
                 del self._client_id[s.engine_rid]
                 self.preemptions[s.model] = self.preemptions.get(s.model, 0) + 1
+                self._free_on_replica(s.model, s.replica, [s.engine_rid])
+                tokens = s.tokens
         if not held:
             self._abort_now(rid, notify=True, error=error)
             return
-        self.progress(f"paraflex: request {rid} stopped to free KV; it restarts by recompute after {s.tokens} token(s)")
-        self._free_on_replica(s.model, s.replica, [s.engine_rid])
+        self.progress(f"paraflex: request {rid} stopped to free KV; it restarts by recompute after {tokens} token(s)")
         self._release((s.model, s.replica), ended=False)
 
     def _release(self, key: tuple[str, int], ended: bool) -> None:
@@ -316,7 +317,7 @@ class RayBackend:
         with self._lock:
             runs = {e: st.get("runs") if e in fresh else None for e, st in self._status.items()
                     if self.engine_state[e] == ALIVE}
-            replicas = live_by_replica(self.placement, [(rid, s.model, s.replica, s.tokens)
+            replicas = live_by_replica(self.placement, [(rid, s.model, s.replica, s.run_tokens)
                                                         for rid, s in self._streams.items() if not s.held])
         for rid, error in self.stall_watch.check(now, runs, replicas):
             self._preempt(rid, error)

@@ -12,9 +12,11 @@ cannot take back the blocks the others just got and stall them again. The backen
 remember freed ids): the original prompt followed by every token the client has received,
 `max_tokens` lowered by as many, and `SamplingParams.resumed` holding those tokens (the last
 stage searches stop strings across the restart; a seeded generator skips the draws already
-made). The client's stream pauses and goes on, as in vLLM's recompute preemption. A request
-preempted `MAX_RECOMPUTES` times ends with the stall's error instead (a guard against one that
-can never keep its KV). Pure logic: no torch, Ray or HTTP.
+made). Until its new run has produced a token it holds no KV, so the watch is told only the
+tokens of the current run (`run_tokens`) and never names it for nothing. The client's stream
+pauses and goes on, as in vLLM's recompute preemption. A request preempted `MAX_RECOMPUTES`
+times ends with the stall's error instead: a bound on the recompute work one request can cost
+under sustained memory pressure. Pure logic: no torch, Ray or HTTP.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-MAX_RECOMPUTES = 3
+MAX_RECOMPUTES = 8
 
 
 @dataclass(kw_only=True)
@@ -37,10 +39,18 @@ class Restartable:
     output: list[int] = field(default_factory=list)  # tokens the client has received
     recomputes: int = 0
     held: bool = False  # preempted, waiting for its replica to take it back
+    resumed_at: int = 0  # len(output) at the last restart
+    suffix: int = 0  # of the last engine id minted (they only grow: engines remember freed ids)
 
     @property
     def tokens(self) -> int:
         return len(self.output)
+
+    @property
+    def run_tokens(self) -> int:
+        """Tokens of the current run: a restarted request holds KV only once it has one (the
+        KV-stall watch's `tokens`)."""
+        return len(self.output) - self.resumed_at
 
 
 def preempt(rec: Restartable) -> bool:
@@ -73,11 +83,12 @@ def to_release(live, key: tuple[str, int], ended: bool) -> str | None:
 def restart(rid: str, rec: Restartable, in_use) -> tuple[list[int], object]:
     """Make `rec` live again: a fresh engine id (not `in_use(id)`), and the (prompt, params) to
     submit under it."""
-    n = rec.recomputes
+    n = rec.suffix + 1
     while in_use(engine_rid := f"{rid}#recompute{n}"):
         n += 1
-    rec.engine_rid = engine_rid
+    rec.engine_rid, rec.suffix = engine_rid, n
     rec.held = False
+    rec.resumed_at = len(rec.output)
     params = dataclasses.replace(rec.params, max_tokens=rec.params.max_tokens - len(rec.output),
                                  resumed=list(rec.output))
     return rec.prompt + rec.output, params

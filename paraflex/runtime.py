@@ -173,9 +173,10 @@ class LLMCluster:
         return out
 
     def has_unfinished(self) -> bool:
-        """Requests live or queued, or messages (tokens, frees) still travelling between engines."""
+        """Requests live or queued, or messages (tokens, frees) still travelling between engines;
+        never after the loop failed (every request has ended, nothing will travel)."""
         with self._lock:
-            return self._has_work_locked()
+            return self.loop_error is None and self._has_work_locked()
 
     def _has_work_locked(self) -> bool:
         return bool(self._live or self._inbox or self.hub.pending())
@@ -325,7 +326,7 @@ class LLMCluster:
         elif item[0] == "restart":
             _, rid, engine_rid, prompt, params = item
             live = self._live.get(rid)
-            if live is not None and live.engine_rid == engine_rid:  # not ended meanwhile
+            if live is not None and live.engine_rid == engine_rid and not live.held:  # not ended or stopped meanwhile
                 self._submit_to_engine(live.model, live.replica, engine_rid, prompt, params)
         else:
             self._end(item[1], None)
@@ -402,7 +403,7 @@ class LLMCluster:
     def _watch_stalls(self, now: float) -> None:
         """A replica stalled while others work (paraflex/kv_stall.py): stop what the watch names."""
         with self._lock:
-            replicas = live_by_replica(self.placement, [(rid, lv.model, lv.replica, lv.tokens)
+            replicas = live_by_replica(self.placement, [(rid, lv.model, lv.replica, lv.run_tokens)
                                                         for rid, lv in self._live.items() if not lv.held])
         runs = {e.engine_id: e.run_counts() for e in self.engines}
         for rid, error in self.stall_watch.check(now, runs, replicas):

@@ -34,3 +34,10 @@ def test_a_restart_continues_from_the_tokens_received_under_a_fresh_engine_id():
     assert (params.max_tokens, params.resumed) == (8, [7, 8])
     assert rec.params.max_tokens == 10 and rec.params.resumed == []  # the client's params stay whole
     assert rec.engine_rid == "r#recompute2" and not rec.held
+    assert (rec.tokens, rec.run_tokens) == (2, 0)  # no KV until the new run's first token
+    rec.output.append(9)
+    assert rec.run_tokens == 1
+    preempt(rec)
+    prompt, params = restart("r", rec, lambda rid: False)
+    assert rec.engine_rid == "r#recompute3"  # ids only grow: the engines remember freed ones
+    assert prompt == [1, 2, 3, 7, 8, 9] and (params.max_tokens, params.resumed) == (7, [7, 8, 9])

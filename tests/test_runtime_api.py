@@ -273,19 +273,26 @@ def test_a_kv_stall_restarts_the_newest_holder_by_recompute_and_every_request_co
     assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
 
 
-def test_the_background_loop_hands_each_replica_to_the_stall_watch():
-    """Driven by hand up to the stall (no exact detection involved): two checks of the watch
-    5 s apart stop the newest request that has tokens; it is held (its stream open) while the
-    others of its replica run, then restarts, and every request completes."""
+def _stalled(n=6):
+    """n requests on a 48-block pool without swap, stepped until nothing moves: (cluster, sinks,
+    request ids, indexes of the requests holding KV, oldest first)."""
     pl = make_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 2)
     c = LLMCluster(_demo_config(), pl, kv_bytes=200_000, host_kv_bytes=0, models=["tiny-2l"])
-    sinks = [Sink() for _ in range(6)]
-    for i, sink in enumerate(sinks):
-        c.submit("tiny-2l", [256] + [5 + i] * 60, SamplingParams(max_tokens=120, ignore_eos=True), sink=sink)
+    sinks = [Sink() for _ in range(n)]
+    rids = [c.submit("tiny-2l", [256] + [5 + i] * 60, SamplingParams(max_tokens=120, ignore_eos=True), sink=sink)
+            for i, sink in enumerate(sinks)]
     while c.step() or c.hub.pending():
         pass
     holders = [i for i, s in enumerate(sinks) if s.tokens and not s.calls[-1][1]]
     assert len(holders) >= 2
+    return c, sinks, rids, holders
+
+
+def test_the_background_loop_hands_each_replica_to_the_stall_watch():
+    """Driven by hand up to the stall (no exact detection involved): two checks of the watch
+    5 s apart stop the newest request that has tokens; it is held (its stream open) while the
+    others of its replica run, then restarts, and every request completes."""
+    c, sinks, _, _ = _stalled()
     used = c.engines[0].scheduler.pool.num_used
     c._watch_stalls(100.0)
     c._watch_stalls(105.0)
@@ -299,18 +306,41 @@ def test_the_background_loop_hands_each_replica_to_the_stall_watch():
     assert all(len(s.tokens) == 120 for s in sinks) and c.held() == {}
 
 
+def test_a_held_request_can_be_aborted_and_a_restarted_one_is_not_named_before_its_first_token():
+    """Two requests stopped by the watch: the client aborts one while it is held (it ends
+    "abort", nothing left to free). Aborting a running request releases the other: until its
+    new run has a token it holds no KV, so the watch is told 0 tokens for it."""
+    c, sinks, rids, holders = _stalled()
+    for now in (100.0, 105.0, 110.0, 115.0):  # the first stop changes the replica: 5 s more
+        c._watch_stalls(now)
+    assert c.held() == {"tiny-2l": 2}
+    first, second = holders[-1], holders[-2]  # stopped in this order
+    c.abort(rids[first])
+    c.step()
+    assert sinks[first].calls[-1][1:3] == ("abort", None) and c.held() == {"tiny-2l": 1}
+    c.abort(rids[holders[0]])  # a running request ends: the held one goes back
+    c.step()
+    assert c.held() == {}
+
+    class Capture:
+        def check(self, now, runs, replicas):
+            self.replicas = replicas
+            return []
+
+    c.stall_watch = Capture()
+    c._watch_stalls(200.0)
+    fed = {r.rid: r.tokens for r in c.stall_watch.replicas[("tiny-2l", 0)][1]}
+    assert sinks[second].tokens and fed[rids[second]] == 0
+    c.run_until_idle(timeout_s=120)
+    assert len(sinks[second].tokens) == 120 and sinks[second].calls[-1][1] == "length"
+
+
 def test_a_request_stopped_once_more_than_the_restart_cap_ends_with_the_stall_error():
     """The newest holder has been restarted MAX_RECOMPUTES times: the watch's next stop ends it
     (finish_reason "abort", the error names the config fields), frees its KV, and the others
     complete."""
-    pl = make_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 2)
-    c = LLMCluster(_demo_config(), pl, kv_bytes=200_000, host_kv_bytes=0, models=["tiny-2l"])
-    sinks = [Sink() for _ in range(6)]
-    rids = [c.submit("tiny-2l", [256] + [5 + i] * 60, SamplingParams(max_tokens=120, ignore_eos=True), sink=sink)
-            for i, sink in enumerate(sinks)]
-    while c.step() or c.hub.pending():
-        pass
-    newest = [i for i, s in enumerate(sinks) if s.tokens and not s.calls[-1][1]][-1]
+    c, sinks, rids, holders = _stalled()
+    newest = holders[-1]
     c._live[rids[newest]].recomputes = MAX_RECOMPUTES
     c._watch_stalls(100.0)
     c._watch_stalls(105.0)
@@ -322,3 +352,15 @@ def test_a_request_stopped_once_more_than_the_restart_cap_ends_with_the_stall_er
     assert all(s.calls[-1][1:3] == ("length", None) for i, s in enumerate(sinks) if i != newest)
     assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
 
+
+def test_after_a_loop_failure_with_a_request_held_for_a_restart_nothing_is_left(monkeypatch):
+    """The loop fails while a request waits for its restart: every request ends with the
+    failure, the held one too, and ending them queues no restart (nothing left unfinished)."""
+    c, sinks, _, holders = _stalled()
+    c._watch_stalls(100.0)
+    c._watch_stalls(105.0)
+    assert c.held() == {"tiny-2l": 1}
+    monkeypatch.setattr(c.engines[0], "step", lambda: (_ for _ in ()).throw(RuntimeError("engine bug")))
+    c._loop()
+    assert all(s.calls[-1][1:3] == ("abort", "runtime loop failed: RuntimeError: engine bug") for s in sinks)
+    assert not c.has_unfinished()
