@@ -12,7 +12,7 @@ from __future__ import annotations
 from paraflex.engine.messages import DECODE, MIXED, PREFILL, BatchMessage, DecodeEntry, PrefillEntry
 from paraflex.engine.queues import Queue, ResidentStage
 from paraflex.engine.request import RUNNING, WAITING_PREFILL, StageRequest
-from paraflex.engine.scheduled import ProtocolError, ScheduledBatch, ScheduledRequest
+from paraflex.engine.scheduled import BatchNeverFits, ScheduledBatch, ScheduledRequest
 
 
 class BatchForming:
@@ -128,10 +128,11 @@ class BatchForming:
         members = [(r, e.start + e.num_tokens) for r, e in pb.prefills] + [(r, e.position + 1) for r, e in pb.decodes]
         whole = sum(-(-t // st.tokens_per_block) for _, t in members) * st.num_layers
         if whole > self.pool.capacity:
-            raise ProtocolError(
+            raise BatchNeverFits(
                 f"engine {self.engine_id}: batch {pb.msg.batch_id} of {st.model} stage {st.stage} needs {whole} KV blocks, "
-                f"the pool holds {self.pool.capacity}; give this engine KV for max_batch_size requests of full context"
-            )
+                f"the pool holds {self.pool.capacity}; give this engine KV for max_batch_size requests of full context "
+                "(cluster.memory_gb), or lower scheduler.max_batch_size or prefill_token_budget",
+                st.model, [r.req_id for r, _ in members])
         swap_out: list = []
         swap_in: list = []
         if not self._fit(st, members, True, swap_out, swap_in):

@@ -28,6 +28,7 @@ import torch
 
 from paraflex.engine.messages import BatchMessage, FreeMessage, TokenMessage
 from paraflex.engine.sampling import SampleResult, Sampler, SamplingParams, StopChecker
+from paraflex.engine.scheduled import BatchNeverFits
 from paraflex.engine.transport import Envelope, Transport
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,16 @@ class EngineLoop:
         """Receive, then run at most one batch. True if a batch ran."""
         for env in self.transport.recv_ready():
             self.handle(env)
-        batch = self.scheduler.schedule(self.clock())
+        try:
+            batch = self.scheduler.schedule(self.clock())
+        except BatchNeverFits as exc:  # its requests fail, not the engine
+            log.error("%s", exc)
+            for rid in exc.req_ids:
+                self.scheduler.abort(rid)
+                self.sink.on_output(rid, [], "abort", str(exc))
+            self._broadcast_aborts(exc.model, exc.req_ids)
+            self._drop_dead_parked()
+            return True
         if batch is None:
             return False
         hidden = None

@@ -4,7 +4,9 @@ Place in the data flow: `EngineScheduler.schedule` (engine/scheduler.py) returns
 `ScheduledBatch` (its requests as `ScheduledRequest`s, the swap plans, the message for the next
 stage); the driver executes it (the torch worker, or the simulator's cost model) and passes it
 back to `complete`, which returns a `Completion`. `ProtocolError` is what the scheduler raises
-when a driver breaks the driving protocol. Pure data: no torch, Ray or HTTP.
+when a driver breaks the driving protocol; `BatchNeverFits`, when a batch received at a later
+stage needs more KV than the whole pool (the driver fails those requests, not the engine).
+Pure data: no torch, Ray or HTTP.
 """
 
 from __future__ import annotations
@@ -18,6 +20,15 @@ from paraflex.engine.messages import DECODE, PREFILL, BatchMessage, FreeMessage,
 class ProtocolError(ParaflexError):
     """A driver broke the driving protocol (unknown stage, duplicate request, bad message)."""
 
+
+class BatchNeverFits(ProtocolError):
+    """A received batch needs more KV blocks than this engine's pool holds (its engine is sized
+    below the sizing requirement, docs/engine-core.md): it can never run here."""
+
+    def __init__(self, message: str, model: str, req_ids: list[str]):
+        super().__init__(message)
+        self.model = model
+        self.req_ids = req_ids
 
 
 @dataclass(slots=True)

@@ -364,3 +364,24 @@ def test_after_a_loop_failure_with_a_request_held_for_a_restart_nothing_is_left(
     c._loop()
     assert all(s.calls[-1][1:3] == ("abort", "runtime loop failed: RuntimeError: engine bug") for s in sinks)
     assert not c.has_unfinished()
+
+
+def test_a_batch_a_later_stage_can_never_hold_fails_its_requests_not_the_engine():
+    """Stage 0 (1 layer) packs four prompts into one prefill batch that stage 1 (3 layers, the
+    same 24 blocks) can never hold: those requests end with the explicit error, the engine goes
+    on, a request alone then completes, and no KV is left anywhere."""
+    cfg = Config.from_dict({"cluster": {"num_engines": 2, "device": "cpu", "memory_gb": 1},
+                            "models": [{"name": "tiny-4l", "arch": "tiny-4l"}],
+                            "scheduler": {"block_bytes": 4096, "max_batch_size": 4}})
+    pl = make_placement({"tiny-4l": (4, [(0, 1), (1, 4)], [[0, 1]])}, 2)
+    c = LLMCluster(cfg, pl, kv_bytes=100_000, host_kv_bytes=0)
+    sinks = [Sink() for _ in range(4)]
+    for i, sink in enumerate(sinks):
+        c.submit("tiny-4l", [256] + [5 + i] * 39, SamplingParams(max_tokens=8), sink=sink)
+    c.run_until_idle(timeout_s=60)
+    for sink in sinks:
+        reason, error = sink.calls[-1][1:3]
+        assert reason == "abort" and "needs 36 KV blocks, the pool holds 24" in error and "cluster.memory_gb" in error
+    alone = c.generate("tiny-4l", [[256] + [5] * 39], SamplingParams(max_tokens=8, ignore_eos=True), timeout_s=60)[0]
+    assert alone.error is None and len(alone.token_ids) == 8
+    assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
