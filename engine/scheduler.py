@@ -281,8 +281,9 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
         row = 0
         floor = None  # key of the latest batch holding an earlier chunk of one of our prompts
         for e in msg.prefills:
-            if e.req_id in self._gone:
+            if e.req_id in self._gone:  # ended here already: its rows are not run
                 row += e.num_tokens
+                pb.dropped = True
                 continue
             req = self._reqs.get(e.req_id)
             if req is None:
@@ -302,6 +303,7 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
         for e in msg.decodes:
             if e.req_id in self._gone:
                 row += 1
+                pb.dropped = True
                 continue
             req = self._reqs.get(e.req_id)
             if req is None:

@@ -385,3 +385,21 @@ def test_a_batch_a_later_stage_can_never_hold_fails_its_requests_not_the_engine(
     alone = c.generate("tiny-4l", [[256] + [5] * 39], SamplingParams(max_tokens=8, ignore_eos=True), timeout_s=60)[0]
     assert alone.error is None and len(alone.token_ids) == 8
     assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
+
+
+def test_a_later_stage_given_more_hidden_rows_than_its_batch_has_tokens_fails_the_batch_not_the_process(cluster):
+    """The worker checks the rows it received against the batch's tokens before the compiled
+    kernels read them (a mismatch read past their buffers and crashed an engine process)."""
+    e0, e1 = cluster.engines
+    e0.scheduler.add_request("rows", "tiny-4l", 3, 2, 0.0, prompt_token_ids=[256, 7, 8])
+    b0 = e0.scheduler.schedule()
+    hidden = e0.worker.run(b0, None)
+    e0.scheduler.complete(b0)
+    e1.scheduler.receive_batch(b0.message)
+    b1 = e1.scheduler.schedule()
+    with pytest.raises(ParaflexError, match="4 hidden rows received for 3 tokens"):
+        e1.worker.run(b1, torch.cat([hidden, hidden[:1]]))
+    assert e1.worker.run(b1, hidden).shape[0] == 1  # the right rows run
+    e1.scheduler.complete(b1, tokens={"rows": 5})
+    for e in (e0, e1):
+        e.scheduler.abort("rows")

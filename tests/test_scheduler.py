@@ -360,6 +360,25 @@ def test_abort_inside_a_received_batch_drops_its_rows():
     assert e1.request("late") is None and e1.schedule() is None
 
 
+def test_a_received_batch_holding_a_request_already_ended_here_drops_its_rows():
+    """The abort reached the later stage before the batch the first stage formed with the
+    request: the batch runs without it and says which received rows to keep (else the worker
+    would run every received row against fewer requests: a native decode read past its
+    buffers, a crashed engine)."""
+    e0, e1 = two_stage(batch=3)
+    for rid, t in [("x", 0.0), ("y", 1.0), ("z", 2.0)]:
+        e0.add_request(rid, "M", 4, 5, t)
+        b, _ = run(e0)
+        e1.receive_batch(b.message)
+        _, d = run(e1)
+        e0.receive_tokens(d.token_message)
+    dec, _ = run(e0)
+    e1.abort("y")  # freed here first
+    e1.receive_batch(dec.message)
+    b, _ = run(e1)
+    assert b.req_ids == ["x", "z"] and b.src_rows == [(0, 1), (2, 3)]
+
+
 # ------------------------------------------------------------------ protocol errors
 def test_protocol_errors_are_clear():
     e0, e1 = two_stage()
