@@ -24,6 +24,7 @@ from paraflex.errors import UserError
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (logits / T would overflow float32)
 MAX_STOP_STRINGS = 64  # each is searched for after every token
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator takes
+TOKEN_ID_LIMIT = 2**63  # stop token ids are below it (and travel as msgpack's 64-bit integers)
 
 
 @dataclass
@@ -52,6 +53,8 @@ class SamplingParams:
             raise UserError(f"top_p: {self.top_p!r} must be in (0, 1]")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
             raise UserError(f"top_k: {self.top_k!r} must be -1 (off) or an integer >= 1")
+        if self.top_k >= TOKEN_ID_LIMIT:  # beyond any vocabulary: the whole of it
+            self.top_k = -1
         if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise UserError(f"seed: {self.seed!r} must be an integer from -2**63 to 2**64 - 1")
         if isinstance(self.stop, str):
@@ -60,8 +63,8 @@ class SamplingParams:
             raise UserError(f"stop: {self.stop!r} must be a list of non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise UserError(f"stop: {len(self.stop)} strings; give at most {MAX_STOP_STRINGS}")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise UserError(f"stop_token_ids: {self.stop_token_ids!r} must be non-negative integers")
+        if not all(isinstance(t, int) and 0 <= t < TOKEN_ID_LIMIT for t in self.stop_token_ids):
+            raise UserError(f"stop_token_ids: {self.stop_token_ids!r} must be non-negative integers below 2**63")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise UserError(f"logprobs: {self.logprobs!r} must be an integer in 0..20")
         return self
