@@ -135,8 +135,8 @@ class RayBackend:
             if not finished:  # the consumer went away: free the request everywhere
                 self._abort_now(request_id, notify=False)
 
-    async def abort(self, request_id: str) -> None:
-        self._abort_now(request_id, notify=True)
+    async def abort(self, request_id: str, error: str | None = None) -> None:
+        self._abort_now(request_id, notify=True, error=error)
 
     def health(self) -> dict:
         with self._lock:

@@ -157,10 +157,11 @@ class LLMCluster:
             self._wake.notify()
         return rid
 
-    def abort(self, request_id: str) -> None:
-        """Cancel a request; its sink gets finish_reason "abort". Unknown ids are ignored."""
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Cancel a request; its sink gets finish_reason "abort" (with `error`, if given).
+        Unknown ids are ignored."""
         with self._wake:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(("abort", request_id, error))
             self._wake.notify()
 
     def held(self) -> dict[str, int]:
@@ -329,7 +330,7 @@ class LLMCluster:
             if live is not None and live.engine_rid == engine_rid and not live.held:  # not ended or stopped meanwhile
                 self._submit_to_engine(live.model, live.replica, engine_rid, prompt, params)
         else:
-            self._end(item[1], None)
+            self._end(item[1], item[2])
 
     def _submit_to_engine(self, model: str, replica: int, engine_rid: str, prompt, params) -> None:
         first = self.placement.models[model].replicas[replica][0]

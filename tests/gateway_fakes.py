@@ -41,6 +41,7 @@ class EchoBackend:
         self.fail_after = fail_after
         self.live: set[str] = set()
         self.aborted: list[str] = []
+        self.abort_errors: dict[str, str] = {}
         self.submitted: list[tuple[str, list[int], object]] = []
 
     def models(self):
@@ -53,7 +54,8 @@ class EchoBackend:
         for i in range(params.max_tokens):
             await asyncio.sleep(self.delay)
             if request_id not in self.live:
-                yield Output([], finish_reason="abort")
+                error = self.abort_errors.get(request_id)
+                yield Output([], error=error) if error else Output([], finish_reason="abort")
                 return
             if self.fail_after is not None and i == self.fail_after:
                 self.live.discard(request_id)
@@ -64,9 +66,11 @@ class EchoBackend:
                 self.live.discard(request_id)
             yield Output([body[i % len(body)]], finish_reason="length" if last else None)
 
-    async def abort(self, request_id):
+    async def abort(self, request_id, error=None):
         self.aborted.append(request_id)
         self.live.discard(request_id)
+        if error:
+            self.abort_errors[request_id] = error
 
     def health(self):
         return {"ok": True, "engines": {"0": "alive"}}

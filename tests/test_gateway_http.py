@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+import time
 
 import httpx
 import openai
@@ -247,3 +249,36 @@ def test_continuous_usage_stats_counts_tokens_on_every_chunk(serve):
     counts = [e["usage"]["completion_tokens"] for e in events]
     assert counts == sorted(counts) and counts[-1] == 4 and events[-1]["choices"] == []
     assert all(e["usage"]["prompt_tokens"] == 5 for e in events)
+
+
+def test_a_server_shutdown_ends_every_running_request_explicitly():
+    """Stopping the server mid-generation (what SIGTERM does): an open stream gets an error event
+    and [DONE], a blocking request a 503, each freed in the backend, instead of being cut off
+    mid-chunk when uvicorn's grace period ran out."""
+    backend = EchoBackend(delay=0.2)
+    server = ServerThread(build_app(backend)).start()
+    body = {"model": "echo-a", "prompt": "abc", "max_tokens": 60}
+    results = {}
+
+    def streamed():
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+            results["stream"] = [line for line in r.iter_lines() if line]
+
+    def blocking():
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        results["blocking"] = (r.status_code, r.json())
+
+    threads = [threading.Thread(target=streamed), threading.Thread(target=blocking)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(backend.live) == 2)
+    started = time.monotonic()
+    server.stop()
+    for t in threads:
+        t.join(10)
+    assert time.monotonic() - started < 3  # not uvicorn's 5 s grace period and a cancellation
+    events = results["stream"]
+    assert events[-1] == "data: [DONE]" and "server shutting down" in events[-2] and '"server_error"' in events[-2]
+    status, error = results["blocking"]
+    assert status == 503 and "server shutting down" in error["error"]["message"]
+    assert backend.live == set() and len(backend.aborted) == 2

@@ -102,6 +102,8 @@ class _TicketedStream(StreamingResponse):
             self._ticket.release()
 
 
+SHUTTING_DOWN = "server shutting down; send the request again (to another server)"
+
 class Gateway:
     """Route handlers bound to one backend."""
 
@@ -111,6 +113,16 @@ class Gateway:
         self.metrics = GatewayMetrics(list(self.cards))
         self.admission = Admission(max_outstanding)
         self.created = int(time.time())
+        self.running: set[str] = set()  # request ids generating now (generation.generate keeps it)
+        self.draining = False
+
+    async def drain(self) -> None:
+        """The server is shutting down: refuse new requests (503) and end every running one with
+        an explicit error, freed on the engines, so each stream ends with an error event and
+        [DONE] and each blocking request with a 503 before the connections close."""
+        self.draining = True
+        for rid in list(self.running):
+            await self.backend.abort(rid, error=SHUTTING_DOWN)
 
     def card(self, name: str) -> ModelCard:
         if name not in self.cards:
@@ -160,6 +172,8 @@ class Gateway:
             raise ApiError(400, str(exc), param=_param_of(str(exc)))
 
     def admit(self) -> Ticket:
+        if self.draining:
+            raise ApiError(503, SHUTTING_DOWN)
         ticket = self.admission.enter()
         if ticket is None:
             raise ApiError(503, f"server overloaded: {self.admission.outstanding} requests outstanding "
@@ -172,7 +186,7 @@ class Gateway:
         """Run to completion, aborting if the client disconnects meanwhile."""
         parts: list[str] = []
         last = Chunk("")
-        gen = generate(self.backend, self.metrics, card, ids, params, rid)
+        gen = generate(self.backend, self.metrics, card, ids, params, rid, self.running)
 
         async def watch() -> None:
             while not await request.is_disconnected():
@@ -191,7 +205,7 @@ class Gateway:
         if last.rejected:
             raise ApiError(400, last.error, param=_param_of(last.error))
         if last.error:
-            raise ApiError(500, f"generation failed: {last.error}")
+            raise ApiError(503 if last.error == SHUTTING_DOWN else 500, f"generation failed: {last.error}")
         return "".join(parts), last
 
     def usage(self, n_prompt: int, n_out: int) -> dict:
@@ -268,7 +282,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": card.name}
         ticket = gw.admit()
         if req.stream:
-            chunks = generate(gw.backend, gw.metrics, card, ids, params, rid)
+            chunks = generate(gw.backend, gw.metrics, card, ids, params, rid, gw.running)
 
             def choice(c: Chunk) -> dict:
                 return {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
@@ -289,7 +303,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
         head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": card.name}
         ticket = gw.admit()
         if req.stream:
-            chunks = generate(gw.backend, gw.metrics, card, ids, params, rid)
+            chunks = generate(gw.backend, gw.metrics, card, ids, params, rid, gw.running)
 
             def choice(c: Chunk) -> dict:
                 return {"index": 0, "delta": {"content": c.text} if c.text else {}, "logprobs": None,

@@ -16,7 +16,8 @@ Contract details an implementation must honour:
   EOS / stop token, "length" for max_tokens, "abort" after `abort`) or `error` set (a one-line
   message, e.g. "engine 3 died"); nothing is yielded after it. A backend must end a stream
   with an error rather than hang when an engine dies.
-- `abort` is idempotent and safe for unknown or finished request ids.
+- `abort` is idempotent and safe for unknown or finished request ids; with an `error`, the
+  stream's last Output carries it.
 - `metrics()` returns plain numbers (see `BackendMetrics`); the gateway renders them in
   Prometheus format next to the latency histograms it measures itself.
 """
@@ -82,8 +83,9 @@ class Backend(Protocol):
     ) -> AsyncIterator[Output]:
         """Submit a request and yield its outputs; `params` is a SamplingParams."""
 
-    async def abort(self, request_id: str) -> None:
-        """Stop the request and free its KV on every engine."""
+    async def abort(self, request_id: str, error: str | None = None) -> None:
+        """Stop the request and free its KV on every engine; its stream ends with finish_reason
+        "abort", or with `error` when one is given (e.g. the server shutting down)."""
 
     def health(self) -> dict:
         """{"ok": bool, ...details such as per-engine liveness}; ok=False makes /health 503."""

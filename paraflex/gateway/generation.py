@@ -62,13 +62,15 @@ class Ticket:
 
 
 async def generate(backend: Backend, metrics: GatewayMetrics, card: ModelCard, prompt_ids: list[int],
-                   params, request_id: str) -> AsyncIterator[Chunk]:
-    """Run one admitted request (the caller holds its admission Ticket)."""
+                   params, request_id: str, running: set[str]) -> AsyncIterator[Chunk]:
+    """Run one admitted request (the caller holds its admission Ticket); its id is in `running`
+    meanwhile (what a server shutdown ends, `Gateway.drain`)."""
     arrival = time.monotonic()
     token_times: list[float] = []
     text = TextStream(lambda ids: card.tokenizer.decode(ids, skip_special_tokens=True), list(params.stop))
     live, finish = True, "abort"
     outputs = backend.stream(card.name, prompt_ids, params, request_id)
+    running.add(request_id)
     try:
         async for out in outputs:
             now = time.monotonic()
@@ -96,6 +98,7 @@ async def generate(backend: Backend, metrics: GatewayMetrics, card: ModelCard, p
         finish = "error"
         yield Chunk("", error=f"{type(exc).__name__}: {exc}", completion_tokens=len(token_times))
     finally:
+        running.discard(request_id)
         with anyio.CancelScope(shield=True):
             if live:  # stop string, client gone, or cancelled: free the KV on every engine
                 await backend.abort(request_id)

@@ -79,8 +79,8 @@ class InProcessBackend:
             with self._lock:
                 self._live.pop(request_id, None)
 
-    async def abort(self, request_id: str) -> None:
-        self.cluster.abort(request_id)
+    async def abort(self, request_id: str, error: str | None = None) -> None:
+        self.cluster.abort(request_id, error)
 
     def health(self) -> dict:
         error = self.cluster.loop_error

@@ -51,7 +51,9 @@ def base_url(sock: socket.socket) -> str:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, remembering the shutdown signals its handlers caught."""
+    """uvicorn's server, remembering the shutdown signals its handlers caught, and ending the
+    gateway's running requests explicitly when it shuts down (`Gateway.drain`) instead of
+    letting uvicorn cancel them after its grace period (which cut streams off mid-chunk)."""
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
@@ -60,6 +62,12 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         self.caught.append(sig)
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None) -> None:
+        gateway = getattr(self.config.app.state, "gateway", None)
+        if gateway is not None:
+            await gateway.drain()
+        await super().shutdown(sockets)
 
 
 def _server(app: FastAPI) -> _Server:
