@@ -112,7 +112,9 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode holds it: a megabyte prompt froze the gateway's
+        # event loop for seconds although it tokenizes on a worker thread)
+        ids = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id] + ids
