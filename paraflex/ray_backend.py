@@ -37,7 +37,7 @@ from paraflex.engine.ray_output import unpack_records
 from paraflex.engine.tokenizer import load_tokenizer
 from paraflex.engine.transport_ray import GroupSpec
 from paraflex.errors import UserError
-from paraflex.gateway.backend import BackendMetrics, ModelCard, Output
+from paraflex.gateway.backend import BackendMetrics, ModelCard, Output, Unavailable
 from paraflex.kv_stall import StallWatch, live_by_replica
 from paraflex.recompute import Restartable, preempt, restart, to_release
 
@@ -118,8 +118,7 @@ class RayBackend:
                 self._streams[request_id] = stream
                 self._client_id[request_id] = request_id
         if replica is None:
-            yield Output(error=f"model {model!r} has no live replica: {self._dead_summary()}")
-            return
+            raise Unavailable(f"model {model!r} has no live replica: {self._dead_summary()}; retry later")
         first = self.placement.models[model].replicas[replica][0]
         self.actors[first].add_request.remote(
             msgpack.packb([model, request_id, prompt, params.to_dict()], use_bin_type=True))

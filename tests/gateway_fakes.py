@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from paraflex.gateway.backend import BackendMetrics, ModelCard, Output
+from paraflex.gateway.backend import BackendMetrics, ModelCard, Output, Unavailable
 
 BOS, EOS = 256, 257
 
@@ -34,11 +34,12 @@ class ByteTokenizer:
 
 class EchoBackend:
     def __init__(self, names=("echo-a", "echo-b"), max_context: int = 64, delay: float = 0.0,
-                 fail_after: int | None = None):
+                 fail_after: int | None = None, unavailable: str | None = None):
         self.tokenizer = ByteTokenizer()
         self.cards = [ModelCard(n, max_context, self.tokenizer) for n in names]
         self.delay = delay
         self.fail_after = fail_after
+        self.unavailable = unavailable  # stream raises Unavailable with this message
         self.live: set[str] = set()
         self.aborted: list[str] = []
         self.abort_errors: dict[str, str] = {}
@@ -48,6 +49,8 @@ class EchoBackend:
         return self.cards
 
     async def stream(self, model, prompt_token_ids, params, request_id):
+        if self.unavailable:
+            raise Unavailable(self.unavailable)
         self.submitted.append((model, list(prompt_token_ids), params))
         self.live.add(request_id)
         body = [t for t in prompt_token_ids if t < 256] or [ord("x")]

@@ -171,6 +171,20 @@ def test_engine_error_ends_stream_with_an_explicit_error(serve):
         c.completions.create(model="echo-a", prompt="abcdef", max_tokens=6)
 
 
+def test_a_backend_that_cannot_take_a_request_now_is_a_503_to_retry(serve):
+    """No live replica of the model (an engine down): 503 with Retry-After for a blocking
+    request, a service_unavailable error event and [DONE] for a stream; never counted as served."""
+    url = serve(EchoBackend(unavailable="model 'echo-a' has no live replica: engine 0 dead; retry later"))
+    body = {"model": "echo-a", "prompt": "ab", "max_tokens": 3}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["message"].startswith("model 'echo-a' has no live replica")
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=10) as s:
+        events = [line for line in s.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["type"] == "service_unavailable"
+    assert 'vllm:request_success_total{model_name="echo-a"' not in httpx.get(f"{url}/metrics").text
+
+
 def test_overload_is_503_and_recovers(serve):
     backend = EchoBackend(delay=0.05)
     url = serve(backend, max_outstanding=2)

@@ -34,6 +34,10 @@ def test_request_is_counted_under_vllm_names():
     assert s['vllm:num_requests_waiting{model_name="b"}'] == 1
     assert s['vllm:kv_cache_usage_perc{engine="0"}'] == 0.25
     assert s['vllm:request_success_total{model_name="a",finished_reason="length"}'] == 1
+    m.observe_request("b", 0.0, [0.5], 1.0, prompt_tokens=2, finish_reason="error")
+    s = parse(m.render(BackendMetrics()))
+    assert not any(k.startswith('vllm:request_success_total{model_name="b"') for k in s)  # an error is no success
+    assert s['paraflex:request_errors_total{model_name="b"}'] == 1 and s['paraflex:request_errors_total{model_name="a"}'] == 0
     assert s['vllm:time_to_first_token_seconds_sum{model_name="a"}'] == 0.5
     assert s['vllm:time_to_first_token_seconds_bucket{model_name="a",le="0.5"}'] == 1
     assert s['vllm:time_to_first_token_seconds_bucket{model_name="a",le="0.25"}'] == 0

@@ -12,6 +12,7 @@ import ray
 
 from paraflex.engine.sampling import SamplingParams
 from paraflex.errors import UserError
+from paraflex.gateway.backend import Unavailable
 from paraflex.runtime import LLMCluster
 from paraflex.serving import start_cluster
 from ray_cluster import MODELS, make_config, make_placement
@@ -205,8 +206,8 @@ def test_engine_gone_for_good_is_an_error_not_a_hang(backend):
     while backend.health()["engines"]["0"] != "dead" and time.monotonic() < deadline:
         time.sleep(0.1)
     assert backend.health()["engines"]["0"] == "dead"
-    (tokens, last), = _run_all(backend, [("tiny-8l", PROMPTS[0], GREEDY, "no-replica")])
-    assert tokens == [] and "no live replica" in last.error and "engine 0" in last.error
+    with pytest.raises(Unavailable, match="model 'tiny-8l' has no live replica: engine 0 dead.*retry later"):
+        asyncio.run(backend.stream("tiny-8l", PROMPTS[0], GREEDY, "no-replica").__anext__())
     (tokens, last), = _run_all(backend, [("tiny-2l", PROMPTS[0], GREEDY, "still-fine")])
     assert last.finish_reason == "length" and len(tokens) == GREEDY.max_tokens
 

@@ -204,6 +204,8 @@ class Gateway:
             ticket.release()
         if last.rejected:
             raise ApiError(400, last.error, param=_param_of(last.error))
+        if last.unavailable:
+            raise ApiError(503, last.error)
         if last.error:
             raise ApiError(503 if last.error == SHUTTING_DOWN else 500, f"generation failed: {last.error}")
         return "".join(parts), last
@@ -230,8 +232,9 @@ class Gateway:
             async for chunk in chunks:
                 last = chunk
                 if chunk.error:
-                    kind = "invalid_request_error" if chunk.rejected else "server_error"
-                    msg = chunk.error if chunk.rejected else f"generation failed: {chunk.error}"
+                    kind = ("invalid_request_error" if chunk.rejected else "service_unavailable" if chunk.unavailable
+                            else "server_error")
+                    msg = chunk.error if chunk.rejected or chunk.unavailable else f"generation failed: {chunk.error}"
                     yield _sse({"error": {"message": msg, "type": kind, "param": None, "code": None}})
                     break
                 if chunk.text or chunk.finish_reason:

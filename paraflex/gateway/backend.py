@@ -16,6 +16,8 @@ Contract details an implementation must honour:
   EOS / stop token, "length" for max_tokens, "abort" after `abort`) or `error` set (a one-line
   message, e.g. "engine 3 died"); nothing is yielded after it. A backend must end a stream
   with an error rather than hang when an engine dies.
+- `stream` raises `UserError` for a request it refuses (a 400) and `Unavailable` when it cannot
+  take one now, e.g. no live replica of the model (a 503 the client may retry).
 - `abort` is idempotent and safe for unknown or finished request ids; with an `error`, the
   stream's last Output carries it.
 - `metrics()` returns plain numbers (see `BackendMetrics`); the gateway renders them in
@@ -27,6 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
+from paraflex.errors import ParaflexError
+
+
+
+class Unavailable(ParaflexError):
+    """The backend cannot take a request now (no live replica of its model): a 503."""
 
 @dataclass(frozen=True)
 class ModelCard:

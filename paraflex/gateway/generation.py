@@ -17,7 +17,7 @@ from typing import AsyncIterator
 import anyio
 
 from paraflex.errors import UserError
-from paraflex.gateway.backend import Backend, ModelCard
+from paraflex.gateway.backend import Backend, ModelCard, Unavailable
 from paraflex.gateway.detok import TextStream
 from paraflex.gateway.metrics import GatewayMetrics
 
@@ -31,6 +31,7 @@ class Chunk:
     error: str | None = None
     completion_tokens: int = 0  # running total of output tokens
     rejected: bool = False  # the backend refused the request up front (a 400, not a failure)
+    unavailable: bool = False  # the backend could not take it now (a 503 to retry)
 
 
 class Admission:
@@ -94,6 +95,9 @@ async def generate(backend: Backend, metrics: GatewayMetrics, card: ModelCard, p
     except UserError as exc:  # refused at submit, e.g. it can never fit an engine's KV pool
         live, finish = False, "rejected"
         yield Chunk("", error=str(exc), rejected=True)
+    except Unavailable as exc:  # no live replica now
+        live, finish = False, "rejected"
+        yield Chunk("", error=str(exc), unavailable=True)
     except Exception as exc:  # a backend bug must still end the response with an explicit error
         finish = "error"
         yield Chunk("", error=f"{type(exc).__name__}: {exc}", completion_tokens=len(token_times))
@@ -103,5 +107,5 @@ async def generate(backend: Backend, metrics: GatewayMetrics, card: ModelCard, p
             if live:  # stop string, client gone, or cancelled: free the KV on every engine
                 await backend.abort(request_id)
             await outputs.aclose()
-        if finish != "rejected":
+        if finish != "rejected":  # (refused or unavailable: never started)
             metrics.observe_request(card.name, arrival, token_times, time.monotonic(), len(prompt_ids), finish)

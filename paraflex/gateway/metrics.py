@@ -69,14 +69,18 @@ class GatewayMetrics:
         self.hist = {name: {m: Histogram(b) for m in self.model_names} for name, (_, b) in HISTOGRAMS.items()}
         self.prompt_tokens = defaultdict(int)
         self.generation_tokens = defaultdict(int)
-        self.finished = defaultdict(int)  # (model, reason) -> count
+        self.finished = defaultdict(int)  # (model, reason) -> count of requests that ended without an error
+        self.errors = defaultdict(int)  # model -> requests that ended with an error
 
     def observe_request(self, model: str, arrival: float, token_times: list[float], end: float,
                         prompt_tokens: int, finish_reason: str) -> None:
         """Record one finished request. token_times: wall time each output token arrived."""
         self.prompt_tokens[model] += prompt_tokens
         self.generation_tokens[model] += len(token_times)
-        self.finished[(model, finish_reason)] += 1
+        if finish_reason == "error":
+            self.errors[model] += 1
+        else:
+            self.finished[(model, finish_reason)] += 1
         self.hist["vllm:e2e_request_latency_seconds"][model].observe(end - arrival)
         if token_times:
             self.hist["vllm:time_to_first_token_seconds"][model].observe(token_times[0] - arrival)
@@ -116,6 +120,8 @@ class GatewayMetrics:
         family("vllm:request_success_total", "counter", "Count of successfully processed requests.")
         for (m, reason), n in sorted(self.finished.items()):
             lines.append(f"vllm:request_success_total{_labels(model_name=m, finished_reason=reason)} {float(n)}")
+        per_model("paraflex:request_errors_total", "counter",
+                  "Count of requests that ended with an error (an engine failure, a shutdown, ...).", self.errors)
         for name, (doc, _) in HISTOGRAMS.items():
             family(name, "histogram", doc)
             for m in self.model_names:
