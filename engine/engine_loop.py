@@ -84,8 +84,8 @@ class EngineLoop:
     def handle(self, env: Envelope) -> None:
         if env.kind == "batch":
             msg = BatchMessage.from_dict(env.meta)
-            self.scheduler.receive_batch(msg)
-            self._parked[(msg.batch_id, msg.stage)] = (env.tensors["hidden"], msg.req_ids)
+            if self.scheduler.receive_batch(msg):  # else every request of it ended here already
+                self._parked[(msg.batch_id, msg.stage)] = (env.tensors["hidden"], msg.req_ids)
         elif env.kind == "token":
             self.scheduler.receive_tokens(TokenMessage.from_dict(env.meta))
         else:

@@ -271,8 +271,9 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
         st.prefill_q.push(req, self.decisions)
         return req
 
-    def receive_batch(self, msg: BatchMessage) -> None:
-        """A batch formed upstream arrives at a later stage; it runs later as one batch."""
+    def receive_batch(self, msg: BatchMessage) -> bool:
+        """A batch formed upstream arrives at a later stage; it runs later as one batch. False
+        when none of its requests is live here any more (nothing will run: drop its tensors)."""
         st = self._by_key.get((msg.model, msg.stage))
         if st is None or st.is_first:
             raise ProtocolError(f"engine {self.engine_id} hosts no later stage {msg.stage} of {msg.model!r}")
@@ -315,7 +316,7 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
             pb.rows.append((row, row + 1))
             row += 1
         if not len(pb):
-            return
+            return False
         pb.key = (min(r.arrival for r in pb.members()), pb.seq)
         # A later chunk must never sort ahead of the batch with the chunk before it (its head
         # would wait for that chunk, which waits behind it: a stall under chunked prefill).
@@ -325,6 +326,7 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
             self._chunk_keys[req.req_id] = pb.key
         pb.queue = self._pending_queue(st, pb)
         pb.queue.push(pb, self.decisions)
+        return True
 
     def receive_tokens(self, msg: TokenMessage) -> None:
         """Tokens sampled by the last stage arrive at the first stage."""

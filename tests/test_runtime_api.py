@@ -12,6 +12,8 @@ from paraflex.cli import main
 from paraflex.config import Config
 from paraflex.engine.sampling import SamplingParams
 from paraflex.errors import ParaflexError, UserError
+from paraflex.engine.messages import FreeMessage
+from paraflex.engine.transport import Envelope
 from paraflex.recompute import MAX_RECOMPUTES
 from paraflex.runtime import LLMCluster
 
@@ -403,3 +405,15 @@ def test_a_later_stage_given_more_hidden_rows_than_its_batch_has_tokens_fails_th
     e1.scheduler.complete(b1, tokens={"rows": 5})
     for e in (e0, e1):
         e.scheduler.abort("rows")
+
+
+def test_a_batch_arriving_after_all_its_requests_ended_leaves_no_hidden_states_behind():
+    """Over Ray the abort can reach a later stage before the batch does: nothing of the batch
+    runs there, and its received tensors are dropped, not parked for ever."""
+    pl = make_placement({"tiny-4l": (4, [(0, 1), (1, 4)], [[0, 1]])}, 2)
+    c = LLMCluster(_demo_config(), pl, kv_bytes=1 << 20, models=["tiny-4l"])
+    e0, e1 = c.engines
+    e0.add_request("tiny-4l", "p", [256, 5, 6], SamplingParams(max_tokens=4))
+    assert e0.step()  # the prompt ran at stage 0; its batch is on its way to stage 1
+    e1.handle(Envelope(1, 1, "tiny-4l", "free", FreeMessage("tiny-4l", ["p"], "aborted").to_dict()))
+    assert not e1.step() and not e1._parked
