@@ -4,6 +4,7 @@ OpenAI-style errors, overload, auth, and aborting on disconnect or stop."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import threading
@@ -14,7 +15,7 @@ import openai
 import pytest
 
 import polling
-from paraflex.gateway.app import build_app
+from paraflex.gateway.app import SHUTTING_DOWN, build_app
 from paraflex.gateway.server import ServerThread
 from gateway_fakes import BOS, EchoBackend
 
@@ -296,3 +297,23 @@ def test_a_server_shutdown_ends_every_running_request_explicitly():
     status, error = results["blocking"]
     assert status == 503 and "server shutting down" in error["error"]["message"]
     assert backend.live == set() and len(backend.aborted) == 2
+
+
+def test_a_stream_admitted_before_a_shutdown_but_not_started_is_refused_when_it_starts():
+    """Starlette runs a stream's body after its route returned: one admitted just before the
+    drain is not running yet when the drain looks, so it checks on starting and ends with the
+    shutdown error instead of generating while the server closes."""
+    from paraflex.engine.sampling import SamplingParams
+    from paraflex.gateway.app import Gateway
+    from paraflex.gateway.generation import generate
+
+    async def admitted_then_drained():
+        gw = Gateway(EchoBackend(), 8)
+        gw.admit()
+        chunks = generate(gw.backend, gw.metrics, gw.cards["echo-a"], [97, 98], SamplingParams(max_tokens=5), "r",
+                          gw.running)
+        await gw.drain()
+        return [c async for c in chunks], gw.backend.submitted
+
+    chunks, submitted = asyncio.run(admitted_then_drained())
+    assert [(c.error, c.unavailable) for c in chunks] == [(SHUTTING_DOWN, True)] and submitted == []

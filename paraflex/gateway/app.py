@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from paraflex.errors import UserError
 from paraflex.gateway.api_error import ApiError
 from paraflex.gateway.backend import Backend, ModelCard
-from paraflex.gateway.generation import Admission, Chunk, Ticket, generate
+from paraflex.gateway.generation import Admission, Chunk, Running, Ticket, generate
 from paraflex.gateway.metrics import GatewayMetrics
 from paraflex.gateway.protocol import (
     ChatCompletionRequest,
@@ -113,15 +113,15 @@ class Gateway:
         self.metrics = GatewayMetrics(list(self.cards))
         self.admission = Admission(max_outstanding)
         self.created = int(time.time())
-        self.running: set[str] = set()  # request ids generating now (generation.generate keeps it)
-        self.draining = False
+        self.running = Running()  # generation.generate keeps it
 
     async def drain(self) -> None:
-        """The server is shutting down: refuse new requests (503) and end every running one with
-        an explicit error, freed on the engines, so each stream ends with an error event and
-        [DONE] and each blocking request with a 503 before the connections close."""
-        self.draining = True
-        for rid in list(self.running):
+        """The server is shutting down: refuse new requests (503), also those admitted whose
+        stream has not started, and end every running one with an explicit error, freed on the
+        engines, so each stream ends with an error event and [DONE] and each blocking request
+        with a 503 before the connections close."""
+        self.running.closed = SHUTTING_DOWN
+        for rid in list(self.running.ids):
             await self.backend.abort(rid, error=SHUTTING_DOWN)
 
     def card(self, name: str) -> ModelCard:
@@ -172,8 +172,8 @@ class Gateway:
             raise ApiError(400, str(exc), param=_param_of(str(exc)))
 
     def admit(self) -> Ticket:
-        if self.draining:
-            raise ApiError(503, SHUTTING_DOWN)
+        if self.running.closed:
+            raise ApiError(503, self.running.closed)
         ticket = self.admission.enter()
         if ticket is None:
             raise ApiError(503, f"server overloaded: {self.admission.outstanding} requests outstanding "

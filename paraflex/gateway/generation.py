@@ -62,16 +62,29 @@ class Ticket:
             self._admission.outstanding -= 1
 
 
+class Running:
+    """The requests generating now, and why new ones may not start (the server shutting down:
+    `Gateway.drain`). A stream's body starts after its route returned, so a request admitted
+    just before a shutdown checks `closed` when it starts."""
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+        self.closed: str | None = None
+
+
 async def generate(backend: Backend, metrics: GatewayMetrics, card: ModelCard, prompt_ids: list[int],
-                   params, request_id: str, running: set[str]) -> AsyncIterator[Chunk]:
-    """Run one admitted request (the caller holds its admission Ticket); its id is in `running`
-    meanwhile (what a server shutdown ends, `Gateway.drain`)."""
+                   params, request_id: str, running: Running) -> AsyncIterator[Chunk]:
+    """Run one admitted request (the caller holds its admission Ticket); its id is in
+    `running.ids` meanwhile."""
+    if running.closed:  # (no await between this check and joining running.ids)
+        yield Chunk("", error=running.closed, unavailable=True)
+        return
     arrival = time.monotonic()
     token_times: list[float] = []
     text = TextStream(lambda ids: card.tokenizer.decode(ids, skip_special_tokens=True), list(params.stop))
     live, finish = True, "abort"
     outputs = backend.stream(card.name, prompt_ids, params, request_id)
-    running.add(request_id)
+    running.ids.add(request_id)
     try:
         async for out in outputs:
             now = time.monotonic()
@@ -102,7 +115,7 @@ async def generate(backend: Backend, metrics: GatewayMetrics, card: ModelCard, p
         finish = "error"
         yield Chunk("", error=f"{type(exc).__name__}: {exc}", completion_tokens=len(token_times))
     finally:
-        running.discard(request_id)
+        running.ids.discard(request_id)
         with anyio.CancelScope(shield=True):
             if live:  # stop string, client gone, or cancelled: free the KV on every engine
                 await backend.abort(request_id)

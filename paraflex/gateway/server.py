@@ -65,9 +65,11 @@ class _Server(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         gateway = getattr(self.config.app.state, "gateway", None)
-        if gateway is not None:
-            await gateway.drain()
-        await super().shutdown(sockets)
+        try:
+            if gateway is not None:
+                await gateway.drain()
+        finally:
+            await super().shutdown(sockets)
 
 
 def _server(app: FastAPI) -> _Server:
