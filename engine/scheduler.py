@@ -237,11 +237,17 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
                 return st
         raise ProtocolError(f"engine {self.engine_id} hosts no stage of model {model!r}")
 
-    def kv_token_limits(self) -> dict[str, int]:
-        """Per resident model: the most tokens of one request whose KV this engine's pool can
-        hold for its stage (prompt + max_tokens - 1 must not exceed it; serving backends refuse
-        a longer request up front: paraflex/admission.py)."""
-        return {st.model: self.pool.capacity // st.num_layers * st.tokens_per_block for st in self.stages}
+    def kv_token_limits(self) -> dict[str, tuple[int, int]]:
+        """Per resident model, what one request's KV may take of this engine's pool for its
+        stage: (prompt tokens a first stage admits into an otherwise empty pool, above the
+        watermark; tokens of its whole context, prompt + max_tokens - 1). Serving backends
+        refuse a request over either up front (paraflex/admission.py): it could never run."""
+        out = {}
+        for st in self.stages:
+            per_layer = self.pool.capacity // st.num_layers
+            prompt = (self.pool.capacity - self.watermark_blocks) // st.num_layers if st.is_first else per_layer
+            out[st.model] = (prompt * st.tokens_per_block, per_layer * st.tokens_per_block)
+        return out
 
     # ------------------------------------------------------------------ events in
     def add_request(self, req_id: str, model: str, prompt_len: int, max_new_tokens: int, arrival_time: float,

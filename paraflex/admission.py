@@ -32,14 +32,27 @@ def check_request(config, placement, model: str, prompt_token_ids, max_tokens: i
     return prompt
 
 
-def check_kv_fit(model: str, prompt_len: int, max_tokens: int, limits: dict[int, int]) -> None:
+def check_kv_fit(model: str, prompt_len: int, max_tokens: int, limits: dict[int, tuple[int, int]]) -> None:
     """Raise `UserError` unless one request of `prompt_len` + `max_tokens` tokens fits the KV pool
     of each engine in `limits` (engine id -> `EngineScheduler.kv_token_limits()[model]`)."""
     need = prompt_len + max_tokens - 1  # the last token is never fed back
-    for engine, limit in sorted(limits.items()):
+    for engine, (prompt_limit, limit) in sorted(limits.items()):
+        if prompt_len > prompt_limit:
+            raise UserError(
+                f"prompt: {prompt_len} tokens of {model} do not fit the KV pool of engine {engine}, which admits "
+                f"prompts of up to {prompt_limit} tokens; shorten the prompt (or give the engines more KV memory: "
+                "cluster.memory_gb)"
+            )
         if need > limit:
             raise UserError(
                 f"max_tokens: prompt ({prompt_len}) + max_tokens ({max_tokens}) of {model} need KV for {need} "
                 f"tokens on engine {engine}, whose pool holds {limit} per request; shorten the prompt or lower "
                 "max_tokens (or give the engines more KV memory: cluster.memory_gb)"
             )
+
+
+def max_model_len(context: int, limits: dict[int, tuple[int, int]]) -> int:
+    """The longest request (prompt + max_tokens) of a model the engines can hold: its context,
+    or less where an engine's pool holds less (what /v1/models reports as max_model_len, and what
+    a chat request without max_tokens fills)."""
+    return min([context] + [limit + 1 for _, limit in limits.values()])

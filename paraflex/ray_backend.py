@@ -30,7 +30,7 @@ from typing import AsyncIterator, Callable
 import msgpack
 import ray
 
-from paraflex.admission import check_kv_fit, check_request
+from paraflex.admission import check_kv_fit, check_request, max_model_len
 from paraflex.engine.dispatcher import Dispatcher
 from paraflex.engine.ray_engine import FAILED, READY
 from paraflex.engine.ray_output import unpack_records
@@ -68,9 +68,8 @@ class RayBackend:
         self.groups = {(m, j): GroupSpec(m, j, tuple(engines))
                        for m, mp in placement.models.items() for j, engines in enumerate(mp.replicas)
                        if len(engines) > 1}
-        self._cards = [ModelCard(m, config.model(m).arch.max_context, self._tokenizer(m))
-                       for m in placement.models]
-        self._kv_limits: dict[str, dict[int, int]] = {m: {} for m in placement.models}  # admission.check_kv_fit
+        self._cards: list[ModelCard] = []  # once the engines report their KV (start)
+        self._kv_limits: dict[str, dict[int, tuple[int, int]]] = {m: {} for m in placement.models}  # check_kv_fit
         self._streams: dict[str, _Stream] = {}  # by the client's request id, oldest first
         self._client_id: dict[str, str] = {}  # engine request id -> client request id
         self._lock = threading.Lock()
@@ -91,6 +90,8 @@ class RayBackend:
             self._status[e] = st
             for m, limit in st["kv_token_limits"].items():
                 self._kv_limits[m][e] = limit
+        self._cards = [ModelCard(m, max_model_len(self.config.model(m).arch.max_context, self._kv_limits[m]),
+                                 self._tokenizer(m)) for m in self.placement.models]
         for t in self._threads:
             t.start()
 

@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from paraflex.admission import check_kv_fit, check_request
+from paraflex.admission import check_kv_fit, check_request, max_model_len
 from paraflex.engine.dispatcher import Dispatcher
 from paraflex.engine.engine_builder import build_engine, choose_device, engine_routes
 from paraflex.engine.messages import FreeMessage
@@ -111,7 +111,7 @@ class LLMCluster:
                 progress=progress,
             ))
         self._by_id = {e.engine_id: e for e in self.engines}
-        self._kv_limits: dict[str, dict[int, int]] = {m: {} for m in placement.models}  # admission.check_kv_fit
+        self._kv_limits: dict[str, dict[int, tuple[int, int]]] = {m: {} for m in placement.models}  # check_kv_fit
         for e in self.engines:
             for m, limit in e.scheduler.kv_token_limits().items():
                 self._kv_limits[m][e.engine_id] = limit
@@ -131,6 +131,10 @@ class LLMCluster:
     # ------------------------------------------------------------------ models
     def models(self) -> list[str]:
         return list(self.placement.models)
+
+    def max_model_len(self, model: str) -> int:
+        """The longest request (prompt + max_tokens) of `model` its engines can hold."""
+        return max_model_len(self.config.model(model).arch.max_context, self._kv_limits[model])
 
     def tokenizer(self, model: str) -> Tokenizer:
         tok = self._tokenizers.get(model)

@@ -55,6 +55,7 @@ def test_a_request_whose_kv_outgrows_an_engine_pool_is_refused_up_front(backend)
                                         r"tokens on engine 0, whose pool holds 384"):
         asyncio.run(_drain(backend, "big", [256, 5, 6], max_tokens=400))
     assert backend.health()["ok"]
+    assert backend.models()[0].max_context == 385  # /v1/models' max_model_len: what the pool holds
 
 
 def test_a_request_the_engine_refuses_ends_with_an_error_and_the_engine_goes_on(backend):

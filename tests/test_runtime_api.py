@@ -127,6 +127,12 @@ def test_a_request_outgrowing_an_engine_kv_pool_is_refused_and_a_reused_id_ends_
     with pytest.raises(UserError, match=r"max_tokens: prompt \(3\) \+ max_tokens \(400\) of tiny-2l need KV for 402 "
                                         r"tokens on engine 0, whose pool holds 384 per request"):
         c.submit("tiny-2l", [256, 5, 6], SamplingParams(max_tokens=400))
+    # a prompt the first stage would never admit above its 1-block watermark (it waited for ever)
+    with pytest.raises(UserError, match=r"prompt: 377 tokens of tiny-2l do not fit the KV pool of engine 0, which "
+                                        r"admits prompts of up to 368 tokens"):
+        c.submit("tiny-2l", [256] * 377, SamplingParams(max_tokens=1))
+    assert c.generate("tiny-2l", [[256] * 368], SamplingParams(max_tokens=1), timeout_s=30)[0].token_ids
+    assert c.max_model_len("tiny-2l") == 385  # not the model's 2,048: what /v1/models reports
     c.start()
     try:
         sinks = [Sink(), Sink(), Sink()]

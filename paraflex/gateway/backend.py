@@ -38,7 +38,8 @@ class Unavailable(ParaflexError):
 
 @dataclass(frozen=True)
 class ModelCard:
-    """A served model: its public name, context window (prompt + output tokens) and tokenizer.
+    """A served model: its public name, context window (prompt + output tokens: the model's, or
+    less where its engines' KV pools hold less, `admission.max_model_len`) and tokenizer.
 
     `tokenizer` follows paraflex.engine.tokenizer.Tokenizer: encode, decode,
     apply_chat_template, eos_token_ids, vocab_size.

@@ -45,7 +45,7 @@ class InProcessBackend:
 
     def __init__(self, cluster):
         self.cluster = cluster
-        self._cards = [ModelCard(m, cluster.config.model(m).arch.max_context, cluster.tokenizer(m))
+        self._cards = [ModelCard(m, cluster.max_model_len(m), cluster.tokenizer(m))
                        for m in cluster.models()]
         self._live: dict[str, str] = {}  # request id -> model, for requests this backend streams
         self._lock = threading.Lock()
