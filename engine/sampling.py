@@ -12,7 +12,6 @@ the draws already made.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -46,9 +45,10 @@ class SamplingParams:
         """Raise UserError naming the first bad field; returns self."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise UserError(f"max_tokens: {self.max_tokens!r} must be an integer >= 1")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
+        if not (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+                and 0 <= self.temperature < 1e300):
             raise UserError(f"temperature: {self.temperature!r} must be a number >= 0 (0 = greedy)")
+        self.temperature = float(self.temperature)  # (not an int of any size: msgpack carries floats)
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise UserError(f"top_p: {self.top_p!r} must be in (0, 1]")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):

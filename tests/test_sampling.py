@@ -16,7 +16,7 @@ def _logits(rows=4, vocab=50, seed=0):
 
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", 0), ("temperature", -1.0), ("temperature", float("nan")), ("top_p", 0.0),
-    ("top_p", 1.5), ("top_k", -3), ("seed", "x"), ("seed", 2**64), ("seed", -(2**63) - 1), ("stop", [""]),
+    ("top_p", 1.5), ("top_k", -3), ("temperature", 10**400), ("seed", "x"), ("seed", 2**64), ("seed", -(2**63) - 1), ("stop", [""]),
     ("stop", [f"s{i}" for i in range(65)]), ("stop_token_ids", [-1]), ("stop_token_ids", [2**64]), ("logprobs", 21),
 ])
 def test_validate_names_the_bad_field(field, value):
@@ -29,7 +29,8 @@ def test_every_accepted_extreme_travels_to_an_engine_actor():
     any vocabulary means the whole vocabulary, seeds at both ends of their range."""
     import msgpack
 
-    for extreme in (dict(top_k=2**64, seed=2**64 - 1, stop_token_ids=[2**63 - 1]), dict(top_k=10**30, seed=-(2**63))):
+    for extreme in (dict(top_k=2**64, seed=2**64 - 1, stop_token_ids=[2**63 - 1]), dict(top_k=10**30, seed=-(2**63)),
+                    dict(temperature=10**30)):
         params = SamplingParams(**extreme).validate()
         assert SamplingParams.from_dict(msgpack.unpackb(msgpack.packb(params.to_dict()))) == params
     assert SamplingParams(top_k=2**64).validate().top_k == -1
