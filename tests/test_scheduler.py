@@ -88,6 +88,17 @@ def two_stage(batch=2, **kw):
     return e0, e1
 
 
+def prefill_through(e0, e1, arrivals):
+    """Each (request id, arrival) of model M (4-token prompt, 5 new tokens) runs its prompt on
+    both stages and has its first token back at the first: all wait to decode."""
+    for rid, t in arrivals:
+        e0.add_request(rid, "M", 4, 5, t)
+        b, _ = run(e0)
+        e1.receive_batch(b.message)
+        _, d = run(e1)
+        e0.receive_tokens(d.token_message)
+
+
 def test_later_stage_runs_batch_as_formed_and_token_returns_to_first():
     e0, e1 = two_stage()
     e0.add_request("r1", "M", 6, 3, 0.0, prompt_token_ids=[1, 2, 3, 4, 5, 6], sampling={"temperature": 0.0})
@@ -120,12 +131,7 @@ def test_later_stage_runs_batch_as_formed_and_token_returns_to_first():
 
 def test_later_stage_prefers_full_decode_batch_over_older_prefill():
     e0, e1 = two_stage(batch=2)
-    for rid, t in [("r1", 1.0), ("r2", 2.0)]:
-        e0.add_request(rid, "M", 4, 5, t)
-        b, _ = run(e0)
-        e1.receive_batch(b.message)
-        _, d = run(e1)
-        e0.receive_tokens(d.token_message)
+    prefill_through(e0, e1, [("r1", 1.0), ("r2", 2.0)])
     full, _ = run(e0)
     assert full.req_ids == ["r1", "r2"]
     old = BatchMessage("M", 1, "x", "prefill", [PrefillEntry("p", 0, 4, 4, 5, 0.0)])  # arrived first
@@ -343,12 +349,7 @@ def test_abort_waiting_and_running_and_unknown():
 
 def test_abort_inside_a_received_batch_drops_its_rows():
     e0, e1 = two_stage(batch=3)
-    for rid, t, p in [("x", 0.0, 4), ("y", 1.0, 4), ("z", 2.0, 4)]:
-        e0.add_request(rid, "M", p, 5, t)
-        b, _ = run(e0)
-        e1.receive_batch(b.message)
-        _, d = run(e1)
-        e0.receive_tokens(d.token_message)
+    prefill_through(e0, e1, [("x", 0.0), ("y", 1.0), ("z", 2.0)])
     dec, _ = run(e0)
     assert dec.req_ids == ["x", "y", "z"]
     e1.abort("late")  # unknown yet: remembered
@@ -366,12 +367,7 @@ def test_a_received_batch_holding_a_request_already_ended_here_drops_its_rows():
     would run every received row against fewer requests: a native decode read past its
     buffers, a crashed engine)."""
     e0, e1 = two_stage(batch=3)
-    for rid, t in [("x", 0.0), ("y", 1.0), ("z", 2.0)]:
-        e0.add_request(rid, "M", 4, 5, t)
-        b, _ = run(e0)
-        e1.receive_batch(b.message)
-        _, d = run(e1)
-        e0.receive_tokens(d.token_message)
+    prefill_through(e0, e1, [("x", 0.0), ("y", 1.0), ("z", 2.0)])
     dec, _ = run(e0)
     e1.abort("y")  # freed here first
     e1.receive_batch(dec.message)
