@@ -39,7 +39,7 @@ from paraflex.engine.transport_ray import GroupSpec
 from paraflex.errors import UserError
 from paraflex.gateway.backend import BackendMetrics, ModelCard, Output, Unavailable
 from paraflex.kv_stall import StallWatch, live_by_replica
-from paraflex.recompute import Restartable, preempt, restart, to_release
+from paraflex.recompute import Restartable, Restarts
 
 MONITOR_EVERY_S = 0.5
 ALIVE, DEAD = "alive", "dead"
@@ -71,7 +71,7 @@ class RayBackend:
         self._cards: list[ModelCard] = []  # once the engines report their KV (start)
         self._kv_limits: dict[str, dict[int, tuple[int, int]]] = {m: {} for m in placement.models}  # check_kv_fit
         self._streams: dict[str, _Stream] = {}  # by the client's request id, oldest first
-        self._client_id: dict[str, str] = {}  # engine request id -> client request id
+        self.restarts = Restarts()  # engine request ids, stops per model (paraflex/recompute.py)
         self._lock = threading.Lock()
         self.engine_state = {e: ALIVE for e in actors}
         self.engine_error: dict[int, str] = {}
@@ -79,7 +79,6 @@ class RayBackend:
         self._restarts: dict[int, int] = {}  # Ray's restart count when last seen alive
         self._status: dict[int, dict] = {}
         self.stall_watch = StallWatch()
-        self.preemptions: dict[str, int] = {}  # per model: requests stopped to free KV, restarted
         self._closed = threading.Event()
         self._threads = [threading.Thread(target=self._monitor, name="pf-monitor", daemon=True),
                          threading.Thread(target=self._poll_outputs, name="pf-outputs", daemon=True)]
@@ -111,13 +110,13 @@ class RayBackend:
         stream = _Stream(model=model, replica=-1, prompt=prompt, params=params, engine_rid=request_id,
                          loop=asyncio.get_running_loop(), queue=asyncio.Queue())
         with self._lock:
-            if request_id in self._streams or request_id in self._client_id:
+            if self.restarts.in_use(request_id, self._streams):
                 raise UserError(f"request_id: {request_id!r} is already in use")
             replica = self._pick_live(model)
             if replica is not None:
                 stream.replica = replica
                 self._streams[request_id] = stream
-                self._client_id[request_id] = request_id
+                self.restarts.begin(request_id)
         if replica is None:
             raise Unavailable(f"model {model!r} has no live replica: {self._dead_summary()}; retry later")
         first = self.placement.models[model].replicas[replica][0]
@@ -157,7 +156,7 @@ class RayBackend:
             live = [s.model for s in self._streams.values() if not s.held]
             held = [s.model for s in self._streams.values() if s.held]  # waiting for a restart
             status = dict(self._status)
-            preemptions = dict(self.preemptions)
+            preemptions = dict(self.restarts.preemptions)
         queued = {m: 0 for m in self.placement.models}  # waiting in the engines
         usage = {}
         for e, st in status.items():
@@ -201,8 +200,7 @@ class RayBackend:
         s = self._streams.pop(rid, None)
         if s is not None:
             self.dispatcher.done(s.model, s.replica)
-            if not s.held:
-                del self._client_id[s.engine_rid]
+            self.restarts.end(s)
         return s
 
     def _abort_now(self, rid: str, notify: bool, error: str | None = None) -> None:
@@ -224,10 +222,8 @@ class RayBackend:
             s = self._streams.get(rid)
             if s is None:
                 return
-            held = preempt(s)
+            held = self.restarts.stop(s)
             if held:  # freed under the lock: a restart (which takes it) cannot rename it meanwhile
-                del self._client_id[s.engine_rid]
-                self.preemptions[s.model] = self.preemptions.get(s.model, 0) + 1
                 self._free_on_replica(s.model, s.replica, [s.engine_rid])
                 tokens = s.tokens
         if not held:
@@ -240,12 +236,11 @@ class RayBackend:
         """Restart the held request of replica `key` that `to_release` names. Submitted under the
         lock, so an abort of it (which takes the lock first) reaches the engine after it."""
         with self._lock:
-            rid = to_release(self._streams.items(), key, ended)
-            if rid is None or not self._replica_alive(*key):
+            got = self.restarts.release(self._streams, key, ended) if self._replica_alive(*key) else None
+            if got is None:
                 return
+            rid, prompt, params = got
             s = self._streams[rid]
-            prompt, params = restart(rid, s, lambda x: x in self._streams or x in self._client_id)
-            self._client_id[s.engine_rid] = rid
             self.actors[self.placement.models[s.model].replicas[s.replica][0]].add_request.remote(
                 msgpack.packb([s.model, s.engine_rid, prompt, params.to_dict()], use_bin_type=True))
 
@@ -268,7 +263,7 @@ class RayBackend:
                 for engine_rid, tokens, finish, error in unpack_records(payload):
                     out = Output(list(tokens), finish, error)
                     with self._lock:
-                        rid = self._client_id.get(engine_rid)  # None: ended, or a run stopped for a restart
+                        rid = self.restarts.client_of.get(engine_rid)  # None: ended, or a run stopped for a restart
                         s = None if rid is None else self._end(rid) if out.final else self._streams.get(rid)
                         if s is not None:
                             s.output.extend(out.token_ids)

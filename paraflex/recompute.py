@@ -1,7 +1,8 @@
 """Preemption by recompute: a request stopped to free KV restarts from the tokens it has.
 
 Place in the data flow: both serving backends (paraflex/runtime.py, paraflex/ray_backend.py)
-keep a `Restartable` record per live request. When the KV-stall watch (paraflex/kv_stall.py), or
+keep a `Restartable` record per live request and one `Restarts` book (engine request id ->
+client request id, stops per model). When the KV-stall watch (paraflex/kv_stall.py), or
 the in-process runtime's exact stall check, names a request to stop, the backend calls
 `preempt`: the request's KV is freed on every stage under its current engine request id (as an
 abort), and the request is held, keeping its place in dispatch. `to_release` says when its
@@ -92,3 +93,46 @@ def restart(rid: str, rec: Restartable, in_use) -> tuple[list[int], object]:
     params = dataclasses.replace(rec.params, max_tokens=rec.params.max_tokens - len(rec.output),
                                  resumed=list(rec.output))
     return rec.prompt + rec.output, params
+
+
+class Restarts:
+    """One backend's books for restarts by recompute: which client request each engine request
+    id serves (outputs of a stopped run map to nothing and are dropped), and the stops per
+    model. The backend calls it under its own lock."""
+
+    def __init__(self) -> None:
+        self.client_of: dict[str, str] = {}  # engine request id -> client request id
+        self.preemptions: dict[str, int] = {}  # model -> requests stopped and restarted
+
+    def begin(self, rid: str) -> None:
+        """A new request, known to the engines by its client id."""
+        self.client_of[rid] = rid
+
+    def in_use(self, rid: str, live) -> bool:
+        """Whether `rid` names a live request (`live`: by client id) or an engine request."""
+        return rid in live or rid in self.client_of
+
+    def stop(self, rec: Restartable) -> bool:
+        """Hold `rec` (`preempt`) and forget its engine id (the caller frees it on the engines
+        under `rec.engine_rid`, still set); False when it was restarted too often already."""
+        if not preempt(rec):
+            return False
+        del self.client_of[rec.engine_rid]
+        self.preemptions[rec.model] = self.preemptions.get(rec.model, 0) + 1
+        return True
+
+    def end(self, rec: Restartable) -> None:
+        """`rec` ended: forget its engine id (a held one has none)."""
+        if not rec.held:
+            del self.client_of[rec.engine_rid]
+
+    def release(self, live: dict, key: tuple[str, int], ended: bool) -> tuple[str, list[int], object] | None:
+        """The held request of replica `key` that `to_release` names, made live again under a
+        fresh engine id (`restart`): (its client id, prompt, params) to submit, or None."""
+        rid = to_release(live.items(), key, ended)
+        if rid is None:
+            return None
+        rec = live[rid]
+        prompt, params = restart(rid, rec, lambda x: self.in_use(x, live))
+        self.client_of[rec.engine_rid] = rid
+        return rid, prompt, params

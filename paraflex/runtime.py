@@ -34,7 +34,7 @@ from paraflex.engine.tokenizer import Tokenizer, load_tokenizer
 from paraflex.engine.transport import Envelope, LocalTransport
 from paraflex.errors import ParaflexError, UserError
 from paraflex.kv_stall import StallWatch, live_by_replica, stall_message
-from paraflex.recompute import Restartable, preempt, restart, to_release
+from paraflex.recompute import Restartable, Restarts
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class LLMCluster:
             for m, limit in e.scheduler.kv_token_limits().items():
                 self._kv_limits[m][e.engine_id] = limit
         self._live: dict[str, _Live] = {}  # by the client's request id, oldest first
-        self._client_id: dict[str, str] = {}  # engine request id -> client request id
+        self.restarts = Restarts()  # engine request ids, stops per model (paraflex/recompute.py)
         self.dispatcher = Dispatcher.from_placement(placement)
         self._inbox: list[tuple] = []
         self._lock = threading.Lock()
@@ -126,7 +126,6 @@ class LLMCluster:
         self._stop = False
         self.loop_error: BaseException | None = None
         self.stall_watch = StallWatch()
-        self.preemptions: dict[str, int] = {}  # per model: requests stopped to free KV, restarted
 
     # ------------------------------------------------------------------ models
     def models(self) -> list[str]:
@@ -317,7 +316,7 @@ class LLMCluster:
                 "swap space, or lower scheduler.max_batch_size")
 
     def _in_use(self, rid: str) -> bool:
-        return rid in self._live or rid in self._client_id
+        return self.restarts.in_use(rid, self._live)
 
     def _apply(self, item) -> None:
         if item[0] == "add":
@@ -326,7 +325,7 @@ class LLMCluster:
             with self._lock:
                 self._live[rid] = _Live(model=model, replica=replica, prompt=prompt, params=params,
                                         engine_rid=rid, sink=sink)
-                self._client_id[rid] = rid
+                self.restarts.begin(rid)
             self._submit_to_engine(model, replica, rid, prompt, params)
         elif item[0] == "restart":
             _, rid, engine_rid, prompt, params = item
@@ -364,28 +363,24 @@ class LLMCluster:
         live = self._live.get(rid)
         if live is None:
             return
-        if not preempt(live):
+        with self._lock:
+            stopped = self.restarts.stop(live)
+        if not stopped:
             self._end(rid, error)
             return
         log.info("runtime: request %s stopped to free KV; it restarts by recompute after %d token(s)",
                  rid, live.tokens)
-        self.preemptions[live.model] = self.preemptions.get(live.model, 0) + 1
         self._free_everywhere(live)
-        with self._lock:
-            del self._client_id[live.engine_rid]
         self._release((live.model, live.replica), ended=False)
 
     def _release(self, key: tuple[str, int], ended: bool) -> None:
         """Restart the held request of replica `key` that `to_release` names (on the next step:
         this may run inside an engine's step, through a sink)."""
-        rid = to_release(self._live.items(), key, ended)
-        if rid is None:
-            return
         with self._lock:
-            live = self._live[rid]
-            prompt, params = restart(rid, live, self._in_use)
-            self._client_id[live.engine_rid] = rid
-            self._inbox.append(("restart", rid, live.engine_rid, prompt, params))
+            got = self.restarts.release(self._live, key, ended)
+            if got is not None:
+                rid, prompt, params = got
+                self._inbox.append(("restart", rid, self._live[rid].engine_rid, prompt, params))
 
     def _break_stall(self) -> bool:
         """No engine can run anything and nothing travels between them: the live requests' KV
@@ -417,7 +412,7 @@ class LLMCluster:
     def on_output(self, request_id, token_ids, finish_reason, error, **extra) -> None:
         """The engines' sink: forward to the request's own sink; drop output after the end (or
         of a run stopped for a restart)."""
-        rid = self._client_id.get(request_id)
+        rid = self.restarts.client_of.get(request_id)
         if rid is not None:
             self._emit(rid, token_ids, finish_reason, error, **extra)
 
@@ -427,8 +422,7 @@ class LLMCluster:
         if finish_reason is not None:
             with self._lock:
                 del self._live[rid]
-                if not live.held:
-                    del self._client_id[live.engine_rid]
+                self.restarts.end(live)
             self.dispatcher.done(live.model, live.replica)
             self._release((live.model, live.replica), ended=not live.held)
         if live.sink is not None:

@@ -73,4 +73,4 @@ def test_a_kv_stall_restarts_the_newest_holder_by_recompute_and_every_request_co
         return await asyncio.gather(*[_drain(backend, f"r{i}", [256] + [5 + i] * 60) for i in range(6)])
     ends = asyncio.run(asyncio.wait_for(all_of_them(), timeout=180))
     assert ends == [(120, "length", None)] * 6
-    assert backend.preemptions["tiny-2l"] >= 1
+    assert backend.restarts.preemptions["tiny-2l"] >= 1

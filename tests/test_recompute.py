@@ -2,7 +2,7 @@
 held request goes back to its replica, and what it is restarted with."""
 
 from paraflex.engine.sampling import SamplingParams
-from paraflex.recompute import MAX_RECOMPUTES, Restartable, preempt, restart, to_release
+from paraflex.recompute import MAX_RECOMPUTES, Restartable, Restarts, preempt, restart, to_release
 
 
 def _rec(model="m", replica=0, output=(), held=False, max_tokens=10):
@@ -41,3 +41,19 @@ def test_a_restart_continues_from_the_tokens_received_under_a_fresh_engine_id():
     prompt, params = restart("r", rec, lambda rid: False)
     assert rec.engine_rid == "r#recompute3"  # ids only grow: the engines remember freed ones
     assert prompt == [1, 2, 3, 7, 8, 9] and (params.max_tokens, params.resumed) == (7, [7, 8, 9])
+
+
+def test_the_books_map_each_run_to_its_client_request_and_count_the_stops():
+    books = Restarts()
+    live = {"a": _rec(output=[7]), "b": _rec(output=[8])}
+    for rid, rec in live.items():
+        rec.engine_rid = rid
+        books.begin(rid)
+    assert books.stop(live["b"]) and books.client_of == {"a": "a"}  # b's run: its outputs are dropped
+    assert books.preemptions == {"m": 1} and books.in_use("b", live)
+    assert books.release(live, ("m", 0), ended=False) is None  # "a" still runs
+    rid, prompt, params = books.release(live, ("m", 0), ended=True)
+    assert rid == "b" and books.client_of == {"a": "a", "b#recompute1": "b"} and prompt == [1, 2, 3, 8]
+    books.end(live.pop("b"))
+    assert books.client_of == {"a": "a"}
+

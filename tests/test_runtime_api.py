@@ -275,7 +275,7 @@ def test_a_kv_stall_restarts_the_newest_holder_by_recompute_and_every_request_co
         c.shutdown()
     else:
         c.run_until_idle(timeout_s=120)
-    assert c.preemptions["tiny-2l"] >= 1
+    assert c.restarts.preemptions["tiny-2l"] >= 1
     assert [s.calls[-1][1:3] for s in sinks] == [("length", None)] * 8
     assert [s.tokens for s in sinks] == expected
     assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
@@ -304,7 +304,7 @@ def test_the_background_loop_hands_each_replica_to_the_stall_watch():
     used = c.engines[0].scheduler.pool.num_used
     c._watch_stalls(100.0)
     c._watch_stalls(105.0)
-    assert c.preemptions == {"tiny-2l": 1} and c.held() == {"tiny-2l": 1}
+    assert c.restarts.preemptions == {"tiny-2l": 1} and c.held() == {"tiny-2l": 1}
     while c.hub.pending():
         c.step()
     assert c.engines[0].scheduler.pool.num_used < used  # the stopped request's KV is free
@@ -355,7 +355,7 @@ def test_a_request_stopped_once_more_than_the_restart_cap_ends_with_the_stall_er
     reason, error = sinks[newest].calls[-1][1:3]
     assert reason == "abort" and error.startswith("stopped to free KV memory: no batch of tiny-2l ran")
     assert f"restarted by recompute {MAX_RECOMPUTES} times" in error and "cluster.memory_gb" in error
-    assert c.preemptions == {} and c.held() == {}
+    assert c.restarts.preemptions == {} and c.held() == {}
     c.run_until_idle(timeout_s=120)
     assert all(s.calls[-1][1:3] == ("length", None) for i, s in enumerate(sinks) if i != newest)
     assert all(e.scheduler.pool.num_used == 0 for e in c.engines)

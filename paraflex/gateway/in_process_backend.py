@@ -106,7 +106,7 @@ class InProcessBackend:
             running[m] = max(0, running[m] - n)
             waiting[m] += n
         return BackendMetrics(running=running, waiting=waiting, kv_cache_usage=usage,
-                              preemptions=dict(self.cluster.preemptions))
+                              preemptions=dict(self.cluster.restarts.preemptions))
 
     async def close(self) -> None:
         await asyncio.to_thread(self.cluster.shutdown)
