@@ -68,9 +68,9 @@ class Worker:
             inputs = hidden.to(self.device)
             if batch.src_rows is not None:
                 inputs = torch.cat([inputs[a:b] for a, b in batch.src_rows])
-            if inputs.shape[0] != sum(r.num_tokens for r in reqs):  # the kernels would read past their buffers
+            if inputs.shape[0] != batch.num_tokens:  # the kernels would read past their buffers
                 raise ParaflexError(f"batch {batch.batch_id}: {inputs.shape[0]} hidden rows received for "
-                                    f"{sum(r.num_tokens for r in reqs)} tokens")
+                                    f"{batch.num_tokens} tokens")
         view = self._views[batch.model]
         tables = [[r.block_table[layer] for r in reqs] for layer in range(stage.num_layers)]
         meta = AttentionMetadata.build(

@@ -14,8 +14,8 @@ none of its engines is in the middle of a batch, and for `after_s` neither did a
 model run on its engines nor did any of its requests receive a token. Then the newest of its
 requests that has tokens (it holds KV on every stage of the replica) is named with an explicit
 error: the backend frees that KV and restarts the request by recompute (paraflex/recompute.py),
-or ends it with the error once it has been restarted too often; the others get `after_s` again; a replica whose requests all wait
-for their prompt holds no KV and is left waiting. Other replicas working meanwhile do not hide
+or ends it with the error once it has been restarted too often; the others get `after_s` again;
+a replica whose requests all wait for their prompt holds no KV and is left waiting. Other replicas working meanwhile do not hide
 a stalled one. Pure logic: no torch, Ray or HTTP.
 """
 
@@ -35,11 +35,15 @@ class LiveRequest:
 
 
 def live_by_replica(placement, live) -> dict[tuple[str, int], tuple[list[int], list[LiveRequest]]]:
-    """`StallWatch.check`'s `replicas` from (request id, model, replica, tokens) in age order."""
+    """`StallWatch.check`'s `replicas` from a backend's live requests (`live`: client request
+    id -> `recompute.Restartable`, oldest first): those held for a restart hold no KV and are
+    left out; the others count the tokens of their current run (`run_tokens`)."""
     replicas: dict = {}
-    for rid, model, replica, tokens in live:
-        engines = placement.models[model].replicas[replica]
-        replicas.setdefault((model, replica), (engines, []))[1].append(LiveRequest(rid, tokens))
+    for rid, rec in live.items():
+        if rec.held:
+            continue
+        engines = placement.models[rec.model].replicas[rec.replica]
+        replicas.setdefault((rec.model, rec.replica), (engines, []))[1].append(LiveRequest(rid, rec.run_tokens))
     return replicas
 
 
@@ -53,7 +57,7 @@ def stall_message(why: str) -> str:
 
 
 class StallWatch:
-    """Per replica: since when it made no progress; `check` returns the requests to end."""
+    """Per replica: since when it made no progress; `check` returns the requests to stop."""
 
     def __init__(self, after_s: float = STALL_AFTER_S):
         self.after_s = after_s

@@ -30,7 +30,7 @@ from typing import AsyncIterator, Callable
 import msgpack
 import ray
 
-from paraflex.admission import check_kv_fit, check_request, max_model_len
+from paraflex.admission import check_request, kv_limits_by_model, max_model_len
 from paraflex.engine.dispatcher import Dispatcher
 from paraflex.engine.ray_engine import FAILED, READY
 from paraflex.engine.ray_output import unpack_records
@@ -39,7 +39,7 @@ from paraflex.engine.transport_ray import GroupSpec
 from paraflex.errors import UserError
 from paraflex.gateway.backend import BackendMetrics, ModelCard, Output, Unavailable
 from paraflex.kv_stall import StallWatch, live_by_replica
-from paraflex.recompute import Restartable, Restarts
+from paraflex.recompute import Restartable, Restarts, held_by_model
 
 MONITOR_EVERY_S = 0.5
 ALIVE, DEAD = "alive", "dead"
@@ -69,7 +69,7 @@ class RayBackend:
                        for m, mp in placement.models.items() for j, engines in enumerate(mp.replicas)
                        if len(engines) > 1}
         self._cards: list[ModelCard] = []  # once the engines report their KV (start)
-        self._kv_limits: dict[str, dict[int, tuple[int, int]]] = {m: {} for m in placement.models}  # check_kv_fit
+        self._kv_limits: dict[str, dict[int, tuple[int, int]]] = {}  # admission.kv_limits_by_model (start)
         self._streams: dict[str, _Stream] = {}  # by the client's request id, oldest first
         self.restarts = Restarts()  # engine request ids, stops per model (paraflex/recompute.py)
         self._lock = threading.Lock()
@@ -87,10 +87,9 @@ class RayBackend:
         for e, st in statuses.items():
             self._incarnation[e] = st["incarnation"]
             self._status[e] = st
-            for m, limit in st["kv_token_limits"].items():
-                self._kv_limits[m][e] = limit
-        self._cards = [ModelCard(m, max_model_len(self.config.model(m).arch.max_context, self._kv_limits[m]),
-                                 self._tokenizer(m)) for m in self.placement.models]
+        self._kv_limits = kv_limits_by_model({e: st["kv_token_limits"] for e, st in statuses.items()})
+        self._cards = [ModelCard(m, max_model_len(self.config, self._kv_limits, m), self._tokenizer(m))
+                       for m in self.placement.models]
         for t in self._threads:
             t.start()
 
@@ -105,8 +104,7 @@ class RayBackend:
     async def stream(self, model: str, prompt_token_ids: list[int], params,
                      request_id: str) -> AsyncIterator[Output]:
         params = params.validate()
-        prompt = check_request(self.config, self.placement, model, prompt_token_ids, params.max_tokens)
-        check_kv_fit(model, len(prompt), params.max_tokens, self._kv_limits[model])
+        prompt = check_request(self.config, self.placement, self._kv_limits, model, prompt_token_ids, params.max_tokens)
         stream = _Stream(model=model, replica=-1, prompt=prompt, params=params, engine_rid=request_id,
                          loop=asyncio.get_running_loop(), queue=asyncio.Queue())
         with self._lock:
@@ -154,7 +152,7 @@ class RayBackend:
     def metrics(self) -> BackendMetrics:
         with self._lock:
             live = [s.model for s in self._streams.values() if not s.held]
-            held = [s.model for s in self._streams.values() if s.held]  # waiting for a restart
+            held = held_by_model(self._streams.values())  # waiting for a restart
             status = dict(self._status)
             preemptions = dict(self.restarts.preemptions)
         queued = {m: 0 for m in self.placement.models}  # waiting in the engines
@@ -165,7 +163,7 @@ class RayBackend:
             for m, n in st.get("waiting", {}).items():
                 queued[m] = queued.get(m, 0) + n
         running = {m: max(0, live.count(m) - n) for m, n in queued.items()}
-        waiting = {m: n + held.count(m) for m, n in queued.items()}
+        waiting = {m: n + held.get(m, 0) for m, n in queued.items()}
         return BackendMetrics(running=running, waiting=waiting, kv_cache_usage=usage, preemptions=preemptions)
 
     async def close(self) -> None:
@@ -312,8 +310,7 @@ class RayBackend:
         with self._lock:
             runs = {e: st.get("runs") if e in fresh else None for e, st in self._status.items()
                     if self.engine_state[e] == ALIVE}
-            replicas = live_by_replica(self.placement, [(rid, s.model, s.replica, s.run_tokens)
-                                                        for rid, s in self._streams.items() if not s.held])
+            replicas = live_by_replica(self.placement, self._streams)
         for rid, error in self.stall_watch.check(now, runs, replicas):
             self._preempt(rid, error)
 

@@ -4,12 +4,12 @@ Place in the data flow: both serving backends (paraflex/runtime.py, paraflex/ray
 keep a `Restartable` record per live request and one `Restarts` book (engine request id ->
 client request id, stops per model). When the KV-stall watch (paraflex/kv_stall.py), or
 the in-process runtime's exact stall check, names a request to stop, the backend calls
-`preempt`: the request's KV is freed on every stage under its current engine request id (as an
+`Restarts.stop` (`preempt`): the request's KV is freed on every stage under its current engine request id (as an
 abort), and the request is held, keeping its place in dispatch. `to_release` says when its
 replica can take it back: after another request of that replica ends (which frees KV), or at
 once when none of its requests is running; one at a time, oldest first, so a restarted request
 cannot take back the blocks the others just got and stall them again. The backend then submits
-`restart(record)` to the replica's first stage under a new engine request id (the engines
+what `Restarts.release` (`restart`) gives to the replica's first stage under a new engine request id (the engines
 remember freed ids): the original prompt followed by every token the client has received,
 `max_tokens` lowered by as many, and `SamplingParams.resumed` holding those tokens (the last
 stage searches stop strings across the restart; a seeded generator skips the draws already
@@ -62,6 +62,15 @@ def preempt(rec: Restartable) -> bool:
     rec.recomputes += 1
     rec.held = True
     return True
+
+
+def held_by_model(records) -> dict[str, int]:
+    """Per model: how many of `records` are held for a restart."""
+    out: dict[str, int] = {}
+    for rec in records:
+        if rec.held:
+            out[rec.model] = out.get(rec.model, 0) + 1
+    return out
 
 
 def to_release(live, key: tuple[str, int], ended: bool) -> str | None:

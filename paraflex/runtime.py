@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from paraflex.admission import check_kv_fit, check_request, max_model_len
+from paraflex.admission import check_request, kv_limits_by_model, max_model_len
 from paraflex.engine.dispatcher import Dispatcher
 from paraflex.engine.engine_builder import build_engine, choose_device, engine_routes
 from paraflex.engine.messages import FreeMessage
@@ -34,7 +34,7 @@ from paraflex.engine.tokenizer import Tokenizer, load_tokenizer
 from paraflex.engine.transport import Envelope, LocalTransport
 from paraflex.errors import ParaflexError, UserError
 from paraflex.kv_stall import StallWatch, live_by_replica, stall_message
-from paraflex.recompute import Restartable, Restarts
+from paraflex.recompute import Restartable, Restarts, held_by_model
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +111,7 @@ class LLMCluster:
                 progress=progress,
             ))
         self._by_id = {e.engine_id: e for e in self.engines}
-        self._kv_limits: dict[str, dict[int, tuple[int, int]]] = {m: {} for m in placement.models}  # check_kv_fit
-        for e in self.engines:
-            for m, limit in e.scheduler.kv_token_limits().items():
-                self._kv_limits[m][e.engine_id] = limit
+        self._kv_limits = kv_limits_by_model({e.engine_id: e.scheduler.kv_token_limits() for e in self.engines})
         self._live: dict[str, _Live] = {}  # by the client's request id, oldest first
         self.restarts = Restarts()  # engine request ids, stops per model (paraflex/recompute.py)
         self.dispatcher = Dispatcher.from_placement(placement)
@@ -133,7 +130,7 @@ class LLMCluster:
 
     def max_model_len(self, model: str) -> int:
         """The longest request (prompt + max_tokens) of `model` its engines can hold."""
-        return max_model_len(self.config.model(model).arch.max_context, self._kv_limits[model])
+        return max_model_len(self.config, self._kv_limits, model)
 
     def tokenizer(self, model: str) -> Tokenizer:
         tok = self._tokenizers.get(model)
@@ -147,14 +144,13 @@ class LLMCluster:
                request_id: str | None = None, sink=None) -> str:
         """Queue a request; its output goes to `sink.on_output(...)`. Returns the request id."""
         params = (params or SamplingParams()).validate()
-        prompt = check_request(self.config, self.placement, model, prompt_token_ids, params.max_tokens)
-        check_kv_fit(model, len(prompt), params.max_tokens, self._kv_limits[model])
+        prompt = check_request(self.config, self.placement, self._kv_limits, model, prompt_token_ids, params.max_tokens)
         rid = request_id or f"req-{next(self._ids)}"
         with self._wake:
             if self.loop_error is not None:  # checked under the lock the failing loop takes
                 raise ParaflexError(f"the engines stopped after an internal error ({self._loop_failure()}); "
                                     "restart the server")
-            if self._in_use(rid) or any(e[1] == rid for e in self._inbox if e[0] == "add"):
+            if self.restarts.in_use(rid, self._live) or any(e[1] == rid for e in self._inbox if e[0] == "add"):
                 raise UserError(f"request_id: {rid!r} is already in use")
             self._inbox.append(("add", rid, model, prompt, params, sink))
             self._wake.notify()
@@ -170,11 +166,7 @@ class LLMCluster:
     def held(self) -> dict[str, int]:
         """Per model: requests stopped to free KV, waiting for their replica to restart them."""
         with self._lock:
-            out: dict[str, int] = {}
-            for live in self._live.values():
-                if live.held:
-                    out[live.model] = out.get(live.model, 0) + 1
-        return out
+            return held_by_model(self._live.values())
 
     def has_unfinished(self) -> bool:
         """Requests live or queued, or messages (tokens, frees) still travelling between engines;
@@ -315,9 +307,6 @@ class LLMCluster:
                 f"in KV ({self._stuck()}); give later stages KV in proportion to their layers, add host "
                 "swap space, or lower scheduler.max_batch_size")
 
-    def _in_use(self, rid: str) -> bool:
-        return self.restarts.in_use(rid, self._live)
-
     def _apply(self, item) -> None:
         if item[0] == "add":
             _, rid, model, prompt, params, sink = item
@@ -403,8 +392,7 @@ class LLMCluster:
     def _watch_stalls(self, now: float) -> None:
         """A replica stalled while others work (paraflex/kv_stall.py): stop what the watch names."""
         with self._lock:
-            replicas = live_by_replica(self.placement, [(rid, lv.model, lv.replica, lv.run_tokens)
-                                                        for rid, lv in self._live.items() if not lv.held])
+            replicas = live_by_replica(self.placement, self._live)
         runs = {e.engine_id: e.run_counts() for e in self.engines}
         for rid, error in self.stall_watch.check(now, runs, replicas):
             self._preempt(rid, error)
