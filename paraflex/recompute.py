@@ -2,22 +2,22 @@
 
 Place in the data flow: both serving backends (paraflex/runtime.py, paraflex/ray_backend.py)
 keep a `Restartable` record per live request and one `Restarts` book (engine request id ->
-client request id, stops per model). When the KV-stall watch (paraflex/kv_stall.py), or
-the in-process runtime's exact stall check, names a request to stop, the backend calls
-`Restarts.stop` (`preempt`): the request's KV is freed on every stage under its current engine request id (as an
+client request id, stops per model). When the KV-stall watch (paraflex/kv_stall.py), or the in-
+process runtime's exact stall check, names a request to stop, the backend calls `Restarts.stop`
+(`preempt`): the request's KV is freed on every stage under its current engine request id (as an
 abort), and the request is held, keeping its place in dispatch. `to_release` says when its
 replica can take it back: after another request of that replica ends (which frees KV), or at
 once when none of its requests is running; one at a time, oldest first, so a restarted request
 cannot take back the blocks the others just got and stall them again. The backend then submits
-what `Restarts.release` (`restart`) gives to the replica's first stage under a new engine request id (the engines
-remember freed ids): the original prompt followed by every token the client has received,
-`max_tokens` lowered by as many, and `SamplingParams.resumed` holding those tokens (the last
-stage searches stop strings across the restart; a seeded generator skips the draws already
-made). Until its new run has produced a token it holds no KV, so the watch is told only the
-tokens of the current run (`run_tokens`) and never names it for nothing. The client's stream
-pauses and goes on, as in vLLM's recompute preemption. A request preempted `MAX_RECOMPUTES`
-times ends with the stall's error instead: a bound on the recompute work one request can cost
-under sustained memory pressure. Pure logic: no torch, Ray or HTTP.
+what `Restarts.release` (`restart`) gives to the replica's first stage under a new engine
+request id (the engines remember freed ids): the original prompt followed by every token the
+client has received, `max_tokens` lowered by as many, and `SamplingParams.resumed` holding those
+tokens (the last stage searches stop strings across the restart; a seeded generator skips the
+draws already made). Until its new run has produced a token it holds no KV, so the watch is told
+only the tokens of the current run (`run_tokens`) and never names it for nothing. The client's
+stream pauses and goes on, as in vLLM's recompute preemption. A request preempted
+`MAX_RECOMPUTES` times ends with the stall's error instead: a bound on the recompute work one
+request can cost under sustained memory pressure. Pure logic: no torch, Ray or HTTP.
 """
 
 from __future__ import annotations
