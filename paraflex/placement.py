@@ -197,6 +197,14 @@ class Placement:
             raise UserError(f"{p}: not valid JSON: {exc}") from None
         return cls.from_dict(d, source=str(p), check=check)
 
+    @classmethod
+    def load_for(cls, path: str, config) -> "Placement":
+        """The placement file `path` to run `config` with (serve, generate): its structure and
+        its models checked against the config before any engine loads the wrong layers."""
+        placement = cls.load(path)
+        placement.check_models(config, source=path)
+        return placement
+
     # ---- structure -----------------------------------------------------------------------
 
     def check_models(self, config, source: str = "placement") -> None:

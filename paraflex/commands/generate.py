@@ -44,10 +44,7 @@ def run(args) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=list(args.stop), ignore_eos=args.ignore_eos,
     ).validate()
-    placement = None
-    if args.placement:
-        placement = Placement.load(args.placement)
-        placement.check_models(config, source=args.placement)  # its stages must be this config's models
+    placement = Placement.load_for(args.placement, config) if args.placement else None
 
     def progress(line: str) -> None:
         if not args.quiet:

@@ -57,9 +57,7 @@ def load_placement(config, path: str | None):
     if path is not None:
         if not os.path.exists(path):
             raise UserError(f"--placement: {path} does not exist; create it with `paraflex plan CONFIG -o {path}`")
-        placement = Placement.load(path)
-        placement.check_models(config, source=path)  # before any engine loads the wrong layers
-        return placement
+        return Placement.load_for(path, config)
     from paraflex.planner import plan
 
     print(f"planning {len(config.models)} models on {config.cluster.num_engines} engines ...", flush=True)

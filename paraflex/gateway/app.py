@@ -104,6 +104,7 @@ class _TicketedStream(StreamingResponse):
 
 SHUTTING_DOWN = "server shutting down; send the request again (to another server)"
 
+
 class Gateway:
     """Route handlers bound to one backend."""
 

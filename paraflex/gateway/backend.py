@@ -32,9 +32,9 @@ from typing import Any, AsyncIterator, Protocol, runtime_checkable
 from paraflex.errors import ParaflexError
 
 
-
 class Unavailable(ParaflexError):
     """The backend cannot take a request now (no live replica of its model): a 503."""
+
 
 @dataclass(frozen=True)
 class ModelCard:
