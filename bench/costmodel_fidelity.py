@@ -19,11 +19,11 @@ import os
 import platform
 import sys
 
-from paraflex.catalog import ModelArch
-from paraflex.costmodel import CostModel
-from paraflex.devices import DeviceSpec, get_device
+from paraflex.models.catalog import ModelArch
+from paraflex.costs.costmodel import CostModel
+from paraflex.costs.devices import DeviceSpec, get_device
 from paraflex.errors import UserError
-from paraflex.profile_tables import LAYER_OPS, find_tables
+from paraflex.costs.profile_tables import LAYER_OPS, find_tables
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE_OF_FOLDER = {"a100": "a100-80g", "h100": "h100-80g"}
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
                          "report the MAPE on the held-out model (out-of-sample fidelity)")
     ap.add_argument("--fit", action="store_true",
                     help="re-fit each device's efficiency constants on these tables and print them "
-                         "(paste into paraflex/devices.py); the report then uses the fitted values")
+                         "(paste into paraflex/costs/devices.py); the report then uses the fitted values")
     args = ap.parse_args(argv)
     root = os.path.join(args.data, "profiles", "compute")
     if not os.path.isdir(root):

@@ -30,14 +30,14 @@ from unittest import mock
 
 import torch
 
-from paraflex.arch_files import arch_from_gguf, smollm2_gguf_path
-from paraflex.engine import native_attention, native_ops
-from paraflex.engine.attention import AttentionMetadata, paged_attention
-from paraflex.engine.kv_cache import KVCache
-from paraflex.engine.model import Stage
-from paraflex.engine.model import layer_ops
-from paraflex.engine.model import linear as linear_module
-from paraflex.engine.weights import load_stage_weights
+from paraflex.models.arch_files import arch_from_gguf, smollm2_gguf_path
+from paraflex.engine.kernels import native_attention, native_ops
+from paraflex.engine.worker.attention import AttentionMetadata, paged_attention
+from paraflex.engine.worker.kv_cache import KVCache
+from paraflex.engine.worker.model import Stage
+from paraflex.engine.worker.model import layer_ops
+from paraflex.engine.worker.model import linear as linear_module
+from paraflex.engine.worker.weights import load_stage_weights
 
 
 def least_pair(ours, peer, repeat: int) -> tuple[float, float]:

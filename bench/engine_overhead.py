@@ -1,4 +1,4 @@
-"""Engine overhead and continuous batching of the torch runtime (paraflex.runtime).
+"""Engine overhead and continuous batching of the torch runtime (paraflex.serving.in_process).
 
 Place in the project: a benchmark (not a test). Two claims, each a ratio against a peer
 measured in the same run on the same machine:
@@ -36,14 +36,14 @@ import time
 
 import torch
 
-from paraflex.config import Config
-from paraflex.engine.attention import AttentionMetadata
+from paraflex.config.schema import Config
+from paraflex.engine.worker.attention import AttentionMetadata
 from paraflex.engine.engine_builder import choose_device, choose_dtype
-from paraflex.engine.model import Stage
-from paraflex.engine.sampling import SamplingParams
-from paraflex.engine.weights import load_stage_weights
+from paraflex.engine.worker.model import Stage
+from paraflex.engine.core.sampling_params import SamplingParams
+from paraflex.engine.worker.weights import load_stage_weights
 from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
-from paraflex.runtime import LLMCluster
+from paraflex.serving.in_process import LLMCluster
 
 LAYERS = 8
 # On CPU the figures are tokens per CPU-second of this process (time.process_time): on a shared
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
           f"{args.gen} new tokens")
     with tempfile.TemporaryDirectory() as d:
         hf = build_checkpoint(d).to(device=device, dtype=dtype)
-        from paraflex.arch_files import arch_from_hf_config
+        from paraflex.models.arch_files import arch_from_hf_config
 
         arch = arch_from_hf_config(d)
         whole = Stage(arch, 0, LAYERS, load_stage_weights(d, arch, 0, LAYERS, dtype, device, "hf"), device)

@@ -1,6 +1,6 @@
 """Per-hop latency of the two-phase Ray transport against the raw floor, measured in one run.
 
-Where it sits: benchmarks the hop between engine actors (paraflex.engine.transport_ray), the
+Where it sits: benchmarks the hop between engine actors (paraflex.engine.transport.ray), the
 path every batch takes from one pipeline stage to the next. Two actors ping-pong envelopes;
 one hop = half a round trip. Each direction is a stage-to-next-stage hop, as in serving: the
 model has two replicas, (0, 1) and (1, 0), and the echo travels on the second. The floor is measured between the same two actors in the same
@@ -28,10 +28,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from paraflex.engine.transport import Envelope  # noqa: E402
-from paraflex.engine.transport_ray import GroupSpec, RayTransport, start_store  # noqa: E402
-from paraflex.engine.transport_wire import encode_phase1  # noqa: E402
-from paraflex.engine.transport_slots import DEFAULT_SLOT_BYTES  # noqa: E402
+from paraflex.engine.transport.base import Envelope  # noqa: E402
+from paraflex.engine.transport.ray import GroupSpec, RayTransport, start_store  # noqa: E402
+from paraflex.engine.transport.ray_wire import encode_phase1  # noqa: E402
+from paraflex.engine.transport.ray_slots import DEFAULT_SLOT_BYTES  # noqa: E402
 
 # name -> (rows, hidden): SmolLM2-135M width (576), fp32 as served on CPU.
 CASES = {

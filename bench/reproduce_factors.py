@@ -29,10 +29,10 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from paraflex.config import load_config
+from paraflex.config.schema import load_config
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.sweep import point_seed
-from paraflex.simulator.systems import SARATHI_CHUNK_TOKENS, build_system
+from paraflex.simulator.systems.layouts import SARATHI_CHUNK_TOKENS, build_system
 
 # (label, system, no_sharding, policy override)
 CELLS = [

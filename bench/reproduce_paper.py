@@ -24,7 +24,7 @@ import platform
 import sys
 import time
 
-from paraflex.config import load_config
+from paraflex.config.schema import load_config
 from paraflex.simulator.runner import SimSettings
 from paraflex.simulator.sweep import run_sweep
 

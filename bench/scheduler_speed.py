@@ -1,4 +1,4 @@
-"""Scheduling decisions per second of the engine-local scheduler (engine/scheduler.py).
+"""Scheduling decisions per second of the engine-local scheduler (engine/core/scheduler.py).
 
 Place in the project: a benchmark (not a test). It checks the claim that the scheduler never
 limits a GPU step or the simulator: target >= 20,000 decisions/s with 64 resident stages and
@@ -27,11 +27,11 @@ import platform
 import random
 import sys
 import time
-from paraflex.engine.block_pool import BlockPool
-from paraflex.engine.messages import BatchMessage, DecodeEntry, PrefillEntry, TokenEntry, TokenMessage
-from paraflex.engine.policies.full_batch_first import FULL_DECODE, PREFILL, SMALL_DECODE, FullBatchFirst
-from paraflex.engine.request import SWAPPED_DECODE, WAITING_DECODE, WAITING_PREFILL
-from paraflex.engine.scheduler import EngineScheduler
+from paraflex.engine.core.block_pool import BlockPool
+from paraflex.engine.core.messages import BatchMessage, DecodeEntry, PrefillEntry, TokenEntry, TokenMessage
+from paraflex.engine.core.policies.full_batch_first import FULL_DECODE, PREFILL, SMALL_DECODE, FullBatchFirst
+from paraflex.engine.core.request import SWAPPED_DECODE, WAITING_DECODE, WAITING_PREFILL
+from paraflex.engine.core.scheduler import EngineScheduler
 
 STAGES = 64
 LIVE = 1000

@@ -147,7 +147,7 @@ def parse_args(argv=None):
 
 
 def load_phase(args, url: str, rng) -> dict:
-    from paraflex.config import load_config
+    from paraflex.config.schema import load_config
 
     config = load_config(args.config)
     if args.models:

@@ -13,7 +13,7 @@ The work itself is not linear in the request count: output lengths are log-norma
 bursty (CV 12.3), so a longer run can draw a different mix. The table therefore also gives the
 output tokens per request, the share of them that belong to multi-stage (pipeline) replicas
 (llama-2-70b's 3-stage pipeline in the base case, interleaved with one-stage replicas on its
-engines: the joint replay, simulator/joint_replay.py, replays them together), events per output
+engines: the joint replay, simulator/fastpath/joint_replay.py, replays them together), events per output
 token, and CPU microseconds per event (the per-event cost; with the replays it also carries the
 replayed decisions, which are not events). `--seed` draws another workload; `--without
 MODEL[,MODEL]` drops those models' requests from it (the rest unchanged): `--without
@@ -39,10 +39,10 @@ import platform
 import sys
 import time
 
-from paraflex.config import load_config
-from paraflex.simulator.event_loop import EventLoop
+from paraflex.config.schema import load_config
+from paraflex.simulator.core.event_loop import EventLoop
 from paraflex.simulator.runner import SimSettings, simulate, workload_of
-from paraflex.simulator.systems import build_system
+from paraflex.simulator.systems.layouts import build_system
 from paraflex.simulator.workload import WorkloadModel, generate
 
 RUN_ONLY = ("wall_s", "setup_wall_s", "sim_requests_per_wall_s", "events", "fast_forward_cycles")

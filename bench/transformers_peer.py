@@ -16,8 +16,8 @@ def transformers_model():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from paraflex.catalog import get_arch
-    from paraflex.engine.weights import load_stage_weights
+    from paraflex.models.catalog import get_arch
+    from paraflex.engine.worker.weights import load_stage_weights
 
     arch = get_arch("smollm2-135m")
     cfg = LlamaConfig(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,

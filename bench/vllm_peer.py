@@ -36,8 +36,8 @@ MODEL = "smollm2-135m"
 def export_smollm2(model) -> str:
     """A temporary HF checkpoint directory of `model` (bench/transformers_peer.py's `transformers_model`)
     with its tokenizer; the caller removes it."""
-    from paraflex.arch_files import smollm2_gguf_path
-    from paraflex.engine.tokenizer import load_gguf_tokenizer
+    from paraflex.models.arch_files import smollm2_gguf_path
+    from paraflex.engine.worker.tokenizer import load_gguf_tokenizer
 
     out = tempfile.mkdtemp(prefix="serve-load-smollm2-")
     try:

@@ -1,6 +1,6 @@
 """Build one engine (scheduler + worker + loop) from a config and a placement.
 
-Place in the data flow: `paraflex.runtime.LLMCluster` (all engines in one process) and the Ray
+Place in the data flow: `paraflex.serving.in_process.LLMCluster` (all engines in one process) and the Ray
 engine actors (one engine per process) both call `build_engine(config, placement, engine_id,
 transport, sink)`. It loads only the layers of the engine's resident stages, sizes the one
 shared KV pool, registers the stages with the engine-core scheduler (with the KV bytes per
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from paraflex.engine.block_pool import BlockPool
+from paraflex.engine.core.block_pool import BlockPool
 from paraflex.engine.engine_loop import EngineLoop
-from paraflex.engine.kv_cache import KVCache
-from paraflex.engine.model import Stage
-from paraflex.engine.scheduler import EngineScheduler
-from paraflex.engine.tokenizer import load_tokenizer
-from paraflex.engine.weights import load_stage_weights
-from paraflex.engine.worker import Worker
+from paraflex.engine.worker.kv_cache import KVCache
+from paraflex.engine.worker.model import Stage
+from paraflex.engine.core.scheduler import EngineScheduler
+from paraflex.engine.worker.tokenizer import load_tokenizer
+from paraflex.engine.worker.weights import load_stage_weights
+from paraflex.engine.worker.stage_worker import Worker
 from paraflex.errors import UserError
 
 

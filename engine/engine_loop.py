@@ -26,10 +26,11 @@ from typing import Protocol
 
 import torch
 
-from paraflex.engine.messages import BatchMessage, FreeMessage, TokenMessage
-from paraflex.engine.sampling import SampleResult, Sampler, SamplingParams, StopChecker
-from paraflex.engine.scheduled import BatchNeverFits
-from paraflex.engine.transport import Envelope, Transport
+from paraflex.engine.core.messages import BatchMessage, FreeMessage, TokenMessage
+from paraflex.engine.core.sampling_params import SamplingParams, StopChecker
+from paraflex.engine.worker.sampling import SampleResult, Sampler
+from paraflex.engine.core.scheduled import BatchNeverFits
+from paraflex.engine.transport.base import Envelope, Transport
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """The engine actor: one Ray actor per engine of the placement (paper §6.3, §7).
 
-Data flow: `paraflex.serving.start_cluster` creates one `EngineActor` per placement engine (a
+Data flow: `paraflex.serving.ray_startup.start_cluster` creates one `EngineActor` per placement engine (a
 CPU share, or one GPU). On start-up the actor loads only its resident stages on a loader thread
 (`status()` reports the progress lines), then runs stage-exec's `EngineLoop` on the engine
 thread. Work arrives three ways, all as actor calls with msgpack bytes:
   - `add_request` (from the gateway's backend, at a model's first stage);
-  - `deliver` (phase 1 of a hop from another engine; paraflex.engine.transport_ray);
+  - `deliver` (phase 1 of a hop from another engine; paraflex.engine.transport.ray);
   - `abort` (the backend frees a request on every engine of its replica).
 The loop sends batches to the next stage through the `RayTransport`, the last stage's token
 back to the first stage as metadata only, and the token stream to the gateway through the
@@ -28,12 +28,12 @@ import msgpack
 import ray
 import torch
 
-from paraflex.engine.messages import FreeMessage
+from paraflex.engine.core.messages import FreeMessage
 from paraflex.engine.ray_output import BatchingSink
-from paraflex.engine.request import WAITING_PREFILL
-from paraflex.engine.sampling import SamplingParams
-from paraflex.engine.transport import Envelope
-from paraflex.engine.transport_ray import GroupSpec, RayTransport
+from paraflex.engine.core.request import WAITING_PREFILL
+from paraflex.engine.core.sampling_params import SamplingParams
+from paraflex.engine.transport.base import Envelope
+from paraflex.engine.transport.ray import GroupSpec, RayTransport
 from paraflex.errors import ParaflexError
 
 LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
@@ -41,7 +41,7 @@ STATS_EVERY_S = 0.2  # how often the engine thread refreshes the numbers status(
 
 
 class EngineActor:
-    """One execution engine. Wrapped with `ray.remote(...)` options by paraflex.serving."""
+    """One execution engine. Wrapped with `ray.remote(...)` options by paraflex.serving.ray_startup."""
 
     def __init__(self, engine_id: int, config, placement, router, *, device: str = "auto",
                  dtype: str = "auto", kv_bytes: int | None = None, seed: int = 0,

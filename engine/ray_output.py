@@ -4,7 +4,7 @@ Data flow: an engine loop (inside an engine actor, paraflex.engine.ray_engine) c
 `BatchingSink.on_output(...)` for each sampled token; the sink coalesces whatever accumulates
 while a push is on the wire and ships it as one msgpack payload to the `OutputRouter` actor,
 one push at a time so that records stay in order.
-The gateway's `RayBackend` (paraflex.ray_backend) long-polls `OutputRouter.take`, which returns as
+The gateway's `RayBackend` (paraflex.serving.ray_backend) long-polls `OutputRouter.take`, which returns as
 soon as anything is queued, and fans the records out to the per-request streams. Records are
 `[request_id, token_ids, finish_reason, error]`; user data is msgpack, never pickled.
 """

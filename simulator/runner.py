@@ -15,13 +15,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from paraflex.config import WorkloadConfig
+from paraflex.config.schema import WorkloadConfig
 from paraflex.errors import ParaflexError, UserError
-from paraflex.simulator.cluster import Cluster
-from paraflex.simulator.event_loop import EventLoop
-from paraflex.simulator.events import RequestArrivalEvent
-from paraflex.simulator.metrics import MetricsStore, ModelSLO
-from paraflex.simulator.systems import SystemLayout, build_system
+from paraflex.simulator.core.cluster import Cluster
+from paraflex.simulator.core.event_loop import EventLoop
+from paraflex.simulator.core.events import RequestArrivalEvent
+from paraflex.simulator.metrics.records import MetricsStore, ModelSLO
+from paraflex.simulator.systems.layouts import SystemLayout, build_system
 from paraflex.simulator.workload import SimRequest, WorkloadModel, generate
 
 Progress = Callable[[float, int, int, int], None]  # (simulated s, finished, total requests, events)

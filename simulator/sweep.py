@@ -25,10 +25,10 @@ import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from paraflex.errors import UserError
-from paraflex.simulator.output import pyplot, write_json
+from paraflex.simulator.metrics.output import pyplot, write_json
 from paraflex.simulator.progress import Progress
 from paraflex.simulator.runner import SimSettings, simulate
-from paraflex.simulator.systems import build_system
+from paraflex.simulator.systems.layouts import build_system
 
 COLUMNS = ("system", "rate", "seed", "replicate", "finished", "throughput_rps", "throughput_tok_s", "e2e_median_s", "e2e_p99_s",
            "ttft_median_s", "ttft_p99_s", "tbt_median_s", "tbt_p99_s", "slo_attainment", "goodput_rps",

@@ -2,8 +2,13 @@
 whole session shares one instance."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# Test modules import the shared helpers (tests/helpers/) as top-level modules.
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ finds there, and the config example must load and plan with the real loader and 
 import pathlib
 import re
 
-from paraflex.config import load_config
+from paraflex.config.schema import load_config
 from paraflex.planner import plan
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"

@@ -1,7 +1,7 @@
 """`paraflex generate CONFIG --model NAME --prompt TEXT`: run one prompt through the pipeline.
 
 Place in the data flow: loads the config, plans it (or reads `--placement`), builds the
-engines that hold stages of the chosen model in this process (`paraflex.runtime.LLMCluster`),
+engines that hold stages of the chosen model in this process (`paraflex.serving.in_process.LLMCluster`),
 and streams the completion to stdout; loading progress goes to stderr.
 """
 
@@ -33,10 +33,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from paraflex.config import load_config
-    from paraflex.engine.sampling import SamplingParams
+    from paraflex.config.schema import load_config
+    from paraflex.engine.core.sampling_params import SamplingParams
     from paraflex.placement import Placement
-    from paraflex.runtime import LLMCluster
+    from paraflex.serving.in_process import LLMCluster
 
     config = load_config(args.config)
     config.model(args.model)  # unknown model -> UserError naming the choices

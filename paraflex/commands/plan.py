@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from paraflex.config import load_config
+from paraflex.config.schema import load_config
 from paraflex.errors import UserError
 from paraflex.placement import Placement
 from paraflex.planner import SOLVERS, plan

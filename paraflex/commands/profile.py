@@ -1,7 +1,7 @@
 """`paraflex profile`: measure the torch engine's per-layer op times on this machine and write
 them as Vidur ``mlp.csv`` tables that the cost model reads (`cluster.profile_dir`).
 
-Thin edge over `paraflex.engine.op_profiler`: loads the config, checks that the device at hand
+Thin edge over `paraflex.engine.worker.op_profiler`: loads the config, checks that the device at hand
 is the kind the config names, profiles every distinct model shape once (progress on stderr),
 writes ``DIR/compute/<cluster.device>/paraflex/<model>/mlp.csv`` plus ``DIR/profile.json``
 (machine, torch, threads, dtypes, token counts) and says how to use them.
@@ -15,7 +15,7 @@ import os
 import platform
 import sys
 
-from paraflex.config import load_config
+from paraflex.config.schema import load_config
 from paraflex.errors import UserError
 
 NAME = "profile"
@@ -34,7 +34,7 @@ def add_arguments(parser) -> None:
 
 
 def _tokens(text: str | None) -> tuple[int, ...]:
-    from paraflex.engine.op_profiler import DEFAULT_TOKENS
+    from paraflex.engine.worker.op_profiler import DEFAULT_TOKENS
 
     if text is None:
         return DEFAULT_TOKENS
@@ -65,9 +65,9 @@ def run(args) -> int:
     import torch
 
     from paraflex.engine.engine_builder import choose_device, model_dtype
-    from paraflex.engine.model.layers import unsupported_reason
-    from paraflex.engine.op_profiler import profile_layer_ops
-    from paraflex.profile_tables import shape_of, table_path, write_mlp_csv
+    from paraflex.engine.worker.model.layers import unsupported_reason
+    from paraflex.engine.worker.op_profiler import profile_layer_ops
+    from paraflex.costs.profile_tables import shape_of, table_path, write_mlp_csv
 
     device = choose_device(args.device)
     wants_cpu = config.cluster.device == "cpu"

@@ -2,8 +2,8 @@
 
 Data flow: CONFIG (default: the repo's configs/demo.yaml) -> placement (--placement FILE, or
 planned on the fly with the paraflex planner) -> a Backend: one Ray actor per engine
-(paraflex.serving.start_cluster; joins --ray-address or starts a local Ray instance) or,
-with --in-process, every engine in this process (paraflex.gateway.in_process_backend) ->
+(paraflex.serving.ray_startup.start_cluster; joins --ray-address or starts a local Ray instance) or,
+with --in-process, every engine in this process (paraflex.serving.in_process_backend) ->
 the HTTP gateway (paraflex.gateway.app) on --host:--port. Prints the base URL once
 listening; Ctrl-C stops the gateway, then the engines, leaving no processes behind.
 """
@@ -66,11 +66,11 @@ def load_placement(config, path: str | None):
 
 def start_backend(config, placement, args):
     if args.in_process:
-        from paraflex.gateway.in_process_backend import InProcessBackend
+        from paraflex.serving.in_process_backend import InProcessBackend
 
         return InProcessBackend.start(config, placement)
     try:
-        from paraflex.serving import start_cluster
+        from paraflex.serving.ray_startup import start_cluster
     except ImportError as exc:
         raise UserError(f"the Ray backend is not available in this installation ({exc}); "
                         "serve with --in-process") from None
@@ -78,7 +78,7 @@ def start_backend(config, placement, args):
 
 
 def run(args) -> int:
-    from paraflex.config import load_config
+    from paraflex.config.schema import load_config
     from paraflex.gateway.app import build_app
     from paraflex.gateway.server import base_url, bind, serve
 

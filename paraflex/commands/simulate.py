@@ -1,7 +1,7 @@
 """`paraflex simulate CONFIG`: the cluster simulator from the command line.
 
 One run: `--system NAME --rate R` -> results directory (requests.csv, summary.json,
-config.json, placement.json, PNGs; paraflex.simulator.output). `--sweep` runs a list of rates
+config.json, placement.json, PNGs; paraflex.simulator.metrics.output). `--sweep` runs a list of rates
 (`--rates`) for a list of systems (`--systems`) across processes and draws Fig. 8/9-style
 curves (paraflex.simulator.sweep). Workload knobs override the config's `workload:` section.
 Bad input (unknown system, rate <= 0, missing trace, malformed trace rows) is a one-line
@@ -52,7 +52,7 @@ def add_arguments(p) -> None:
 
 
 def _workload(args, config):
-    from paraflex.config import WorkloadConfig
+    from paraflex.config.schema import WorkloadConfig
     from paraflex.simulator.workload.trace import load_trace
 
     w = config.workload or WorkloadConfig()
@@ -99,9 +99,9 @@ def _floats(text: str, flag: str) -> list[float]:
 
 
 def run(args) -> int:
-    from paraflex.config import load_config
+    from paraflex.config.schema import load_config
     from paraflex.simulator.runner import SimSettings
-    from paraflex.simulator.systems import SYSTEMS
+    from paraflex.simulator.systems.layouts import SYSTEMS
 
     config = load_config(args.config)
     config.workload = _workload(args, config)
@@ -163,7 +163,7 @@ def _num(v, width: int) -> str:
 
 
 def _run_one(config, settings, output) -> int:
-    from paraflex.simulator.output import write_run
+    from paraflex.simulator.metrics.output import write_run
     from paraflex.simulator.progress import RunProgress
     from paraflex.simulator.runner import simulate
 

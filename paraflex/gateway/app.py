@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paraflex.errors import UserError
 from paraflex.gateway.api_error import ApiError
-from paraflex.gateway.backend import Backend, ModelCard
+from paraflex.serving.backend import Backend, ModelCard
 from paraflex.gateway.generation import Admission, Chunk, Running, Ticket, generate
 from paraflex.gateway.metrics import GatewayMetrics
 from paraflex.gateway.protocol import (

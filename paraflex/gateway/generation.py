@@ -17,7 +17,7 @@ from typing import AsyncIterator
 import anyio
 
 from paraflex.errors import UserError
-from paraflex.gateway.backend import Backend, ModelCard, Unavailable
+from paraflex.serving.backend import Backend, ModelCard, Unavailable
 from paraflex.gateway.detok import TextStream
 from paraflex.gateway.metrics import GatewayMetrics
 

@@ -13,7 +13,7 @@ import bisect
 import math
 from collections import defaultdict
 
-from paraflex.gateway.backend import BackendMetrics
+from paraflex.serving.backend import BackendMetrics
 
 # Bucket bounds as vLLM uses them (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -15,7 +15,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from paraflex.engine.sampling import SamplingParams
+from paraflex.engine.core.sampling_params import SamplingParams
 
 
 class _Strict(BaseModel):

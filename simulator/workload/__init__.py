@@ -1,6 +1,6 @@
 """paraflex.simulator.workload: the requests a simulation replays.
 
-`generate` (generator.py) turns the config's workload section (paraflex.config.WorkloadConfig:
+`generate` (generator.py) turns the config's workload section (paraflex.config.schema.WorkloadConfig:
 arrival process, CV, trace, Zipf popularity, scaling), the served models and a total rate into
 a time-ordered list of `SimRequest`s, drawing every random number from one seed: per-model
 arrival processes (arrivals.py: Poisson, log-normal with a target CV, trace replay from

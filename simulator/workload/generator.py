@@ -53,7 +53,7 @@ def horizon_s(workload, total_rate: float) -> float:
 def generate(models: list[WorkloadModel], workload, total_rate: float, seed: int):
     """Return (requests sorted by arrival with ids 0..n-1, info dict).
 
-    `workload` has the fields of paraflex.config.WorkloadConfig (arrival, cv, trace,
+    `workload` has the fields of paraflex.config.schema.WorkloadConfig (arrival, cv, trace,
     duration_s, num_requests, prompt_scale, output_scale)."""
     if not total_rate > 0:
         raise UserError(f"rate must be > 0 requests/s, got {total_rate}")

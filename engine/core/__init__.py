@@ -1,0 +1,1 @@
+"""paraflex.engine.core: the pure engine core (no torch, Ray or HTTP): KV block accounting, request states, messages, the scheduler and its policies, dispatch. Shared by the engine loop and the simulator."""

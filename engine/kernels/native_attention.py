@@ -1,0 +1,58 @@
+"""The compiled CPU decode-attention kernel (csrc/paged_decode_attention.c): load, call.
+
+Place in the data flow: `paged_attention` (engine/worker/attention.py) calls `decode_attention` for a
+float32 decode batch on CPU; the kernel stores the new keys/values in the pool and attends over
+each request's context where its blocks lie, instead of copying the whole context of the batch
+into one tensor per layer (the torch path's cost on CPU). Built and loaded by
+engine/kernels/native_build.py on first use (ctypes releases the GIL during the call);
+PARAFLEX_NATIVE_ATTENTION=0, no compiler or a failed build leave the torch path in place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from paraflex.engine.kernels.native_build import THREAD_POOL, NativeLibrary
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    fn = lib.pf_paged_decode_attention
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, i32, ptr, i64, ptr, i64, ctypes.c_float, ptr, i32]
+    fn.restype = ctypes.c_int
+
+
+LIBRARY = NativeLibrary("paged_decode_attention.c", "PARAFLEX_NATIVE_ATTENTION", "compiled CPU attention",
+                        _declare, extra_flags=("-ffp-contract=fast",), depends=(THREAD_POOL,))
+
+
+def load() -> ctypes.CDLL | None:
+    """The loaded kernel, or None when it is off or cannot be built here (logged once)."""
+    return LIBRARY.load()
+
+
+def usable(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether this decode batch can take the kernel: float32 on CPU, head_dim a multiple of the
+    kernel's vector width (8), kernel loaded."""
+    return kv.dtype == torch.float32 and q.shape[-1] % 8 == 0 and LIBRARY.serves(q.device, q.dtype)
+
+
+def decode_attention(q, k, v, kv, block_table, context_lens, scale: float) -> torch.Tensor:
+    """q [B, Hq, D], k/v [B, Hkv, D] (one new token per request), kv the model's pool view
+    [blocks, 2, tpb, Hkv, D], block_table int64 [B, max_blocks] of this layer, context_lens int64
+    [B] (including the new token). Writes k/v into the pool; returns [B, Hq * D]."""
+    b, num_heads, head_dim = q.shape
+    kv_heads, tpb = k.shape[1], kv.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty(b, num_heads * head_dim, dtype=q.dtype)
+    rc = LIBRARY.lib.pf_paged_decode_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1), tpb,
+        kv_heads, num_heads // kv_heads, head_dim, block_table.data_ptr(), block_table.shape[1],
+        context_lens.data_ptr(), b, scale, out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("compiled CPU attention: no memory for its score buffer")
+    return out

@@ -1,0 +1,1 @@
+"""paraflex.config: the config file (YAML/JSON) -> validated, resolved Config dataclasses."""

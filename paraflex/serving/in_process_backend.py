@@ -1,0 +1,112 @@
+"""A Backend over the in-process runtime: every engine in this process, on one thread.
+
+Data flow: the gateway calls `stream(...)` on its event loop; this submits the request to
+`paraflex.serving.in_process.LLMCluster` (which dispatches it to the least-loaded replica and steps all
+engines on its background thread). The cluster calls `on_output` on that thread; each
+output is handed to the request's asyncio queue with `call_soon_threadsafe` and yielded to
+the gateway. `abort` asks the cluster to free the request's KV on every stage; the cluster
+then ends the stream with finish_reason "abort". Used by `paraflex serve --in-process`,
+the gateway's end-to-end tests and the load benchmark; the Ray backend replaces it in
+production with the same protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from typing import AsyncIterator
+
+from paraflex.serving.backend import BackendMetrics, ModelCard, Output
+
+
+# The engine thread releases the GIL inside every torch op and needs it back between ops; with
+# the gateway's thread streaming tokens in the same process, CPython's default 5 ms switch
+# interval lets the gateway keep the GIL that long while the engine waits. At 0.5 ms, SmolLM2
+# served at batch 32 on the 2-core VM: 113-114 tok/s (TPOT 208-211 ms) vs 94-103 (268-304 ms),
+# two interleaved pairs of runs (`bench/serve_load.py --peer-batches 32`).
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+class _QueueSink:
+    """Forwards one request's outputs from the engine thread to an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[Output] = asyncio.Queue()
+
+    def on_output(self, request_id, token_ids, finish_reason, error, **extra) -> None:
+        out = Output(list(token_ids), finish_reason, error)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+
+class InProcessBackend:
+    """Backend protocol over an `LLMCluster` running on its background thread."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self._cards = [ModelCard(m, cluster.max_model_len(m), cluster.tokenizer(m))
+                       for m in cluster.models()]
+        self._live: dict[str, str] = {}  # request id -> model, for requests this backend streams
+        self._lock = threading.Lock()
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+        cluster.start()
+
+    @classmethod
+    def start(cls, config, placement=None, **cluster_kwargs) -> "InProcessBackend":
+        """Build the engines of `placement` (planned when None), printing progress."""
+        from paraflex.serving.in_process import LLMCluster
+
+        cluster_kwargs.setdefault("progress", lambda line: print(line, flush=True))
+        return cls(LLMCluster(config, placement, **cluster_kwargs))
+
+    def models(self) -> list[ModelCard]:
+        return list(self._cards)
+
+    async def stream(self, model: str, prompt_token_ids: list[int], params,
+                     request_id: str) -> AsyncIterator[Output]:
+        sink = _QueueSink(asyncio.get_running_loop())
+        self.cluster.submit(model, prompt_token_ids, params, request_id, sink)  # UserError: rejected
+        with self._lock:
+            self._live[request_id] = model
+        try:
+            while True:
+                out = await sink.queue.get()
+                yield out
+                if out.final:
+                    return
+        finally:
+            with self._lock:
+                self._live.pop(request_id, None)
+
+    async def abort(self, request_id: str, error: str | None = None) -> None:
+        self.cluster.abort(request_id, error)
+
+    def health(self) -> dict:
+        error = self.cluster.loop_error
+        engines = {str(e.engine_id): "failed" if error else "alive" for e in self.cluster.engines}
+        state = {"ok": error is None, "backend": "in-process", "engines": engines}
+        if error is not None:
+            state["error"] = f"{type(error).__name__}: {error}"
+        return state
+
+    def metrics(self) -> BackendMetrics:
+        with self._lock:
+            live = list(self._live.values())
+        waiting = {m: 0 for m in self.cluster.models()}
+        usage = {}
+        for engine in self.cluster.engines:
+            sched = engine.scheduler
+            usage[engine.engine_id] = sched.pool.num_used / sched.pool.capacity if sched.pool.capacity else 0.0
+            for stage in sched.stages:
+                if stage.is_first:
+                    waiting[stage.model] += len(stage.prefill_q)
+        running = {m: max(0, live.count(m) - waiting[m]) for m in waiting}
+        for m, n in self.cluster.held().items():  # stopped to free KV, waiting for a restart
+            running[m] = max(0, running[m] - n)
+            waiting[m] += n
+        return BackendMetrics(running=running, waiting=waiting, kv_cache_usage=usage,
+                              preemptions=dict(self.cluster.restarts.preemptions))
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.cluster.shutdown)

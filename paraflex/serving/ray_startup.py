@@ -1,0 +1,131 @@
+"""Start-up of the Ray serving path: Ray, one engine actor per placement engine, the process
+groups, and the gateway backend (`paraflex serve` without `--in-process`).
+
+Data flow: `start_cluster(config, placement)` starts a local Ray instance in a temp dir (or joins
+`ray_address`, or uses the Ray already initialised in this process), creates one `EngineActor`
+per placement engine (paraflex.engine.ray_engine) and the `OutputRouter`, prints each engine's
+start-up progress, then builds one torch.distributed process group per model replica
+(paraflex.engine.transport.ray) and returns a `RayBackend` (paraflex.serving.ray_backend), which serves
+requests and watches for engine faults.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import ray
+
+from paraflex.engine.ray_engine import FAILED, READY, engine_actor_class
+from paraflex.engine.ray_output import OutputRouter
+from paraflex.engine.transport.ray import start_store
+from paraflex.errors import ParaflexError, UserError
+from paraflex.serving.ray_backend import RayBackend
+
+
+def _print(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _init_ray(ray_address: str | None, progress) -> str | None:
+    """Connect to Ray; returns the temp dir when this call started a local instance."""
+    os.environ.setdefault("RAY_DISABLE_IMPORT_WARNING", "1")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return None
+    if ray_address:
+        progress(f"paraflex: joining Ray at {ray_address}")
+        ray.init(address=ray_address, log_to_driver=False, configure_logging=False)
+        return None
+    ray_dir = tempfile.mkdtemp(prefix="paraflex-ray-")
+    progress(f"paraflex: starting a local Ray instance (temp dir {ray_dir})")
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             configure_logging=False, _temp_dir=ray_dir)
+    return ray_dir
+
+
+def start_cluster(config, placement=None, ray_address: str | None = None,
+                  progress: Callable[[str], None] = _print, *, device: str = "auto",
+                  dtype: str = "auto", kv_bytes: int | None = None, max_restarts: int = 0,
+                  seed: int = 0, startup_timeout_s: float = 900.0) -> RayBackend:
+    """Start (or join) Ray, one engine actor per placement engine, the process groups and the
+    output router; returns the gateway `Backend`. `placement=None` plans with the paraflex
+    planner. `max_restarts`: how often Ray may restart a dead engine actor (0: never)."""
+    if max_restarts < 0:
+        raise UserError(f"max_restarts: {max_restarts} is negative; use 0 (never) or more")
+    if placement is None:
+        from paraflex.planner import plan
+
+        progress(f"paraflex: planning {len(config.models)} model(s) on {config.cluster.num_engines} engine(s)")
+        placement = plan(config)
+    ray_dir = _init_ray(ray_address, progress)
+    actors: dict = {}
+    router = None
+    try:
+        n = placement.num_engines
+        res = ray.cluster_resources()
+        use_gpu = device != "cpu" and res.get("GPU", 0) >= n
+        if device.startswith("cuda") and not use_gpu:
+            raise UserError(f"device: {device!r} needs {n} GPU(s) in the Ray cluster; it has "
+                            f"{res.get('GPU', 0):g}; use --device cpu")
+        cpus = res.get("CPU", 1.0) / n
+        num_cpus = 1.0 if use_gpu else math.floor(min(1.0, cpus) * 1000) / 1000  # shares must fit
+        actor_cls = engine_actor_class(num_cpus, 1 if use_gpu else 0, max_restarts)
+        router = OutputRouter.remote()
+        for e in range(n):
+            actors[e] = actor_cls.remote(e, config, placement, router,
+                                         device="cuda:0" if use_gpu else "cpu", dtype=dtype,
+                                         kv_bytes=kv_bytes, seed=seed, num_threads=max(1, int(cpus)))
+        progress(f"paraflex: {n} engine actor(s) on {'one GPU each' if use_gpu else f'{num_cpus:g} CPU each'}")
+        statuses = _wait_ready(actors, progress, startup_timeout_s)
+        host = ray.util.get_node_ip_address()
+        store, port = start_store(host)
+        backend = RayBackend(config, placement, actors, router, store, host, port, ray_dir, progress)
+        wire = [g.to_wire() for g in backend.groups.values()]
+        ray.get([a.connect.remote(actors, wire, host, port) for a in actors.values()], timeout=120)
+        progress(f"paraflex: {len(wire)} process group(s) built ({'nccl' if use_gpu else 'gloo'})")
+    except BaseException:
+        for a in list(actors.values()) + ([router] if router is not None else []):
+            ray.kill(a, no_restart=True)
+        if ray_dir is not None:
+            ray.shutdown()
+            shutil.rmtree(ray_dir, ignore_errors=True)
+        raise
+    backend.start(statuses)
+    return backend
+
+
+def _wait_ready(actors: dict, progress, timeout_s: float) -> dict[int, dict]:
+    """Poll every actor's status until all are ready, printing new progress lines."""
+    shown = {e: 0 for e in actors}
+    statuses: dict[int, dict] = {}
+    pending: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for e, a in actors.items():
+            if e not in pending:
+                pending[e] = a.status.remote()
+        ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=1.0)
+        for e, ref in list(pending.items()):
+            if ref in ready:
+                del pending[e]
+                st = statuses[e] = ray.get(ref)
+                for line in st["progress"][shown[e]:]:
+                    progress(line)
+                shown[e] = len(st["progress"])
+                if st["state"] == FAILED:
+                    raise ParaflexError(f"engine {e} failed to start: {st['error']}")
+        if len(statuses) == len(actors) and all(st["state"] == READY for st in statuses.values()):
+            return statuses
+        if time.monotonic() > deadline:
+            silent = sorted(set(actors) - set(statuses))
+            slow = sorted(e for e, st in statuses.items() if st["state"] != READY)
+            raise ParaflexError(
+                f"engines not ready after {timeout_s:.0f} s: still loading {slow}, never started "
+                f"{silent} (not enough CPU/GPU in the Ray cluster?); see the progress above")
+        time.sleep(0.25)

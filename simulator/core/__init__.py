@@ -1,0 +1,1 @@
+"""paraflex.simulator.core: the event machinery: the event loop, the event types, simulated engines and the simulated cluster."""

@@ -1,0 +1,295 @@
+"""The simulated cluster: engines wired by the placement, a gateway dispatcher, and the
+handlers the events call.
+
+The fast paths (same results): the decode fast-forward (fast_forward.py) and the joint replay
+of a pipeline with the one-stage replicas on its engines (joint_replay.py), offered each decode
+batch an engine forms (`wakeup`); the joint replay takes over stage-end and message events of
+its group (`take_over`, `take_message`), hands back what runs at its cut (`hold`,
+`send_batch`, `send_tokens`), and hears of each new request while it waits at one (`admit`).
+
+Built by runner.py from a `SystemLayout` (systems.py). Request flow, as in the real system
+(paper §3, §5, §6): the gateway sends a request to the replica with the fewest outstanding
+requests (the engine core's dispatcher); the first-stage engine's scheduler forms batches;
+each finished stage forwards its batch message to the next stage's engine after the hop time
+(hidden + residual bytes over the interconnect, overlapping compute); the last stage emits one
+token per request, sends the tokens back to the first stage (metadata only: interconnect
+latency) and frees finished requests' KV on every stage. Engines decide what to run with the
+engine core's scheduler; this module only moves messages and adds time.
+"""
+
+from __future__ import annotations
+
+from paraflex.costs.costmodel import CostModel
+from paraflex.engine.core.block_pool import BlockPool
+from paraflex.engine.core.dispatcher import Dispatcher
+from paraflex.engine.core.messages import DECODE
+from paraflex.engine.core.scheduler import EngineScheduler
+from paraflex.simulator.core.events import BatchArrivalEvent, EngineWakeupEvent, ReplayEndEvent, StageEndEvent, TokenArrivalEvent
+from paraflex.simulator.fastpath.fast_forward import DecodeFastForward
+from paraflex.simulator.fastpath.joint_replay import JointReplay
+from paraflex.simulator.core.sim_engine import SimEngine, StageInfo
+
+
+class Cluster:
+    """Every simulated engine of one layout, the dispatcher, and the event handlers."""
+
+    def __init__(self, config, layout, settings, loop, metrics, cost=None):
+        """`cost` replaces the cluster's CostModel (tests use fixed stage times)."""
+        self.loop = loop
+        self.metrics = metrics
+        self.check = settings.check_invariants
+        self.local_tokens_direct = settings.fast_forward  # see _emit_tokens
+        placement = layout.placement
+        cl, sc = config.cluster, config.scheduler
+        self.interconnect = cl.interconnect()
+        archs = {m.name: m.arch for m in config.models}
+        if cost is None:
+            cost = CostModel(cl.device, tp=layout.gpus_per_engine, profile_dir=cl.profile_dir)
+        tp = layout.gpus_per_engine
+        swap_Bps = settings.host_link_gbps * 1e9 / 8  # per GPU: each GPU swaps its own shard
+        host_bytes = cl.host_memory_bytes
+        # The served engines' options (CPU engines pack prompts), with the layout's policy and
+        # its Sarathi chunk size where it sets one.
+        options = {**sc.engine_options(on_cpu=cl.device == "cpu"), "policy": layout.policy}
+        if layout.prefill_token_budget:
+            options["prefill_token_budget"] = layout.prefill_token_budget
+        self.engines: list[SimEngine] = []
+        for ep in placement.engines:
+            # One pool per GPU of the TP group, all in lock-step: each GPU holds 1/tp of every
+            # layer's KV heads, so the engine's accounting is one GPU's pool with 1/tp of the
+            # per-token KV bytes (blocks are `block_bytes` on each GPU, as on a real worker).
+            kv_bytes = max(0, layout.memory_bytes - ep.weight_bytes) // tp
+            pool = BlockPool.from_bytes(kv_bytes, sc.block_bytes, host_bytes // tp)
+            scheduler = EngineScheduler(pool, engine_id=ep.id, **options)
+            stages: dict[str, StageInfo] = {}
+            for ref in ep.stages:
+                mp = placement.models[ref.model]
+                a, b = mp.stages[ref.stage]
+                route = mp.replicas[ref.replica]
+                last = ref.stage == mp.num_stages - 1
+                arch = archs[ref.model]
+                stages[ref.model] = StageInfo(ref.model, arch, ref.replica, ref.stage, b - a,
+                                              ref.stage == 0, last, -1 if last else route[ref.stage + 1], route[0])
+                scheduler.add_stage(ref.model, ref.stage, b - a, -(-arch.kv_bytes_per_token_per_layer() // tp), mp.num_stages)
+            self.engines.append(SimEngine(ep.id, scheduler, pool, cost, stages, swap_Bps))
+        self.replicas = {name: mp.replicas for name, mp in placement.models.items()}
+        self.dispatcher = Dispatcher({name: len(r) for name, r in self.replicas.items()})
+        self.records: dict[str, object] = {}
+        # times of the heap events of each (model, replica): the decode fast-forward's horizon
+        self.route_pending: dict[tuple[str, int], list[float]] = {
+            (name, rho): [] for name, routes in self.replicas.items() for rho in range(len(routes))}
+        # the batch and token messages in flight of each (model, replica): the joint replay takes them over
+        self.messages: dict[tuple[str, int], list] = {key: [] for key in self.route_pending}
+        self.woken: list[SimEngine] = []
+        self.fast_forward: DecodeFastForward | None = None
+        self.joint: JointReplay | None = None
+
+    def enable_fast_forward(self, requests) -> None:
+        """Replay undisturbed decode cycles in closed form (fast_forward.py); `requests` are
+        all the run's requests, whose arrival times bound each replay."""
+        self.fast_forward = DecodeFastForward(self, requests)
+        self.joint = JointReplay(self.fast_forward)
+
+    # --- helpers ------------------------------------------------------------------------
+    def _wake(self, eng: SimEngine, t: float) -> None:
+        """Ask `eng` to decide once everything at this instant has been delivered: the loop
+        calls `settle` after each event (see there)."""
+        if not eng.busy and not eng.wake_pending:
+            eng.wake_pending = True
+            self.woken.append(eng)
+
+    def settle(self, t: float, more_now: bool) -> None:
+        """After an event: if more events happen at this instant, the woken engines decide
+        after them (wake-up events, lowest priority); otherwise they decide now, which is
+        the same order without the events."""
+        woken, self.woken = self.woken, []
+        if more_now:
+            for eng in woken:
+                self.loop.schedule_last(EngineWakeupEvent(t, eng))
+        else:
+            for eng in woken:
+                self.wakeup(eng, t)
+
+    # --- event handlers -------------------------------------------------------------------
+    def admit(self, req, t: float) -> None:
+        rec = self.metrics.add_request(req.id, req.model, req.arrival, req.prompt_len, req.output_len)
+        rid = str(req.id)
+        self.records[rid] = rec
+        replica = self.dispatcher.pick(req.model)
+        rec.replica = replica
+        route = self.replicas[req.model][replica]
+        if self.joint is not None and self.joint.suspended and self.joint.arrival(req, replica, route, t):
+            return  # admitted by a replay waiting for it (added to its engine's scheduler at the cut)
+        eng = self.engines[route[0]]
+        eng.scheduler.add_request(rid, req.model, req.prompt_len, req.output_len, t)
+        self._wake(eng, t)
+
+    def wakeup(self, eng: SimEngine, t: float) -> None:
+        eng.wake_pending = False
+        if eng.busy:
+            return
+        sb = eng.scheduler.schedule(t)
+        if sb is None:
+            return
+        ff = self.fast_forward
+        if ff is not None and sb.kind == DECODE and not sb.swap_in and not sb.swap_out:
+            if self.joint.advance(eng, sb, t):
+                return  # replayed with the other batches on its pipeline's engines, which run on from the cut
+            t_next = ff.advance(eng, sb, t) if sb.is_first else None
+            if t_next is not None:  # the batch's requests are back in the decode queue at t_next
+                t = t_next
+                sb = eng.scheduler.schedule(t)
+                if sb is None:  # (as step by step: nothing fits at t_next, the engine waits)
+                    return
+        swapped = len(sb.swap_out) + len(sb.swap_in)
+        if swapped:
+            self.metrics.swap(len(sb.swap_out) * eng.block_bytes, len(sb.swap_in) * eng.block_bytes)
+        run, decodes, tokens = eng.batch_time(eng.stages[sb.model], sb)
+        self.start_batch(eng, sb, t, t + eng.swap_time(swapped) + run, decodes, tokens)
+
+    def start_batch(self, eng: SimEngine, sb, t: float, end: float, decodes: int, tokens: int) -> None:
+        """`eng` executes `sb` (`decodes` decode requests, `tokens` new tokens) from t to `end`."""
+        eng.busy = True
+        eng.pending.append(end)
+        self.route_pending[(sb.model, eng.stages[sb.model].replica)].append(end)
+        eng.running = ev = StageEndEvent(end, eng, sb, t, decodes, tokens)
+        self.loop.schedule(ev)
+
+    def stage_done(self, eng: SimEngine, sb, start: float, t: float, decodes: int, tokens: int) -> None:
+        eng.busy = False
+        eng.running = None
+        info = eng.stages[sb.model]
+        eng.pending.remove(t)
+        self.route_pending[(sb.model, info.replica)].remove(t)
+        self.metrics.batch(eng.id, start, t, decodes == 0, len(sb.requests), tokens)
+        done = eng.scheduler.complete(sb)
+        if not info.last:
+            nbytes = CostModel.hidden_bytes(info.arch, tokens)
+            self.metrics.hop(nbytes)
+            nxt = self.engines[info.next_engine]
+            at = t + self.interconnect.transfer_time(nbytes)
+            self.send_batch(nxt, (sb.model, info.replica), sb.message, at)
+        else:
+            self._emit_tokens(eng, info, done, t)
+        if self.check:
+            eng.scheduler.check()
+        self._wake(eng, t)
+
+    def replay_done(self, eng: SimEngine, key: tuple[str, int], t: float, finished) -> None:
+        """A stage the joint replay accounted for ends (events/replay_end.py): the requests whose
+        last token it produced finish (as `complete` and `_emit_tokens` finish them; their tokens
+        are on their way already), and the engine is free."""
+        if finished:
+            for rid in finished:
+                eng.scheduler.free(rid)
+            self._finish_requests(key, finished, t)
+        eng.busy = False
+        eng.running = None
+        eng.pending.remove(t)
+        self.route_pending[key].remove(t)
+        self._wake(eng, t)
+
+    def hold(self, eng: SimEngine, key: tuple[str, int], end: float) -> None:
+        """The joint replay leaves `eng` executing a stage of `key` until `end` (already
+        accounted for): busy, with a `ReplayEndEvent` at `end`."""
+        eng.busy = True
+        eng.pending.append(end)
+        self.route_pending[key].append(end)
+        eng.running = ev = ReplayEndEvent(end, eng, key)
+        self.loop.schedule(ev)
+
+    def take_over(self, eng: SimEngine) -> None:
+        """The joint replay accounts for the stage `eng` executes: its StageEndEvent (or
+        ReplayEndEvent) does nothing."""
+        ev = eng.running
+        if isinstance(ev, ReplayEndEvent):
+            key = ev.key
+            ev.key = None
+        else:
+            key = (ev.batch.model, eng.stages[ev.batch.model].replica)
+            ev.batch = None
+        eng.pending.remove(ev.time)
+        self.route_pending[key].remove(ev.time)
+        eng.running = None
+        eng.busy = False
+
+    def _emit_tokens(self, eng: SimEngine, info: StageInfo, done, t: float) -> None:
+        """Last stage: record the tokens, free finished requests on the middle stages (the
+        last stage freed them in complete(), the first stage frees them when the token
+        message arrives) and send the tokens to the first stage."""
+        records = self.records
+        self.metrics.tokens([records[entry.req_id] for entry in done.token_message.entries], t)
+        if done.finished:
+            self._finish_requests((info.model, info.replica), done.finished, t)
+        first = self.engines[info.first_engine]
+        if first is eng and self.local_tokens_direct:
+            # A one-stage replica: the tokens are back at this instant. Step by step they would
+            # arrive in a TokenArrivalEvent after this instant's other stage ends and batch
+            # arrivals; none of those changes what receive_tokens does here or what this engine
+            # decides (it decides after all of them), so the results are the same. (If another
+            # stage end frees KV here at this instant, the freed blocks go back to the free list
+            # in the other order: later block ids may differ, no result depends on them.)
+            eng.scheduler.receive_tokens(done.token_message)
+            return
+        delay = 0.0 if first is eng else self.interconnect.latency_s
+        self.send_tokens(first, (info.model, info.replica), done.token_message, t + delay)
+
+    def _finish_requests(self, key: tuple[str, int], req_ids: list[str], t: float) -> None:
+        """Requests of replica `key` produced their last token at t on its last stage: records,
+        the dispatcher's counts, and their KV freed on the middle stages (the last stage freed
+        it in `complete`, the first frees it when the token message arrives)."""
+        records, metrics, done = self.records, self.metrics, self.dispatcher.done
+        for rid in req_ids:
+            metrics.finish(records.pop(rid), t)
+            done(*key)
+        for eid in self.replicas[key[0]][key[1]][1:-1]:
+            e = self.engines[eid]
+            for rid in req_ids:
+                e.scheduler.free(rid)
+            self._wake(e, t)
+
+    def send_batch(self, eng: SimEngine, key: tuple[str, int], message, at: float) -> None:
+        """A batch message reaches `eng` at `at` (a `BatchArrivalEvent`)."""
+        self._deliver(eng, key, BatchArrivalEvent(at, eng, message))
+
+    def send_tokens(self, eng: SimEngine, key: tuple[str, int], message, at: float) -> None:
+        """A token message reaches the first stage `eng` at `at` (a `TokenArrivalEvent`)."""
+        self._deliver(eng, key, TokenArrivalEvent(at, eng, message))
+
+    def _deliver(self, eng: SimEngine, key: tuple[str, int], ev) -> None:
+        """Schedule message event `ev` for `eng`, counted as in flight on `eng` and on replica `key`."""
+        eng.pending.append(ev.time)
+        self.route_pending[key].append(ev.time)
+        self.messages[key].append(ev)
+        self.loop.schedule(ev)
+
+    def take_message(self, ev) -> None:
+        """The joint replay accounts for a message in flight: its event does nothing."""
+        key = (ev.message.model, ev.engine.stages[ev.message.model].replica)
+        ev.engine.pending.remove(ev.time)
+        self.route_pending[key].remove(ev.time)
+        self.messages[key].remove(ev)
+        ev.message = None
+
+    def _delivered(self, key: tuple[str, int], message) -> None:
+        lst = self.messages[key]
+        for i, ev in enumerate(lst):
+            if ev.message is message:
+                del lst[i]
+                return
+
+    def deliver_batch(self, eng: SimEngine, message, t: float) -> None:
+        key = (message.model, eng.stages[message.model].replica)
+        eng.pending.remove(t)
+        self.route_pending[key].remove(t)
+        self._delivered(key, message)
+        eng.scheduler.receive_batch(message)
+        self._wake(eng, t)
+
+    def deliver_tokens(self, eng: SimEngine, tokens, t: float) -> None:
+        key = (tokens.model, eng.stages[tokens.model].replica)
+        eng.pending.remove(t)
+        self.route_pending[key].remove(t)
+        self._delivered(key, tokens)
+        eng.scheduler.receive_tokens(tokens)
+        self._wake(eng, t)

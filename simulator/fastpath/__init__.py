@@ -1,0 +1,1 @@
+"""paraflex.simulator.fastpath: exact bulk replays of steady decode phases (same results as step-by-step, fewer events)."""

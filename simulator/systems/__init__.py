@@ -1,0 +1,1 @@
+"""paraflex.simulator.systems: the serving systems the simulator compares (layout + policy) and the ablations."""

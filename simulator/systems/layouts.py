@@ -1,0 +1,123 @@
+"""The serving systems the simulator compares (paper §8.1) and the ablations of §8.5.
+
+A system is a layout (placement from `paraflex.planner.plan`, GPUs and memory per engine)
+plus the local scheduling policy every engine runs; runner.py builds the simulated cluster
+from it. Registered by name:
+
+| name        | layout (planner solver)                                  | engine policy            |
+|-------------|----------------------------------------------------------|--------------------------|
+| paraflex    | time-balanced sharding, replication, DRF (`paraflex`)   | full-batch-first         |
+| ray-serve   | each model alone on dedicated engines, PP=2 (`dedicated`)| prefill-first (vLLM)     |
+| sarathi     | every model on every engine, same PP (`shared`)          | sarathi: chunked prefill,|
+|             |                                                          | decode batches <= stages |
+| alpaserve   | size groups, engines ∝ size x rate (`grouped`)           | prefill-first (vLLM)     |
+| vllm-tp     | one TP group over all GPUs (`tensor`)                    | prefill-first (vLLM)     |
+
+Ablations (flags of `paraflex simulate`, applied to `paraflex` only except --prefill-first):
+`no_sharding` (the `shared` layout with ParaFlex's scheduler), `random_placement` (ParaFlex's
+sharding and replication, stages scattered uniformly at random, seeded; random_placement.py),
+`prefill_first` (the prefill-first policy instead of the system's own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paraflex.errors import UserError
+from paraflex.placement import Placement
+from paraflex.simulator.registry import Registry
+
+SYSTEMS: Registry = Registry("system")
+SARATHI_CHUNK_TOKENS = 512
+
+
+@dataclass
+class SystemLayout:
+    name: str
+    placement: Placement
+    policy: str
+    gpus_per_engine: int
+    memory_bytes: int  # per engine: weights + KV
+    prefill_token_budget: int | None = None  # overrides scheduler.prefill_token_budget
+
+    def describe(self) -> dict:
+        return {
+            "system": self.name,
+            "policy": self.policy,
+            "planner": self.placement.planner,
+            "engines": self.placement.num_engines,
+            "gpus_per_engine": self.gpus_per_engine,
+            "prefill_token_budget": self.prefill_token_budget,
+            "memory_bytes_per_engine": self.memory_bytes,
+            "models": {name: {"stages": m.num_stages, "replicas": m.num_replicas} for name, m in self.placement.models.items()},
+        }
+
+
+def _plan(config, solver: str) -> Placement:
+    from paraflex.planner import plan
+
+    return plan(config, solver=solver)
+
+
+def _engine_shape(config, placement: Placement) -> tuple[int, int]:
+    """GPUs and memory per engine: the cluster's, unless the planner merged engines into one
+    TP group (the `tensor` layout records its `tp` and `engine_memory_bytes` in params)."""
+    tp = int(placement.params.get("tp", config.cluster.tp))
+    mem = int(placement.params.get("engine_memory_bytes", config.cluster.memory_bytes))
+    return tp, mem
+
+
+def _layout(name: str, config, solver: str, policy: str) -> SystemLayout:
+    placement = _plan(config, solver)
+    tp, mem = _engine_shape(config, placement)
+    return SystemLayout(name, placement, policy, tp, mem)
+
+
+@SYSTEMS.register("paraflex")
+def paraflex(config, settings) -> SystemLayout:
+    if settings.no_sharding:
+        layout = _layout("paraflex", config, "shared", "full-batch-first")
+    else:
+        layout = _layout("paraflex", config, "paraflex", "full-batch-first")
+    if settings.random_placement:
+        from paraflex.simulator.systems.random_placement import random_placement
+
+        archs = {m.name: m.arch for m in config.models}
+        layout.placement = random_placement(layout.placement, archs, layout.memory_bytes, settings.seed)
+    return layout
+
+
+@SYSTEMS.register("ray-serve")
+def ray_serve(config, settings) -> SystemLayout:
+    return _layout("ray-serve", config, "dedicated", "prefill-first")
+
+
+@SYSTEMS.register("sarathi")
+def sarathi(config, settings) -> SystemLayout:
+    # the engine core's `sarathi` policy chunks prefills and keeps at most `num_stages`
+    # micro-batches of a model in flight; chunks of 512 tokens (Vidur's Sarathi default)
+    layout = _layout("sarathi", config, "shared", "sarathi")
+    layout.prefill_token_budget = SARATHI_CHUNK_TOKENS
+    return layout
+
+
+@SYSTEMS.register("alpaserve")
+def alpaserve(config, settings) -> SystemLayout:
+    return _layout("alpaserve", config, "grouped", "prefill-first")
+
+
+@SYSTEMS.register("vllm-tp")
+def vllm_tp(config, settings) -> SystemLayout:
+    return _layout("vllm-tp", config, "tensor", "prefill-first")
+
+
+def build_system(config, settings) -> SystemLayout:
+    builder = SYSTEMS.get(settings.system, "--system")
+    if (settings.no_sharding or settings.random_placement) and settings.system != "paraflex":
+        raise UserError("--no-sharding and --random-placement are ablations of --system paraflex; drop them or use paraflex")
+    if settings.no_sharding and settings.random_placement:
+        raise UserError("--no-sharding and --random-placement are separate ablations; pass one of them")
+    layout = builder(config, settings)
+    if settings.prefill_first:
+        layout.policy = "prefill-first"
+    return layout

@@ -1,0 +1,61 @@
+"""`paraflex profile`: measured op tables in Vidur's layout that the cost model and planner use."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from paraflex.cli import main
+from paraflex.config.schema import load_config
+from paraflex.costs.costmodel import CostModel
+from paraflex.placement import Placement
+from paraflex.costs.profile_tables import ALL_OPS, ProfileIndex
+from repo_paths import CONFIGS
+
+CONFIGS = CONFIGS
+DEMO, BASE = str(CONFIGS / "demo.yaml"), str(CONFIGS / "paper-base.yaml")
+
+
+def test_profile_writes_tables_the_cost_model_and_planner_use(tmp_path, capsys):
+    out = tmp_path / "prof"
+    assert main(["profile", DEMO, "-o", str(out), "--models", "tiny-2l,tiny-4l", "--tokens", "4,1",
+                 "--repeats", "2", "-q"]) == 0
+    assert "cluster.profile_dir" in capsys.readouterr().out
+    meta = json.loads((out / "profile.json").read_text())
+    assert meta["tokens"] == [1, 4] and meta["repeats"] == 2
+    assert {t["model"] for t in meta["tables"]} == {"tiny-2l", "tiny-4l"}
+    config = load_config(DEMO)
+    index = ProfileIndex(str(out))
+    for name in ("tiny-2l", "tiny-4l"):
+        arch = config.model(name).arch
+        table = index.lookup("cpu", arch, 1)
+        assert table is not None and table.num_tokens == [1, 4]
+        assert set(table.times) == set(ALL_OPS)
+        assert all(t > 0 for times in table.times.values() for t in times)
+        model = CostModel("cpu", profile_dir=str(out))
+        assert model.linear_time(arch, 4) == pytest.approx(table.layer_time(4) + table.op_time("add", 4))
+        assert model.linear_time(arch, 4) != CostModel("cpu").linear_time(arch, 4)  # not the roofline
+    raw = yaml.safe_load(Path(DEMO).read_text())
+    raw["cluster"]["profile_dir"] = str(out)
+    cfg = tmp_path / "demo-profiled.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    assert main(["plan", str(cfg), "-o", str(tmp_path / "p.json"), "-q"]) == 0
+    assert Placement.load(tmp_path / "p.json").models.keys() == {m.name for m in config.models}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--models", "nope"], "'nope' is not a model of the config"),
+    (["--tokens", "1,x"], "--tokens"),
+    (["--tokens", "0"], "token counts >= 1"),
+    (["--repeats", "0"], "--repeats"),
+])
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, message):
+    assert main(["profile", DEMO, "-o", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_gpu_config_is_not_profiled_on_a_cpu(tmp_path, capsys):
+    assert main(["profile", BASE, "-o", str(tmp_path), "--device", "cpu"]) == 2
+    assert "cluster.device is 'a100-80g'" in capsys.readouterr().err

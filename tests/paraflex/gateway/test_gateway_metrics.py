@@ -1,0 +1,69 @@
+"""Prometheus rendering: vLLM names, model_name labels, consistent cumulative histograms."""
+
+import re
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paraflex.serving.backend import BackendMetrics
+from paraflex.gateway.metrics import GatewayMetrics, Histogram, TTFT_BUCKETS
+
+
+def parse(text: str) -> dict[str, float]:
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        samples[name] = float(value)
+    return samples
+
+
+def test_request_is_counted_under_vllm_names():
+    m = GatewayMetrics(["a", "b"])
+    # arrival 0, tokens at 0.5, 0.6, 0.8, end 1.0
+    m.observe_request("a", 0.0, [0.5, 0.6, 0.8], 1.0, prompt_tokens=7, finish_reason="length")
+    s = parse(m.render(BackendMetrics(running={"a": 2}, waiting={"b": 1}, kv_cache_usage={0: 0.25, 1: 0.0},
+                                      preemptions={"b": 3})))
+    assert s['vllm:num_preemptions_total{model_name="b"}'] == 3
+    assert s['vllm:num_preemptions_total{model_name="a"}'] == 0
+    assert s['vllm:prompt_tokens_total{model_name="a"}'] == 7
+    assert s['vllm:generation_tokens_total{model_name="a"}'] == 3
+    assert s['vllm:generation_tokens_total{model_name="b"}'] == 0
+    assert s['vllm:num_requests_running{model_name="a"}'] == 2
+    assert s['vllm:num_requests_waiting{model_name="b"}'] == 1
+    assert s['vllm:kv_cache_usage_perc{engine="0"}'] == 0.25
+    assert s['vllm:request_success_total{model_name="a",finished_reason="length"}'] == 1
+    m.observe_request("b", 0.0, [0.5], 1.0, prompt_tokens=2, finish_reason="error")
+    s = parse(m.render(BackendMetrics()))
+    assert not any(k.startswith('vllm:request_success_total{model_name="b"') for k in s)  # an error is no success
+    assert s['paraflex:request_errors_total{model_name="b"}'] == 1 and s['paraflex:request_errors_total{model_name="a"}'] == 0
+    assert s['vllm:time_to_first_token_seconds_sum{model_name="a"}'] == 0.5
+    assert s['vllm:time_to_first_token_seconds_bucket{model_name="a",le="0.5"}'] == 1
+    assert s['vllm:time_to_first_token_seconds_bucket{model_name="a",le="0.25"}'] == 0
+    assert s['vllm:inter_token_latency_seconds_count{model_name="a"}'] == 2
+    assert abs(s['vllm:time_per_output_token_seconds_sum{model_name="a"}'] - 0.15) < 1e-9
+    assert s['vllm:e2e_request_latency_seconds_count{model_name="a"}'] == 1
+
+
+def test_every_family_has_help_and_type():
+    text = GatewayMetrics(["m"]).render(BackendMetrics())
+    families = re.findall(r"^# TYPE (\S+) (\w+)$", text, re.M)
+    assert {f for f, _ in families} >= {
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds"}
+    assert len(re.findall(r"^# HELP ", text, re.M)) == len(families)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0, 5000, allow_nan=False), max_size=50))
+def test_histogram_buckets_are_cumulative_and_end_at_count(values):
+    h = Histogram(TTFT_BUCKETS)
+    for v in values:
+        h.observe(v)
+    cum = h.cumulative()
+    counts = [n for _, n in cum]
+    assert counts == sorted(counts) and counts[-1] == len(values) == h.count
+    for le, n in cum[:-1]:
+        assert n == sum(1 for v in values if v <= float(le))

@@ -1,0 +1,86 @@
+"""Sharding (§4.1): stage counts from times, even layer split, stage weights from the catalog."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from paraflex.models.catalog import get_arch
+from paraflex.config.schema import Config
+from paraflex.planner.problem import split_layers
+from paraflex.planner.sharding import build_problem, stage_count
+
+
+def test_stage_count_rounds_half_up_and_clamps():
+    assert stage_count(2.5, 1.0, 32) == 3
+    assert stage_count(2.49, 1.0, 32) == 2
+    assert stage_count(0.2, 1.0, 32) == 1  # at least one stage
+    assert stage_count(100.0, 1.0, 8) == 8  # at most one stage per layer
+
+
+def test_split_remainder_goes_to_first_stages():
+    assert split_layers(10, 3) == ((0, 4), (4, 7), (7, 10))
+    assert split_layers(80, 3) == ((0, 27), (27, 54), (54, 80))
+    assert split_layers(5, 5) == tuple((k, k + 1) for k in range(5))
+
+
+@given(st.integers(1, 300), st.data())
+def test_split_is_even_and_covers_every_layer(num_layers, data):
+    s = data.draw(st.integers(1, num_layers))
+    stages = split_layers(num_layers, s)
+    sizes = [b - a for a, b in stages]
+    assert stages[0][0] == 0 and stages[-1][1] == num_layers
+    assert all(stages[k][1] == stages[k + 1][0] for k in range(s - 1))
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # remainder from the first stage on
+    assert sizes.count(num_layers // s + 1) == num_layers % s
+
+
+def _config(target="auto", engines=8):
+    return Config.from_dict({
+        "cluster": {"num_engines": engines, "device": "a100-80g", "tp": 1, "memory_gb": 80},
+        "models": [
+            {"name": "small", "arch": "llama-20b", "rate": 1},
+            {"name": "mid", "arch": "llama-40b", "rate": 1},
+            {"name": "big", "arch": "llama-80b", "rate": 1},
+        ],
+        "planner": {"target_stage_time": target, "kappa_gb": 1},
+    })
+
+
+def test_auto_target_gives_smallest_model_one_stage_and_depth_scaled_others():
+    problem, facts = build_problem(_config())
+    counts = {m.name: m.num_stages for m in problem.models}
+    assert counts == {"small": 1, "mid": 2, "big": 4}  # 60/120/240 layers of equal width
+    assert facts["target_stage_time_ms"] == min(facts["model_time_ms"].values())
+
+
+def test_multiples_and_submultiples_of_auto():
+    half, _ = build_problem(_config("/2"))
+    double, _ = build_problem(_config("x2"))
+    assert [m.num_stages for m in half.models] == [2, 4, 8]
+    assert [m.num_stages for m in double.models] == [1, 1, 2]
+
+
+def test_target_in_milliseconds():
+    _, facts = build_problem(_config())
+    small_ms = facts["model_time_ms"]["small"]
+    problem, facts2 = build_problem(_config(small_ms / 3))
+    assert facts2["target_stage_time_ms"] == small_ms / 3
+    assert problem.models[0].num_stages == 3
+
+
+def test_stage_weights_are_the_catalogs_stage_bytes():
+    problem, _ = build_problem(_config())
+    arch = get_arch("llama-80b")
+    big = problem.models[2]
+    last = big.num_stages - 1
+    assert big.stage_weights == tuple(
+        arch.stage_weight_bytes(a, b, k == 0, k == last) for k, (a, b) in enumerate(big.stages)
+    )
+    assert sum(big.stage_weights) == arch.weight_bytes()
+    assert big.stage_weights[0] > big.stage_weights[1]  # embedding on the first stage
+
+
+def test_more_stages_than_engines_is_capped_with_a_warning():
+    problem, facts = build_problem(_config("/4", engines=8))
+    assert [m.num_stages for m in problem.models] == [4, 8, 8]
+    assert any("big" in w and "16 stages" in w for w in facts["warnings"])

@@ -1,0 +1,117 @@
+"""Each simulated system builds its documented layout (systems.py table) on the paper's base
+case, and the ablations change exactly what they say."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from paraflex.config.schema import load_config
+from paraflex.errors import UserError
+from paraflex.simulator.runner import SimSettings
+from paraflex.simulator.systems.layouts import SYSTEMS, build_system
+from repo_paths import CONFIGS
+
+BASE = str(CONFIGS / "paper-base.yaml")
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_config(BASE)
+
+
+def _layout(config, system, **kw):
+    return build_system(config, SimSettings(system=system, **kw))
+
+
+def _engines_of(placement, model):
+    return {e for r in placement.models[model].replicas for e in r}
+
+
+def test_registry_has_the_five_systems():
+    assert SYSTEMS.names() == sorted(["paraflex", "ray-serve", "sarathi", "alpaserve", "vllm-tp"])
+
+
+def test_ray_serve_dedicated_pp2_no_replication(config):
+    lay = _layout(config, "ray-serve")
+    seen = set()
+    for m in lay.placement.models.values():
+        assert m.num_stages == 2 and m.num_replicas == 1
+        engines = set(m.replicas[0])
+        assert not engines & seen  # dedicated: no engine shared between models
+        seen |= engines
+    assert lay.policy == "prefill-first"
+
+
+def test_sarathi_every_model_on_every_engine_pp8(config):
+    lay = _layout(config, "sarathi")
+    for m in lay.placement.models.values():
+        assert m.num_stages == config.cluster.num_engines == 8 and m.replicas == [list(range(8))]
+    assert lay.policy == "sarathi" and lay.prefill_token_budget == 512
+
+
+def test_alpaserve_size_groups(config):
+    lay = _layout(config, "alpaserve")
+    big = _engines_of(lay.placement, "llama-2-70b")
+    small = _engines_of(lay.placement, "internlm2.5-20b-chat-1")
+    assert big and small and not big & small  # two groups on disjoint engines
+    assert _engines_of(lay.placement, "internlm2.5-20b-chat-2") == small
+    assert len(big) + len(small) == config.cluster.num_engines
+
+
+def test_vllm_tp_one_group_over_all_gpus(config):
+    lay = _layout(config, "vllm-tp")
+    assert lay.placement.num_engines == 1
+    assert lay.gpus_per_engine == config.cluster.num_engines * config.cluster.tp == 64
+    assert lay.memory_bytes == config.cluster.num_engines * config.cluster.memory_bytes
+
+
+def test_paraflex_time_balanced_replicated_and_ablations(config):
+    pf = _layout(config, "paraflex")
+    assert pf.policy == "full-batch-first"
+    stages = {n: m.num_stages for n, m in pf.placement.models.items()}
+    assert stages["llama-2-70b"] > stages["internlm2.5-20b-chat-1"]  # unaligned pipelines
+    assert pf.placement.models["internlm2.5-20b-chat-1"].num_replicas > 1
+    ns = _layout(config, "paraflex", no_sharding=True)
+    assert {m.num_stages for m in ns.placement.models.values()} == {8} and ns.policy == "full-batch-first"
+    assert _layout(config, "paraflex", prefill_first=True).policy == "prefill-first"
+    r1 = _layout(config, "paraflex", random_placement=True, seed=1).placement
+    r1b = _layout(config, "paraflex", random_placement=True, seed=1).placement
+    r2 = _layout(config, "paraflex", random_placement=True, seed=2).placement
+    assert r1.to_dict() == r1b.to_dict() and r1.to_dict() != r2.to_dict()
+    counts = [len(e.stages) for e in r1.engines]
+    assert max(counts) - min(counts) <= 1  # uniform stage counts per engine
+    for name, m in r1.models.items():
+        assert m.stages == pf.placement.models[name].stages and m.num_replicas == pf.placement.models[name].num_replicas
+        flat = [e for r in m.replicas for e in r]
+        assert len(flat) == len(set(flat))  # replicas never overlap
+
+
+def test_bad_system_and_ablation_combinations(config):
+    with pytest.raises(UserError, match="unknown system 'nope'"):
+        _layout(config, "nope")
+    with pytest.raises(UserError, match="ablations of --system paraflex"):
+        _layout(config, "sarathi", no_sharding=True)
+
+
+def test_simulated_engines_batch_prompts_as_served_engines_do(config):
+    """CPU engines pack waiting prompts (as engine_builder's served engines do); GPU engines
+    keep the paper's one prompt per prefill batch unless the config sets a budget."""
+    from paraflex.config.schema import Config
+    from paraflex.simulator.runner import simulate
+
+    cpu = Config.from_dict({
+        "cluster": {"num_engines": 1, "device": "cpu", "memory_gb": 1},
+        "models": [{"name": "a", "arch": "tiny-2l"}],
+        "scheduler": {"max_batch_size": 8, "block_bytes": 4096},
+        "workload": {"arrival": "poisson", "num_requests": 60, "seed": 1},
+    })
+    res = simulate(cpu, SimSettings(system="paraflex", rate=2000.0))
+    assert all(e.scheduler.prefill_max_requests == 8 for e in res.engines)
+    assert res.summary["finished"] == res.summary["requests"]
+    assert res.metrics.prefill_batches < res.summary["requests"]  # a burst shares prefill batches
+    gpu = _layout(config, "paraflex")
+    gpu_res = simulate(config, SimSettings(system="paraflex", rate=1.0), layout=gpu,
+                       requests=[])
+    assert all(e.scheduler.prefill_max_requests == 1 for e in gpu_res.engines)
