@@ -75,7 +75,7 @@ class HopActor:
     def connect(self, peers, host, port) -> None:
         self.peer = peers[1 - self.id]
         self.t.connect(peers, [GroupSpec(MODEL, 0, (0, 1)), GroupSpec(MODEL, 1, (1, 0))], host, port)
-        self.group = self.t._groups[(MODEL, 0)].pg
+        self.group = self.t.groups.get(MODEL, 0).pg
 
     def deliver(self, payload: bytes) -> None:
         self.t.deliver(payload)

@@ -5,6 +5,11 @@ Place in the data flow: `run_sweep` (sweep.py) steps a `Progress` bar as points 
 between slices of simulated time. Neither changes what is simulated. `RunProgress` stays
 silent for the first seconds (short runs print nothing), then rewrites one line on a terminal
 (at most twice a second) or prints a line every ten seconds into a log.
+
+Hand-written rather than tqdm or rich: into a log (a stream that is no terminal) tqdm keeps
+writing carriage-return rewrites of one line and rich prints only the final state, where this
+prints a full line every ten seconds; and both time themselves by their own wall clock, where
+`RunProgress` takes a clock (its quiet start and pacing are tested with a fake one).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ pairing of arrivals with their tensors (slots or lane receives) in per-model arr
 
 GPU: each model has a CUDA stream pair (send, receive); the send stream waits on an event
 recorded on the producer's stream at `send()` time, and a receive is reported only once its
-stream has finished. CPU: slot receives wait on one thread per hop (transport_slots),
+stream has finished. CPU: slot receives wait on one thread per hop (ray_slots),
 rendezvous receives are posted as soon as the phase-1 call lands; the send/receive threads
 block in gloo's `wait()`, off the engine thread.
 """
@@ -41,8 +41,13 @@ import torch
 import torch.distributed as dist
 
 from paraflex.engine.transport.base import Envelope, Transport
-from paraflex.engine.transport.ray_groups import GroupSpec, _Group, start_store
-from paraflex.engine.transport.ray_lanes import _Incoming, _ModelLane, _Outgoing
+from paraflex.engine.transport.ray_groups import GroupSpec, ReplicaGroup, ReplicaGroups, start_store
+from paraflex.engine.transport.ray_lanes import (
+    IncomingTransfer,
+    LaneLinks,
+    ModelLane,
+    OutgoingTransfer,
+)
 from paraflex.engine.transport.ray_slots import (
     DEFAULT_SLOT_BYTES,
     DEFAULT_WINDOW,
@@ -50,7 +55,7 @@ from paraflex.engine.transport.ray_slots import (
     SlotTable,
     slot_views,
 )
-from paraflex.engine.transport.ray_wire import _DTYPES, arrival_key, decode_phase1
+from paraflex.engine.transport.ray_wire import WIRE_DTYPES, arrival_key, decode_phase1
 
 __all__ = ["ErrorCallback", "GroupSpec", "RayTransport", "start_store"]
 
@@ -83,10 +88,13 @@ class RayTransport(Transport):
         self.slot_bytes = slot_bytes if self.backend == "gloo" else 0
         self.slot_window = slot_window
         self._peers: dict[int, Any] = {}
-        self._groups: dict[tuple[str, int], _Group] = {}
-        self._lanes: dict[str, _ModelLane] = {}
+        self.groups = ReplicaGroups()
+        self.slot_table = SlotTable()  # guarded by the lock
+        self._lanes: dict[str, ModelLane] = {}
+        self._lane_links = LaneLinks(self.device, self.slot_bytes, self.groups,
+                                     send_phase1=self._phase1, on_received=self._complete,
+                                     on_failed=self._report)
         self._ready: OrderedDict[tuple, Envelope] = OrderedDict()
-        self._slots = SlotTable()
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._closed = False
@@ -106,17 +114,17 @@ class RayTransport(Transport):
         for spec in groups:
             if self.engine_id not in spec.engines or len(spec.engines) < 2:
                 continue
-            current = self._groups.get((spec.model, spec.replica))
+            current = self.groups.get(spec.model, spec.replica)
             if current is not None and current.spec.generation >= spec.generation:
                 continue
-            group = _Group(spec, self.engine_id, self._store, self.backend, self.timeout_s)
-            self._groups[(spec.model, spec.replica)] = group
+            group = ReplicaGroup(spec, self.engine_id, self._store, self.backend, self.timeout_s)
+            self.groups.install(group)
             if current is not None:
                 self._retire_inbox(current, "its process group was rebuilt")
             self._open_inbox(group)
 
     def group_generations(self) -> dict[str, int]:
-        return {f"{m}/{r}": g.spec.generation for (m, r), g in self._groups.items()}
+        return self.groups.generations()
 
     # -- Transport API -----------------------------------------------------------------------
     def send(self, env: Envelope) -> None:
@@ -131,7 +139,7 @@ class RayTransport(Transport):
             return
         replica = self._replica_of(env)
         if env.tensors:
-            self._group_for(env.model, env.src, env.dst, replica)  # fail fast, before phase 1
+            self.groups.for_hop(env.model, env.src, env.dst, replica)  # fail fast, before phase 1
         lane = self._lane(env.model)
         with self._lock:
             seq = lane.next_seq
@@ -140,7 +148,7 @@ class RayTransport(Transport):
         if env.tensors and lane.streams is not None:
             ready_event = torch.cuda.Event()
             ready_event.record(torch.cuda.current_stream(self.device))
-        lane.send_q.put(_Outgoing(env, seq, replica, ready_event))
+        lane.send_q.put(OutgoingTransfer(env, seq, replica, ready_event))
 
     def recv_ready(self) -> list[Envelope]:
         with self._lock:
@@ -169,10 +177,10 @@ class RayTransport(Transport):
             self._cv.notify_all()
         for lane in list(self._lanes.values()):
             lane.stop(timeout=1.0)
-        for group in list(self._groups.values()):
+        for group in self.groups.all():
             self._retire_inbox(group, "the transport closed")
         self._lanes.clear()
-        self._groups.clear()
+        self.groups.clear()
 
     # -- phase-1 arrival (called by the actor's `deliver` method) ----------------------------
     def deliver(self, payload: bytes) -> None:
@@ -180,7 +188,7 @@ class RayTransport(Transport):
         if self._closed:
             return
         lane = self._lane(env.model)
-        job = _Incoming(env, specs, seq, replica)
+        job = IncomingTransfer(env, specs, seq, replica)
         with self._cv:
             # Metadata-only messages skip the lane unless earlier arrivals of the same model
             # are still incomplete, so they never overtake an earlier batch of that model.
@@ -193,8 +201,8 @@ class RayTransport(Transport):
                 job.packed = bool(slots[2])
                 job.bufs = [None] * (1 if job.packed else len(specs))
                 try:
-                    job.done = self._slots.claim((env.model, replica, slots[0], env.src),
-                                                 slots[1], job)
+                    job.done = self.slot_table.claim((env.model, replica, slots[0], env.src),
+                                                     slots[1], job)
                 except RuntimeError as exc:
                     job.error, job.done = exc, True
                 if job.done and job.error is None:
@@ -211,38 +219,21 @@ class RayTransport(Transport):
                     job.error = exc
             lane.recv_q.put(job)
 
-    # -- internals used by the lanes and slot inboxes ----------------------------------------
-    def _lane(self, model: str) -> _ModelLane:
+    # -- internals (the lanes and slot inboxes reach some of them as callbacks) --------------
+    def _lane(self, model: str) -> ModelLane:
         with self._lock:
             lane = self._lanes.get(model)
             if lane is None:
-                lane = self._lanes[model] = _ModelLane(self, model)
+                lane = self._lanes[model] = ModelLane(self._lane_links, model)
             return lane
 
     def _replica_of(self, env: Envelope) -> int | None:
         meta = env.meta if isinstance(env.meta, dict) else {}
         if "replica" in meta:
             return int(meta["replica"])
-        for (model, replica), group in self._groups.items():
-            if model == env.model and env.src in group.rank_of and env.dst in group.rank_of:
-                return replica
-        return None
+        return self.groups.replica_joining(env.model, env.src, env.dst)
 
-    def _group_for(self, model: str, src: int, dst: int, replica: int | None) -> _Group:
-        group = self._groups.get((model, replica)) if replica is not None else None
-        if group is None or src not in group.rank_of or dst not in group.rank_of:
-            raise RuntimeError(
-                f"no process group of model {model!r} joins engines {src} and {dst}; "
-                "connect() must be given the GroupSpec of every replica this engine hosts")
-        return group
-
-    def _slots_fit(self, group: _Group, src: int, dst: int, tensors: list[torch.Tensor]) -> bool:
-        """Whether this transfer goes into the receiver's pre-posted slots: the receiver is the
-        next stage of the replica (the only hop it posts slots for) and each tensor fits one."""
-        return (self.slot_bytes > 0 and group.neighbour(src, +1) == dst
-                and all(0 < t.nbytes <= self.slot_bytes for t in tensors))
-
-    def _open_inbox(self, group: _Group) -> None:
+    def _open_inbox(self, group: ReplicaGroup) -> None:
         """Post slot receives for the previous stage of `group`'s replica (if any)."""
         src = group.neighbour(self.engine_id, -1)
         if self.slot_bytes <= 0 or src is None:
@@ -250,14 +241,14 @@ class RayTransport(Transport):
         spec = group.spec
         hop = (spec.model, spec.replica, spec.generation, src)
         with self._lock:
-            self._slots.open(hop)
+            self.slot_table.open(hop)
         group.inbox = SlotInbox(
             group.pg, group.rank_of[src], self.slot_bytes, self.slot_window,
             on_landed=lambda k, buf: self._slot_landed(hop, k, buf),
             on_failed=lambda exc: self._slots_failed(hop, exc, report=True),
             name=f"pf-slots-{spec.model}-{spec.replica}")
 
-    def _retire_inbox(self, group: _Group, why: str) -> None:
+    def _retire_inbox(self, group: ReplicaGroup, why: str) -> None:
         if group.inbox is None:
             return
         group.inbox.retire()
@@ -268,7 +259,7 @@ class RayTransport(Transport):
 
     def _slot_landed(self, hop: tuple, k: int, buf: torch.Tensor) -> None:
         with self._cv:
-            job = self._slots.land(hop, k, buf)
+            job = self.slot_table.land(hop, k, buf)
             if job is None:
                 return
             self._fill_from_slots(job)
@@ -280,7 +271,7 @@ class RayTransport(Transport):
     def _slots_failed(self, hop: tuple, exc: BaseException, report: bool) -> None:
         """The slots of `hop` will never land: fail the arrivals waiting for them."""
         with self._cv:
-            jobs = self._slots.close(hop)
+            jobs = self.slot_table.close(hop)
             lanes = set()
             for job in jobs:
                 job.error, job.done = exc, True
@@ -290,21 +281,21 @@ class RayTransport(Transport):
         if report:
             self._report(hop[0], hop[3], exc)
 
-    def _fill_from_slots(self, job: _Incoming) -> None:
-        specs = [(name, _DTYPES[dtype], shape) for name, dtype, shape in job.specs]
+    def _fill_from_slots(self, job: IncomingTransfer) -> None:
+        specs = [(name, WIRE_DTYPES[dtype], shape) for name, dtype, shape in job.specs]
         try:
             job.env.tensors = slot_views(specs, job.bufs, job.packed)
         except ValueError as exc:
             job.error = exc
 
-    def _complete(self, lane: _ModelLane, job: _Incoming) -> None:
+    def _complete(self, lane: ModelLane, job: IncomingTransfer) -> None:
         """A rendezvous receive finished (or failed) on the lane thread."""
         with self._cv:
             job.done = True
             failed = self._release(lane)
         self._report_failed(failed)
 
-    def _release(self, lane: _ModelLane) -> list[_Incoming]:
+    def _release(self, lane: ModelLane) -> list[IncomingTransfer]:
         """Move the lane's completed arrivals, in arrival order, into the arrival buffer;
         returns those that failed (caller holds the lock, reports them after)."""
         failed = []
@@ -317,7 +308,7 @@ class RayTransport(Transport):
         self._cv.notify_all()
         return failed
 
-    def _report_failed(self, jobs: list[_Incoming]) -> None:
+    def _report_failed(self, jobs: list[IncomingTransfer]) -> None:
         for job in jobs:
             self._report(job.env.model, job.env.src, job.error)
 

@@ -2,9 +2,10 @@
 
 Where it sits: the controller (paraflex.serving.ray_startup) starts the rendezvous store with
 `start_store`; every engine's `RayTransport.connect` (paraflex.engine.transport.ray) builds a
-`_Group` for each `GroupSpec` it belongs to; the model's send/receive lanes
-(paraflex.engine.transport.ray_lanes) and the slot inboxes (paraflex.engine.transport.ray_slots) move
-phase-2 tensors over it.
+`ReplicaGroup` for each `GroupSpec` it belongs to and keeps them in its `ReplicaGroups`, where
+the model's send/receive lanes
+(paraflex.engine.transport.ray_lanes) look up the group of a hop; they and the slot inboxes
+(paraflex.engine.transport.ray_slots) move phase-2 tensors over it.
 
 One group per model replica, over the engines the replica spans (paper §6.3: "unique process
 groups among the workers where the model is deployed"). Each group is its own
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from paraflex.engine.transport.ray_slots import SlotInbox, slot_tag
 from paraflex.engine.transport.ray_wire import MAX_TENSORS, TAG_SPACE
+
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -66,7 +68,7 @@ def start_store(host: str) -> tuple[dist.TCPStore, int]:
     return store, store.port
 
 
-class _Group:
+class ReplicaGroup:
     """One built process group plus this engine's rank in it."""
 
     def __init__(self, spec: GroupSpec, engine_id: int, store: dist.Store, backend: str,
@@ -98,8 +100,61 @@ class _Group:
         i = self.rank_of[engine] + step
         return self.spec.engines[i] if 0 <= i < len(self.spec.engines) else None
 
+    def fits_slots(self, src: int, dst: int, tensors: list[torch.Tensor], slot_bytes: int) -> bool:
+        """Whether this transfer goes into the receiver's pre-posted slots of `slot_bytes` each
+        (0: none posted): the receiver is the next stage of the replica (the only hop it posts
+        slots for) and each tensor fits one."""
+        return (slot_bytes > 0 and self.neighbour(src, +1) == dst
+                and all(0 < t.nbytes <= slot_bytes for t in tensors))
+
     def send_slots(self, tensors: list[torch.Tensor], dst: int, first: int) -> list:
         """Send each tensor into the successor's pre-posted slot first, first+1, ..."""
         return [self.pg.send([t], self.rank_of[dst], slot_tag(first + i))
                 for i, t in enumerate(tensors)]
 
+
+class ReplicaGroups:
+    """This engine's built process groups by (model, replica): which group carries a hop.
+
+    Written by `RayTransport.connect`, read by the transport and its lanes' threads (a dict
+    lookup; a rebuilt group replaces its entry whole)."""
+
+    def __init__(self) -> None:
+        self._by_replica: dict[tuple[str, int], ReplicaGroup] = {}
+
+    def get(self, model: str, replica: int) -> ReplicaGroup | None:
+        return self._by_replica.get((model, replica))
+
+    def install(self, group: ReplicaGroup) -> ReplicaGroup | None:
+        """Add `group`; returns the group of the same replica it replaces, if any."""
+        key = (group.spec.model, group.spec.replica)
+        old = self._by_replica.get(key)
+        self._by_replica[key] = group
+        return old
+
+    def all(self) -> list[ReplicaGroup]:
+        return list(self._by_replica.values())
+
+    def clear(self) -> None:
+        self._by_replica.clear()
+
+    def generations(self) -> dict[str, int]:
+        """"model/replica" -> generation of its built group."""
+        return {f"{m}/{r}": g.spec.generation for (m, r), g in self._by_replica.items()}
+
+    def replica_joining(self, model: str, src: int, dst: int) -> int | None:
+        """The first replica of `model` whose group holds both engines, if any."""
+        for (m, replica), group in self._by_replica.items():
+            if m == model and src in group.rank_of and dst in group.rank_of:
+                return replica
+        return None
+
+    def for_hop(self, model: str, src: int, dst: int, replica: int | None) -> ReplicaGroup:
+        """The group of `model`'s `replica` that joins engines src and dst; raises
+        RuntimeError if this engine has none."""
+        group = self._by_replica.get((model, replica)) if replica is not None else None
+        if group is None or src not in group.rank_of or dst not in group.rank_of:
+            raise RuntimeError(
+                f"no process group of model {model!r} joins engines {src} and {dst}; "
+                "connect() must be given the GroupSpec of every replica this engine hosts")
+        return group

@@ -7,7 +7,9 @@ replica's process group, paraflex.engine.transport.ray_groups), either into the 
 pre-posted slots (paraflex.engine.transport.ray_slots) or the rendezvous way. On the receiving
 engine, `RayTransport.deliver` posts the rendezvous receives on the phase-1 call
 (`post_cpu_receives`) and queues the wait on the lane's receive thread, which hands the
-finished arrival back to the transport (`_complete`) to be released in arrival order.
+finished arrival back to the transport (`LaneLinks.on_received`) to be released in arrival
+order. A lane sees its transport only through `LaneLinks`: the device, the slot size, the
+replica groups, the phase-1 call, and the two callbacks.
 Separate threads per model keep one model's transfers from queuing behind another's. On CUDA
 each lane also owns a stream pair (send, receive).
 """
@@ -18,19 +20,20 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
 
 from paraflex.engine.transport.base import Envelope
+from paraflex.engine.transport.ray_groups import ReplicaGroups
 from paraflex.engine.transport.ray_slots import PACK_BYTES, pack, pack_offsets
-from paraflex.engine.transport.ray_wire import _DTYPES, encode_phase1
+from paraflex.engine.transport.ray_wire import WIRE_DTYPES, encode_phase1
 
-if TYPE_CHECKING:
-    from paraflex.engine.transport.ray import RayTransport
 
 @dataclass
-class _Outgoing:
+class OutgoingTransfer:
+    """An envelope queued on its model's send thread, numbered by the transport."""
+
     env: Envelope
     seq: int
     replica: int | None
@@ -38,7 +41,10 @@ class _Outgoing:
 
 
 @dataclass
-class _Incoming:
+class IncomingTransfer:
+    """A phase-1 arrival waiting for its tensors (from slots or lane receives), in its
+    model's arrival order until released."""
+
     env: Envelope
     specs: list | None
     seq: int
@@ -46,29 +52,47 @@ class _Incoming:
     bufs: list | None = None  # CPU: receive buffers (rendezvous: posted; slots: as they land)
     works: list | None = None  # CPU rendezvous: the posted gloo works
     missing: int = 0  # slots: buffers not landed yet
-    packed: bool = False  # slots: all tensors in one slot (transport_slots.pack)
+    packed: bool = False  # slots: all tensors in one slot (ray_slots.pack)
     done: bool = False  # tensors complete (or failed): may leave the lane's arrival order
     error: BaseException | None = None
 
 
-class _ModelLane:
+@dataclass(frozen=True)
+class LaneLinks:
+    """All a lane uses of the transport endpoint that owns it.
+
+    `slot_bytes` is the size of the successor's pre-posted slots (0: none, e.g. CUDA);
+    `send_phase1(dst, payload)` makes the phase-1 actor call to engine dst; `on_received(lane,
+    job)` takes back an incoming transfer whose rendezvous receive finished or failed (it sets
+    `job.done` and releases under the transport's lock); `on_failed(model, peer, exc)` reports
+    a failed send."""
+
+    device: torch.device
+    slot_bytes: int
+    groups: ReplicaGroups
+    send_phase1: Callable[[int, bytes], None]
+    on_received: Callable[["ModelLane", IncomingTransfer], None]
+    on_failed: Callable[[str, int, BaseException], None]
+
+
+class ModelLane:
     """The dedicated send thread and receive thread (and CUDA stream pair) of one model.
 
     `order` holds this model's phase-1 arrivals that are not released yet, in arrival order;
     an arrival is released into the arrival buffer once it and all before it are complete, so
     a metadata-only message never overtakes an earlier batch of the model (guarded by the
-    owner's lock)."""
+    transport's lock)."""
 
-    def __init__(self, owner: "RayTransport", model: str) -> None:
-        self.owner = owner
+    def __init__(self, links: LaneLinks, model: str) -> None:
+        self.links = links
         self.model = model
         self.send_q: queue.SimpleQueue = queue.SimpleQueue()
         self.recv_q: queue.SimpleQueue = queue.SimpleQueue()
-        self.order: deque[_Incoming] = deque()
+        self.order: deque[IncomingTransfer] = deque()
         self.next_seq = 0
         self.streams = None
-        if owner.device.type == "cuda":
-            self.streams = (torch.cuda.Stream(owner.device), torch.cuda.Stream(owner.device))
+        if links.device.type == "cuda":
+            self.streams = (torch.cuda.Stream(links.device), torch.cuda.Stream(links.device))
         self.threads = [
             threading.Thread(target=self._send_loop, name=f"pf-send-{model}", daemon=True),
             threading.Thread(target=self._recv_loop, name=f"pf-recv-{model}", daemon=True),
@@ -91,27 +115,27 @@ class _ModelLane:
             try:
                 self._send_one(job)
             except BaseException as exc:  # noqa: BLE001 - reported, the lane keeps serving
-                self.owner._report(self.model, job.env.dst, exc)
+                self.links.on_failed(self.model, job.env.dst, exc)
 
-    def _send_one(self, job: _Outgoing) -> None:
-        env, owner = job.env, self.owner
+    def _send_one(self, job: OutgoingTransfer) -> None:
+        env, links = job.env, self.links
         if not env.tensors:
-            owner._phase1(env.dst, encode_phase1(env, job.seq, job.replica))
+            links.send_phase1(env.dst, encode_phase1(env, job.seq, job.replica))
             return
-        group = owner._group_for(env.model, env.src, env.dst, job.replica)
+        group = links.groups.for_hop(env.model, env.src, env.dst, job.replica)
         tensors = list(env.tensors.values())
-        if self.streams is None and owner._slots_fit(group, env.src, env.dst, tensors):
+        if self.streams is None and group.fits_slots(env.src, env.dst, tensors, links.slot_bytes):
             # Into pre-posted slots gloo writes the bytes inside `send` (about 1.7 ms for
             # 2.4 MB here), so phase 1 is submitted first and is on its way meanwhile
             # (measured: prefill hop 4.1-4.6 ms vs 4.8-5.1 ms with the data sent first).
             packed = (len(tensors) > 1 and pack_offsets([t.nbytes for t in tensors])[1]
-                      <= min(PACK_BYTES, owner.slot_bytes))
+                      <= min(PACK_BYTES, links.slot_bytes))
             if packed:
                 tensors = [pack(tensors)]
             first = group.next_slot
             group.next_slot += len(tensors)
-            owner._phase1(env.dst, encode_phase1(env, job.seq, job.replica,
-                                                 (group.spec.generation, first, packed)))
+            links.send_phase1(env.dst, encode_phase1(env, job.seq, job.replica,
+                                                     (group.spec.generation, first, packed)))
             for work in group.send_slots(tensors, env.dst, first):
                 work.wait()
             return
@@ -121,7 +145,7 @@ class _ModelLane:
         payload = encode_phase1(env, job.seq, job.replica)
         if self.streams is None:
             works = group.send(tensors, env.dst, job.seq)
-            owner._phase1(env.dst, payload)
+            links.send_phase1(env.dst, payload)
             for work in works:
                 work.wait()
             return
@@ -129,17 +153,16 @@ class _ModelLane:
         with torch.cuda.stream(send_stream):
             send_stream.wait_event(job.ready_event)
             works = group.send(tensors, env.dst, job.seq)
-            owner._phase1(env.dst, payload)
+            links.send_phase1(env.dst, payload)
             for work in works:
                 work.wait()
         send_stream.synchronize()  # keep `tensors` alive until NCCL has read them
 
     # -- receive side (rendezvous) -----------------------------------------------------------
-    def post_cpu_receives(self, job: _Incoming) -> None:
+    def post_cpu_receives(self, job: IncomingTransfer) -> None:
         """Post the gloo receives at once (on the phase-1 call); the lane thread waits."""
-        owner = self.owner
-        group = owner._group_for(job.env.model, job.env.src, job.env.dst, job.replica)
-        job.bufs = [torch.empty(s[2], dtype=_DTYPES[s[1]]) for s in job.specs]
+        group = self.links.groups.for_hop(job.env.model, job.env.src, job.env.dst, job.replica)
+        job.bufs = [torch.empty(s[2], dtype=WIRE_DTYPES[s[1]]) for s in job.specs]
         job.works = group.recv(job.bufs, job.env.src, job.seq)
 
     def _recv_loop(self) -> None:
@@ -151,9 +174,9 @@ class _ModelLane:
                 job.env.tensors = self._recv_tensors(job)
             except BaseException as exc:  # noqa: BLE001 - reported, the lane keeps serving
                 job.error = exc
-            self.owner._complete(self, job)
+            self.links.on_received(self, job)
 
-    def _recv_tensors(self, job: _Incoming) -> dict[str, torch.Tensor]:
+    def _recv_tensors(self, job: IncomingTransfer) -> dict[str, torch.Tensor]:
         names = [s[0] for s in job.specs]
         if self.streams is None:
             if job.error is not None:
@@ -161,11 +184,11 @@ class _ModelLane:
             for work in job.works:
                 work.wait()
             return dict(zip(names, job.bufs))
-        owner = self.owner
-        group = owner._group_for(job.env.model, job.env.src, job.env.dst, job.replica)
+        group = self.links.groups.for_hop(job.env.model, job.env.src, job.env.dst, job.replica)
         recv_stream = self.streams[1]
         with torch.cuda.stream(recv_stream):
-            bufs = [torch.empty(s[2], dtype=_DTYPES[s[1]], device=owner.device) for s in job.specs]
+            bufs = [torch.empty(s[2], dtype=WIRE_DTYPES[s[1]], device=self.links.device)
+                    for s in job.specs]
             for work in group.recv(bufs, job.env.src, job.seq):
                 work.wait()
         recv_stream.synchronize()  # "fully arrived": the consumer may use them on any stream

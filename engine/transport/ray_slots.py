@@ -17,7 +17,7 @@ whichever order they come. A landed buffer becomes the envelope's tensor (a view
 and a fresh buffer takes its place in the window.
 
 NCCL needs the exact element count on both sides and a posted receive would occupy the
-receive stream, so the CUDA path keeps posting its receives on phase 1 (transport_lanes).
+receive stream, so the CUDA path keeps posting its receives on phase 1 (ray_lanes).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-SLOT_TAG_BASE = 2**30  # rendezvous tags (transport_wire) stay below; slot tags above
+SLOT_TAG_BASE = 2**30  # rendezvous tags (ray_wire) stay below; slot tags above
 SLOT_TAG_SPACE = 2**30
 DEFAULT_SLOT_BYTES = 8 << 20  # per tensor; larger tensors go the rendezvous way
 DEFAULT_WINDOW = 4  # receives posted ahead per predecessor

@@ -19,11 +19,12 @@ from paraflex.engine.transport.base import Envelope
 WIRE_VERSION = 2
 # Rendezvous gloo/NCCL tags: each tensor of a transfer gets seq * MAX_TENSORS + index (gloo
 # matches on it; NCCL ignores tags and matches in order, which the per-model FIFO threads
-# preserve). Slot transfers use the tags above TAG_SPACE (transport_slots.slot_tag).
+# preserve). Slot transfers use the tags above TAG_SPACE (ray_slots.slot_tag).
 MAX_TENSORS = 16
 TAG_SPACE = 2**30
 
-_DTYPES = {
+# The tensor dtypes phase 1 can name, by the name it carries (`str(dtype)`).
+WIRE_DTYPES = {
     str(dt): dt
     for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                torch.int32, torch.int8, torch.uint8, torch.bool)

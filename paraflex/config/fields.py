@@ -1,9 +1,10 @@
 """Typed, path-aware reading of one mapping of a config file (shared by the section parsers).
 
-Place in the data flow: `paraflex.config.schema` and `paraflex.config.workload` wrap each raw YAML/JSON
-mapping in a `Section`, which rejects unknown keys and reads every value with its type, range
-and field path (``models[2].rate``), raising `ConfigError` with the fix; `resolve_path` makes file
-paths in the config relative to the config file's folder.
+Place in the data flow: the section parsers (paraflex.config.schema and the section modules
+beside it: cluster, models, planner, scheduler, workload) wrap each raw YAML/JSON mapping in a
+`Section`, which rejects unknown keys and reads every value with its type, range and field
+path (``models[2].rate``), raising `ConfigError` with the fix; `resolve_path` makes file paths
+in the config relative to the config file's folder. Sizes are written in GiB (`GIB` bytes).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import math
 import os
 
 from paraflex.errors import ConfigError
+
+GIB = 2**30  # humans write memory sizes in GiB (``memory_gb``, ``kappa_gb``)
 
 
 class Section:

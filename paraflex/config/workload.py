@@ -1,6 +1,6 @@
 """The config's `workload:` section: arrival process, total rate, Zipf popularity, sizes.
 
-Place in the data flow: `paraflex.config.schema` parses the section with `_parse_workload` into a
+Place in the data flow: `paraflex.config.schema` parses the section with `parse_workload` into a
 `WorkloadConfig` (re-exported there as `paraflex.config.schema.WorkloadConfig`); `paraflex simulate`
 and the benchmarks hand it to the workload generator (simulator/workload), which splits the
 total rate over models by `WorkloadConfig.model_shares`. Keys and defaults: docs/config.md.
@@ -16,7 +16,7 @@ from paraflex.config.fields import Section, resolve_path
 from paraflex.errors import ConfigError
 
 if TYPE_CHECKING:
-    from paraflex.config.schema import ModelConfig
+    from paraflex.config.models import ModelConfig
 
 ARRIVALS = ("poisson", "lognormal", "trace")
 
@@ -58,7 +58,7 @@ class WorkloadConfig:
             m.rate = share
 
 
-def _parse_workload(raw, base_dir: str) -> WorkloadConfig:
+def parse_workload(raw, base_dir: str) -> WorkloadConfig:
     s = Section(raw, "workload", tuple(WorkloadConfig.__dataclass_fields__))
     arrival = s.str("arrival", "poisson", choices=ARRIVALS)
     trace = s.str("trace")

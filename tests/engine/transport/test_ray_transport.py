@@ -255,7 +255,7 @@ def test_metadata_only_message_never_overtakes_same_model_batch(pair):
     ts[1].deliver(encode_phase1(Envelope(0, 1, "a", "token", {"n": 1}), 1, 0))
     ts[1].deliver(encode_phase1(Envelope(0, 1, "b", "token", {"n": 2}), 0, 0))
     assert [e.meta["n"] for e in _drain(ts[1], 1, timeout=0.3)] == [2]  # model b is not held
-    for work in ts[0]._groups[("a", 0)].send(list(batch.tensors.values()), 1, 0):
+    for work in ts[0].groups.get("a", 0).send(list(batch.tensors.values()), 1, 0):
         work.wait()
     got = _drain(ts[1], 2)
     assert [e.kind for e in got] == ["batch", "token"]
@@ -282,25 +282,25 @@ def test_batches_to_the_next_stage_go_into_preposted_slots(pair):
     gate[1] = release  # phase 1 of batch 1 is held: its tensors land in the slots first
     ts[0].send(_batch("a", 1, rows=3))
     deadline = time.monotonic() + 10
-    while ts[1]._slots.pending()[0] < 1 and time.monotonic() < deadline:
+    while ts[1].slot_table.pending()[0] < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert ts[1]._slots.pending() == (1, 0) and ts[1].recv_ready() == []  # packed: 1 slot
+    assert ts[1].slot_table.pending() == (1, 0) and ts[1].recv_ready() == []  # packed: 1 slot
     release.set()
     (env,) = _drain(ts[1], 1)
     _check(env)
-    assert ts[0]._groups[("a", 0)].next_slot == 1 and ts[1]._slots.pending() == (0, 0)
+    assert ts[0].groups.get("a", 0).next_slot == 1 and ts[1].slot_table.pending() == (0, 0)
 
 
 def test_phase1_before_slot_data_holds_later_metadata_of_the_model(pair):
     """Abort/free mid-flight: a free that arrives while a batch's tensors are still on the
     way is released after that batch, never before it."""
     ts, _ = pair
-    group = ts[0]._groups[("a", 0)]
+    group = ts[0].groups.get("a", 0)
     batch = _batch("a", 4, rows=2)
     first, group.next_slot = group.next_slot, group.next_slot + 2
     ts[1].deliver(encode_phase1(batch, 0, 0, (0, first, False)))
     ts[1].deliver(encode_phase1(Envelope(0, 1, "a", "free", {"request_ids": ["r"]}), 1, 0))
-    assert _drain(ts[1], 1, timeout=0.3) == [] and ts[1]._slots.pending() == (0, 2)
+    assert _drain(ts[1], 1, timeout=0.3) == [] and ts[1].slot_table.pending() == (0, 2)
     for work in group.send_slots(list(batch.tensors.values()), 1, first):
         work.wait()
     got = _drain(ts[1], 2)
@@ -314,7 +314,7 @@ def test_tensors_over_slot_bytes_take_the_rendezvous_way():
         sent = [_batch("a", i, rows=[1, 40, 2, 9][i % 4]) for i in range(12)]  # 32 B .. 1.3 KB
         _send_all_and_check(ts, sent)
         small = sum(2 for e in sent if e.meta["rows"] * 8 * 4 <= 64)
-        assert ts[0]._groups[("a", 0)].next_slot == small == 12
+        assert ts[0].groups.get("a", 0).next_slot == small == 12
     finally:
         for t in ts.values():
             t.close()
@@ -343,7 +343,7 @@ def test_rebuilt_group_gets_fresh_slots_and_close_ends_the_slot_threads():
         _check(_drain(ts[1], 1)[0])
         store2 = _connect_all(ts, [GroupSpec("a", 0, (0, 1), generation=1)], gate)
         assert ts[1].group_generations()["a/0"] == 1
-        assert ts[0]._groups[("a", 0)].next_slot == 0  # the new group numbers slots afresh
+        assert ts[0].groups.get("a", 0).next_slot == 0  # the new group numbers slots afresh
         for i in range(3):
             ts[0].send(_batch("a", 10 + i, rows=1 + i))
         got = _drain(ts[1], 3)
