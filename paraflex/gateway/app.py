@@ -29,7 +29,7 @@ from paraflex.errors import UserError
 from paraflex.gateway.api_error import ApiError
 from paraflex.serving.backend import Backend, ModelCard
 from paraflex.gateway.generation import Admission, Chunk, Running, Ticket, generate
-from paraflex.gateway.metrics import GatewayMetrics
+from paraflex.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from paraflex.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -352,6 +352,6 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(gw.metrics.render(gw.backend.metrics()),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+                                 media_type=CONTENT_TYPE)
 
     return app

@@ -3,17 +3,24 @@
 Data flow: app.py records each request's timings here as its tokens stream out (TTFT,
 inter-token latency, time per output token, end-to-end latency, token counts, finish
 reasons); `render` adds the backend's scheduler state (running / waiting requests per
-model, KV-cache usage per engine) and writes the Prometheus text exposition format (0.0.4)
-served at /metrics. Names follow vLLM's V1 engine so existing dashboards work.
+model, KV-cache usage per engine, preemptions) and writes the Prometheus text exposition
+format (0.0.4, `CONTENT_TYPE`) served at /metrics. Names follow vLLM's V1 engine so existing
+dashboards work. Counters, histograms and the exposition are prometheus-client's, in one
+`CollectorRegistry` per gateway (several gateways may live in one process).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections import defaultdict
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from paraflex.serving.backend import BackendMetrics
+
+# No `<name>_created` series (a process-wide switch of prometheus-client): /metrics keeps the
+# series it has always had, and Prometheus tracks counter resets itself.
+disable_created_metrics()
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Bucket bounds as vLLM uses them (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -23,111 +30,98 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
-HISTOGRAMS = {
-    "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.", TTFT_BUCKETS),
-    "vllm:inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.", ITL_BUCKETS),
-    "vllm:time_per_output_token_seconds": (
-        "Histogram of time per output token in seconds (mean over a request's decode phase).", ITL_BUCKETS),
-    "vllm:e2e_request_latency_seconds": ("Histogram of end to end request latency in seconds.", E2E_BUCKETS),
-}
 
+class BackendStateCollector:
+    """The backend's scheduler state as metric families, read when /metrics is scraped
+    (`render` hands it the state of that scrape): gauges of running and waiting requests per
+    model and of KV-cache usage per engine, and the backend's cumulative preemption count."""
 
-class Histogram:
-    """Cumulative-bucket histogram with sum and count."""
+    def __init__(self, model_names: list[str]):
+        self.model_names = model_names
+        self.state = BackendMetrics()
 
-    def __init__(self, bounds: tuple[float, ...]):
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # last = +Inf
-        self.sum = 0.0
-        self.count = 0
+    def collect(self):
+        state = self.state
+        yield self._per_model(GaugeMetricFamily, "vllm:num_requests_running",
+                              "Number of requests in model execution batches.", state.running)
+        yield self._per_model(GaugeMetricFamily, "vllm:num_requests_waiting",
+                              "Number of requests waiting to be processed.", state.waiting)
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc",
+                                  "KV-cache usage of each engine's shared block pool. 1 means 100 percent usage.",
+                                  labels=["engine"])
+        for engine, value in sorted(state.kv_cache_usage.items()):
+            usage.add_metric([str(engine)], float(value))
+        yield usage
+        yield self._per_model(CounterMetricFamily, "vllm:num_preemptions",
+                              "Cumulative number of preemptions (requests stopped to free KV, restarted by recompute).",
+                              state.preemptions)
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        out, running = [], 0
-        for bound, n in zip(list(self.bounds) + [math.inf], self.counts):
-            running += n
-            out.append(("+Inf" if bound == math.inf else repr(float(bound)), running))
-        return out
-
-
-def _labels(**kv) -> str:
-    def esc(v) -> str:
-        return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in kv.items()) + "}"
+    def _per_model(self, family_type, name: str, doc: str, values: dict):
+        family = family_type(name, doc, labels=["model_name"])
+        for m in self.model_names:
+            family.add_metric([m], float(values.get(m, 0)))
+        return family
 
 
 class GatewayMetrics:
-    """Per-model request metrics the gateway measures itself."""
+    """Per-model request metrics the gateway measures itself, plus the backend's state at
+    each scrape, in this gateway's own registry."""
 
     def __init__(self, model_names: list[str]):
         self.model_names = list(model_names)
-        self.hist = {name: {m: Histogram(b) for m in self.model_names} for name, (_, b) in HISTOGRAMS.items()}
-        self.prompt_tokens = defaultdict(int)
-        self.generation_tokens = defaultdict(int)
-        self.finished = defaultdict(int)  # (model, reason) -> count of requests that ended without an error
-        self.errors = defaultdict(int)  # model -> requests that ended with an error
+        self.registry = CollectorRegistry()
+        self.backend_state = BackendStateCollector(self.model_names)
+        self.registry.register(self.backend_state)
+
+        def per_model(metric):  # every model's series shows from the start, at 0
+            for m in self.model_names:
+                metric.labels(m)
+            return metric
+
+        def counter(name: str, doc: str, labels=("model_name",)) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return per_model(Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry))
+
+        self.prompt_tokens = per_model(counter("vllm:prompt_tokens", "Number of prefill tokens processed."))
+        self.generation_tokens = per_model(counter("vllm:generation_tokens",
+                                                   "Number of generation tokens processed."))
+        # Requests that ended without an error, by finish reason (series appear as they occur).
+        self.finished = counter("vllm:request_success", "Count of successfully processed requests.",
+                                ("model_name", "finished_reason"))
+        self.errors = per_model(counter(
+            "paraflex:request_errors",
+            "Count of requests that ended with an error (an engine failure, a shutdown, ...)."))
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds (mean over a request's decode phase).",
+                              ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of end to end request latency in seconds.", E2E_BUCKETS)
 
     def observe_request(self, model: str, arrival: float, token_times: list[float], end: float,
                         prompt_tokens: int, finish_reason: str) -> None:
         """Record one finished request. token_times: wall time each output token arrived."""
-        self.prompt_tokens[model] += prompt_tokens
-        self.generation_tokens[model] += len(token_times)
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.generation_tokens.labels(model).inc(len(token_times))
         if finish_reason == "error":
-            self.errors[model] += 1
+            self.errors.labels(model).inc()
         else:
-            self.finished[(model, finish_reason)] += 1
-        self.hist["vllm:e2e_request_latency_seconds"][model].observe(end - arrival)
+            self.finished.labels(model, finish_reason).inc()
+        self.e2e.labels(model).observe(end - arrival)
         if token_times:
-            self.hist["vllm:time_to_first_token_seconds"][model].observe(token_times[0] - arrival)
+            self.ttft.labels(model).observe(token_times[0] - arrival)
+        itl = self.itl.labels(model)
         for a, b in zip(token_times, token_times[1:]):
-            self.hist["vllm:inter_token_latency_seconds"][model].observe(b - a)
+            itl.observe(b - a)
         if len(token_times) > 1:
-            tpot = (token_times[-1] - token_times[0]) / (len(token_times) - 1)
-            self.hist["vllm:time_per_output_token_seconds"][model].observe(tpot)
+            self.tpot.labels(model).observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
 
     def render(self, state: BackendMetrics) -> str:
-        lines: list[str] = []
-
-        def family(name: str, kind: str, doc: str) -> None:
-            lines.append(f"# HELP {name} {doc}")
-            lines.append(f"# TYPE {name} {kind}")
-
-        def per_model(name: str, kind: str, doc: str, values) -> None:
-            family(name, kind, doc)
-            for m in self.model_names:
-                lines.append(f"{name}{_labels(model_name=m)} {float(values.get(m, 0))}")
-
-        per_model("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
-                  state.running)
-        per_model("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
-                  state.waiting)
-        family("vllm:kv_cache_usage_perc", "gauge",
-               "KV-cache usage of each engine's shared block pool. 1 means 100 percent usage.")
-        for engine, usage in sorted(state.kv_cache_usage.items()):
-            lines.append(f"vllm:kv_cache_usage_perc{_labels(engine=engine)} {float(usage)}")
-        per_model("vllm:num_preemptions_total", "counter",
-                  "Cumulative number of preemptions (requests stopped to free KV, restarted by recompute).",
-                  state.preemptions)
-        per_model("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
-                  self.prompt_tokens)
-        per_model("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
-                  self.generation_tokens)
-        family("vllm:request_success_total", "counter", "Count of successfully processed requests.")
-        for (m, reason), n in sorted(self.finished.items()):
-            lines.append(f"vllm:request_success_total{_labels(model_name=m, finished_reason=reason)} {float(n)}")
-        per_model("paraflex:request_errors_total", "counter",
-                  "Count of requests that ended with an error (an engine failure, a shutdown, ...).", self.errors)
-        for name, (doc, _) in HISTOGRAMS.items():
-            family(name, "histogram", doc)
-            for m in self.model_names:
-                h = self.hist[name][m]
-                for le, n in h.cumulative():
-                    lines.append(f"{name}_bucket{_labels(model_name=m, le=le)} {float(n)}")
-                lines.append(f"{name}_sum{_labels(model_name=m)} {h.sum}")
-                lines.append(f"{name}_count{_labels(model_name=m)} {float(h.count)}")
-        return "\n".join(lines) + "\n"
+        """The exposition text of every metric, with `state` as the backend's current state."""
+        self.backend_state.state = state
+        return generate_latest(self.registry).decode()

@@ -6,17 +6,43 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paraflex.serving.backend import BackendMetrics
-from paraflex.gateway.metrics import GatewayMetrics, Histogram, TTFT_BUCKETS
+from paraflex.gateway.metrics import GatewayMetrics
+
+
+LABEL_ORDER = ("model_name", "engine")  # first, then the others by name, `le` last
+
+
+def canonical(text: str) -> str:
+    """The exposition with each sample's labels in one fixed order (model_name first, le last):
+    Prometheus gives label order no meaning, and prometheus-client writes them sorted by name."""
+    def order(match):
+        labels = re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(2))
+        rank = lambda kv: (LABEL_ORDER.index(kv[0]) if kv[0] in LABEL_ORDER else len(LABEL_ORDER),  # noqa: E731
+                           kv[0] == "le", kv[0])
+        return match.group(1) + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels, key=rank)) + "}"
+    return re.sub(r"^([^#\s{]+)\{([^}]*)\}", order, text, flags=re.M)
 
 
 def parse(text: str) -> dict[str, float]:
     samples = {}
-    for line in text.splitlines():
+    for line in canonical(text).splitlines():
         if line.startswith("#") or not line:
             continue
         name, value = line.rsplit(" ", 1)
         samples[name] = float(value)
     return samples
+
+
+class RenderedHistogram:
+    """One model's histogram as /metrics shows it: cumulative (le, count) pairs and the count."""
+
+    def __init__(self, text: str, name: str, model: str) -> None:
+        self.buckets = [(le, float(n)) for le, n in
+                        re.findall(rf'^{name}_bucket{{model_name="{model}",le="([^"]+)"}} (\S+)$', canonical(text), re.M)]
+        self.count = parse(text)[f'{name}_count{{model_name="{model}"}}']
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        return self.buckets
 
 
 def test_request_is_counted_under_vllm_names():
@@ -59,9 +85,10 @@ def test_every_family_has_help_and_type():
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.floats(0, 5000, allow_nan=False), max_size=50))
 def test_histogram_buckets_are_cumulative_and_end_at_count(values):
-    h = Histogram(TTFT_BUCKETS)
-    for v in values:
-        h.observe(v)
+    m = GatewayMetrics(["m"])
+    for v in values:  # arrival 0, first token at v: a time to first token of v
+        m.observe_request("m", 0.0, [v], v, prompt_tokens=1, finish_reason="stop")
+    h = RenderedHistogram(m.render(BackendMetrics()), "vllm:time_to_first_token_seconds", "m")
     cum = h.cumulative()
     counts = [n for _, n in cum]
     assert counts == sorted(counts) and counts[-1] == len(values) == h.count
