@@ -4,6 +4,12 @@ whole session shares one instance."""
 import os
 
 import pytest
+import torch
+
+# Where no GPU is visible, the Triton kernels run on CPU tensors under Triton's interpreter; the
+# flag must be set before Triton is first imported (its language functions are built at import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
