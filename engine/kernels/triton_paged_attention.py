@@ -31,6 +31,7 @@ bfloat16, so there the operands of `tl.dot` are widened to float32 first (`WIDEN
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -44,6 +45,7 @@ MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more in its merge than it saves
 SPLIT_TARGET_PROGRAMS = 4  # aim for this many decode programs per streaming multiprocessor
+MAX_SPLITS = 64
 
 _logged: set[str] = set()
 
@@ -163,9 +165,13 @@ def choose_splits(programs: int, max_context: int, device: torch.device) -> int:
     longest = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     if device.type != "cuda":
         return min(longest, 4)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = -(-SPLIT_TARGET_PROGRAMS * sms // programs)
-    return max(1, min(longest, wanted, 64))
+    wanted = -(-SPLIT_TARGET_PROGRAMS * _multiprocessors(device.index) // programs)
+    return max(1, min(longest, wanted, MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
 
 
 def _dim_pad(head_dim: int) -> int:
