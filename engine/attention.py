@@ -233,7 +233,7 @@ def paged_attention(
         qg = q.view(b, kv_heads, num_heads // kv_heads, head_dim)
         scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, K]
         if context.bias is not None:
-            scores = scores + context.bias
+            scores += context.bias  # (in place: keeps a bfloat16 batch in bfloat16)
         out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, Hkv, G, D]
         return out.reshape(b, num_heads * head_dim)
     qp = q.new_zeros(b * max_q, num_heads, head_dim)
