@@ -30,6 +30,7 @@ from paraflex.engine.kernels.triton_paged_attention import MAX_SPLITS
 
 MAX_CONTEXT = 4096  # longest context a captured graph serves (longer ones run eagerly)
 RESERVE_MARGIN = 1.5  # reserve this many times the estimated activation and buffer bytes
+RESERVE_FLOOR = 16 << 20  # the caching allocator hands out 2 MiB segments: small stages still take some
 
 
 def enabled(device: torch.device) -> bool:
@@ -148,7 +149,7 @@ def reserve_bytes(stages: list[tuple], max_batch_size: int, block_bytes: int, ma
         if last:
             acts += batch * arch.vocab_size * (elem + 4)
         peak = max(peak, acts)
-    return math.ceil((fixed + peak) * RESERVE_MARGIN)
+    return max(RESERVE_FLOOR, math.ceil((fixed + peak) * RESERVE_MARGIN))
 
 
 def capture_stages(stages: dict, views: dict, max_batch_size: int, reserved: int, label: str,
