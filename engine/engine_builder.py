@@ -7,8 +7,12 @@ shared KV pool, registers the stages with the engine-core scheduler (with the KV
 token of the dtype actually used) and wires the routes of each model's replica.
 
 Device and dtype: `device="auto"` picks CUDA when available, else CPU; `dtype="auto"` is
-float32 for a model whose config says 4-byte weights (`dtype: float32`), otherwise bfloat16 on
-GPU and float32 on CPU (bfloat16 and float16 can be asked for explicitly; float16 only on GPU).
+bfloat16 on GPU (whatever the checkpoint's dtype) and float32 on CPU, where a model whose
+config says 2-byte weights also runs in float32 (bfloat16, float16 and float32 can be asked for
+explicitly; float16 only on GPU).
+
+On CUDA the engine's decode steps run as CUDA graphs captured here, after the stages load; the
+KV pool is sized from the budget less the graphs' reserve (engine/kernels/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -52,12 +56,6 @@ def choose_dtype(device: torch.device, dtype: str | torch.dtype | None = "auto")
     return chosen
 
 
-def model_dtype(arch, device: torch.device, dtype: str | torch.dtype | None = "auto") -> torch.dtype:
-    """The dtype a model's stages run in: float32 for a model configured with 4-byte weights
-    when `dtype` is auto, else `choose_dtype`."""
-    return torch.float32 if dtype in (None, "auto") and arch.dtype_bytes == 4 else choose_dtype(device, dtype)
-
-
 def engine_routes(placement, engine_id: int) -> dict[str, tuple[int, int, list[int]]]:
     """model -> (replica, stage, engine ids of that replica's stages) for the engine's stages."""
     out = {}
@@ -86,7 +84,9 @@ def build_engine(config, placement, engine_id: int, transport, sink, *, device="
         kv_bytes = sum(eng.kv_bytes.values())
     if host_kv_bytes is None:
         host_kv_bytes = config.cluster.host_memory_bytes
-    num_blocks, host_blocks = kv_bytes // block_bytes, host_kv_bytes // block_bytes
+    routes_here = {m: r for m, r in engine_routes(placement, engine_id).items() if models is None or m in models}
+    graph_bytes = _decode_graph_reserve(config, placement, routes_here, dev, dtype, kv_bytes, engine_id, progress)
+    num_blocks, host_blocks = (kv_bytes - graph_bytes) // block_bytes, host_kv_bytes // block_bytes
     if num_blocks < 1:
         raise UserError(
             f"engine {engine_id}: KV budget {kv_bytes} bytes holds no {block_bytes}-byte block; "
@@ -97,11 +97,9 @@ def build_engine(config, placement, engine_id: int, transport, sink, *, device="
     sched = EngineScheduler(BlockPool(num_blocks, block_bytes, host_blocks), engine_id=engine_id,
                             **config.scheduler.engine_options(dev.type == "cpu"))
     routes, last_tokenizers = {}, {}
-    for model, (replica, stage, route) in engine_routes(placement, engine_id).items():
-        if models is not None and model not in models:
-            continue
+    for model, (replica, stage, route) in routes_here.items():
         mc = config.model(model)
-        dt = model_dtype(mc.arch, dev, dtype)
+        dt = choose_dtype(dev, dtype)
         a, b = placement.models[model].stages[stage]
         if progress:
             progress(f"engine {engine_id}: loading {model} stage {stage} (layers {a}-{b - 1}) on {dev} as {dt}")
@@ -113,4 +111,29 @@ def build_engine(config, placement, engine_id: int, transport, sink, *, device="
         if stage == num_stages - 1:
             tok = (tokenizers or {}).get(model)
             last_tokenizers[model] = tok if tok is not None else load_tokenizer(mc.source, mc.source_kind, model)
+    if graph_bytes:
+        worker.capture_decode_graphs(config.scheduler.max_batch_size, graph_bytes, f"engine {engine_id}", progress)
     return EngineLoop(engine_id, sched, worker, transport, sink, routes, last_tokenizers, seed)
+
+
+def _decode_graph_reserve(config, placement, routes, dev, dtype, kv_bytes, engine_id, progress) -> int:
+    """Bytes of the KV budget the engine's decode CUDA graphs get (engine/kernels/cuda_graphs.py);
+    0 off CUDA, with PARAFLEX_CUDA_GRAPHS=0, or where they would take over a quarter of the budget."""
+    if dev.type != "cuda":
+        return 0
+    from paraflex.engine.kernels import cuda_graphs
+
+    if not cuda_graphs.enabled(dev):
+        return 0
+    stages = []
+    for model, (_, stage, route) in routes.items():
+        arch = config.model(model).arch
+        a, b = placement.models[model].stages[stage]
+        stages.append((arch, b - a, choose_dtype(dev, dtype), stage == 0, stage == len(route) - 1))
+    reserve = cuda_graphs.reserve_bytes(stages, config.scheduler.max_batch_size, config.scheduler.block_bytes)
+    if reserve > kv_bytes // 4:
+        if progress:
+            progress(f"engine {engine_id}: no CUDA graphs: their {reserve / 2**20:.0f} MiB would take over a "
+                     f"quarter of the {kv_bytes / 2**20:.0f} MiB KV budget")
+        return 0
+    return reserve

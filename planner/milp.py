@@ -28,8 +28,7 @@ import time
 import warnings
 from typing import Callable
 
-import pulp
-
+from paraflex.errors import UserError
 from paraflex.planner.problem import NoFeasiblePlan, Problem, Solution, replica_engines
 from paraflex.planner.replication import choose_next
 
@@ -52,6 +51,11 @@ def solve_placement(problem: Problem, replicas: list[int], time_limit: float | N
 
 
 def _solve_placement(problem: Problem, replicas: list[int], time_limit: float | None):
+    try:  # imported here: the rest of ParaFlex (serving in process, the heuristic planner) runs without it
+        import pulp
+    except ImportError:
+        raise UserError("--solver milp needs the 'pulp' package (pip install pulp); "
+                        "the default paraflex solver does not") from None
     n = problem.num_engines
     mem = float(problem.memory_bytes)
     lp = pulp.LpProblem("paraflex_placement", pulp.LpMaximize)

@@ -6,6 +6,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Where no GPU is visible, the Triton kernels run on CPU tensors under Triton's interpreter; the
+# flag must be set before Triton is first imported (its language functions are built at import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Test modules import the shared helpers (tests/helpers/) as top-level modules.
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))

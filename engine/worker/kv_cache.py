@@ -7,7 +7,10 @@ same byte tensor through `model_view`, a `Tensor.view` reinterpretation (no copy
 ``[num_blocks, 2, tokens_per_block, kv_heads, head_dim]`` in the model's dtype (K at [:, 0],
 V at [:, 1]); when a block is larger than a model's K+V for `tokens_per_block` tokens, the
 slack at the end of the block is unused. `swap_out`/`swap_in` execute the pool's swap plans
-as raw byte copies, so they work for every model at once.
+as raw byte copies, so they work for every model at once. On CUDA the host pool is pinned and
+the copies run on a side stream through pinned staging buffers: a swap-in queues behind the
+work already issued and the compute stream waits for it on the device, not on the host; a
+swap-out returns once its blocks are in the host pool.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class KVCache:
         # untouched pages cost no memory.
         self.host_blocks = torch.empty(host_num_blocks, block_bytes, dtype=torch.uint8, pin_memory=pin)
         self._views: dict[tuple, torch.Tensor] = {}
+        self._copy_stream = torch.cuda.Stream(self.device) if pin else None
 
     @property
     def nbytes(self) -> int:
@@ -62,14 +66,34 @@ class KVCache:
 
     def swap_out(self, plan: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks: plan = [(device_block, host_block), ...]."""
-        if plan:
-            src = torch.tensor([p[0] for p in plan], device=self.device)
-            dst = torch.tensor([p[1] for p in plan])
-            self.host_blocks[dst] = self.blocks[src].to("cpu", non_blocking=False)
+        if not plan:
+            return
+        src = torch.tensor([p[0] for p in plan], device=self.device)
+        dst = torch.tensor([p[1] for p in plan])
+        if self._copy_stream is None:
+            self.host_blocks[dst] = self.blocks[src]
+            return
+        side = self._copy_stream
+        side.wait_stream(torch.cuda.current_stream(self.device))  # the blocks' last writes first
+        staging = torch.empty(len(plan), self.block_bytes, dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.stream(side):
+            staging.copy_(self.blocks.index_select(0, src), non_blocking=True)
+        side.synchronize()
+        self.host_blocks[dst] = staging
 
     def swap_in(self, plan: list[tuple[int, int]]) -> None:
         """Copy host blocks to device blocks: plan = [(host_block, device_block), ...]."""
-        if plan:
-            src = torch.tensor([p[0] for p in plan])
-            dst = torch.tensor([p[1] for p in plan], device=self.device)
-            self.blocks[dst] = self.host_blocks[src].to(self.device)
+        if not plan:
+            return
+        src = torch.tensor([p[0] for p in plan])
+        dst = torch.tensor([p[1] for p in plan], device=self.device)
+        if self._copy_stream is None:
+            self.blocks[dst] = self.host_blocks[src]
+            return
+        staging = torch.empty(len(plan), self.block_bytes, dtype=torch.uint8, pin_memory=True)
+        torch.index_select(self.host_blocks, 0, src, out=staging)
+        side, compute = self._copy_stream, torch.cuda.current_stream(self.device)
+        side.wait_stream(compute)  # earlier work may still read the blocks being overwritten
+        with torch.cuda.stream(side):
+            self.blocks.index_copy_(0, dst, staging.to(self.device, non_blocking=True))
+        compute.wait_stream(side)

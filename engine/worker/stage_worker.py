@@ -37,6 +37,7 @@ class Worker:
         self.max_threads = torch.get_num_threads()
         self.stages: dict[str, Stage] = {}
         self._views: dict[str, torch.Tensor] = {}
+        self.graphs: dict = {}  # model -> its stage's decode CUDA graphs (engine/kernels/cuda_graphs.py)
         if self.device.type == "cpu":
             native_attention.load()  # build/load the kernels now, not in the first request's step
             native_ops.LIBRARY.load()
@@ -45,6 +46,12 @@ class Worker:
         self.stages[model] = stage
         a = stage.arch
         self._views[model] = self.kv.model_view(a.num_kv_heads, a.head_dim, stage.dtype)
+
+    def capture_decode_graphs(self, max_batch_size: int, reserved: int, label: str, progress=None) -> None:
+        """Capture CUDA graphs of every resident stage's decode steps (CUDA only)."""
+        from paraflex.engine.kernels import cuda_graphs
+
+        self.graphs = cuda_graphs.capture_stages(self.stages, self._views, max_batch_size, reserved, label, progress)
 
     def kv_bytes_per_token_per_layer(self, model: str) -> int:
         st = self.stages[model]
@@ -82,7 +89,11 @@ class Worker:
             threads = 1 if serial else self.max_threads
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
-        out = stage.forward(inputs, meta, view)
+        graphs = self.graphs.get(batch.model)
+        if graphs is not None and graphs.serves(meta):
+            out = graphs.run(inputs, meta)
+        else:
+            out = stage.forward(inputs, meta, view)
         if stage.last:
             rows = [i for i, r in enumerate(reqs) if r.samples]
             if len(rows) != len(reqs):

@@ -64,7 +64,7 @@ def run(args) -> int:
 
     import torch
 
-    from paraflex.engine.engine_builder import choose_device, model_dtype
+    from paraflex.engine.engine_builder import choose_device, choose_dtype
     from paraflex.engine.worker.model.layers import unsupported_reason
     from paraflex.engine.worker.op_profiler import profile_layer_ops
     from paraflex.costs.profile_tables import shape_of, table_path, write_mlp_csv
@@ -91,7 +91,7 @@ def run(args) -> int:
         reason = unsupported_reason(arch)
         if reason:
             raise UserError(f"model {name!r}: {reason}")
-        dtype = model_dtype(arch, device)
+        dtype = choose_dtype(device)
         key = (shape_of(arch), arch.vocab_size, dtype)
         if key in done:
             if progress:

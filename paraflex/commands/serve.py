@@ -79,8 +79,13 @@ def start_backend(config, placement, args):
 
 def run(args) -> int:
     from paraflex.config.schema import load_config
-    from paraflex.gateway.app import build_app
-    from paraflex.gateway.server import base_url, bind, serve
+
+    try:
+        from paraflex.gateway.app import build_app
+        from paraflex.gateway.server import base_url, bind, serve
+    except ImportError as exc:
+        raise UserError(f"serve needs the HTTP stack: the {exc.name!r} package is not installed (pip install "
+                        "fastapi uvicorn); `paraflex generate` runs without it") from None
 
     if args.in_process and (args.ray_address or args.max_restarts):
         raise UserError("--in-process: cannot be combined with --ray-address or --max-restarts (Ray only)")
