@@ -1,6 +1,9 @@
 """The serving frontend (paraflex/serving/frontend.py) as pure logic over recording engine
-handles: dispatch, output routing, ends and frees, restarts by recompute, engines going down."""
+handles: dispatch, output routing, ends and frees, restarts by recompute, engines going down,
+and the package's lazy `LLMCluster`."""
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -119,3 +122,10 @@ def test_a_failure_ends_every_request_even_past_a_broken_sink():
     f.fail_all("router failed")
     assert good.calls == [("b", [], "abort", "router failed")] and f.live == {}
 
+
+def test_the_package_imports_no_torch_or_ray_and_resolves_llmcluster_on_use():
+    code = ("import sys, paraflex.serving as s; heavy = [m for m in ('torch', 'ray') if m in sys.modules]; "
+            "from paraflex.serving.in_process import LLMCluster; "
+            "print(heavy, s.LLMCluster is LLMCluster)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] True"
