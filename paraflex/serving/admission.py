@@ -1,7 +1,7 @@
 """Admission checks for one generation request, before any engine sees it.
 
-Shared by the in-process runtime (`paraflex.serving.in_process.LLMCluster.submit`) and the Ray backend
-(`paraflex.serving.ray_backend.RayBackend`): the model must be served, the prompt non-empty and inside
+Called by the serving frontend (`paraflex.serving.frontend.Frontend.admit`, for the in-process
+runtime and the Ray backend alike): the model must be served, the prompt non-empty and inside
 the vocabulary, prompt + max_tokens inside the model's context, and the request's KV inside the
 pool of every engine holding a stage of the model (`check_kv_fit`: an engine could never run
 it), all in `check_request`. Each failure is a `UserError` naming the field and the fix (the

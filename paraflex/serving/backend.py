@@ -5,9 +5,10 @@ and a `SamplingParams`, then iterates `Backend.stream(...)`, which yields `Outpu
 the last pipeline stage samples tokens. If the client goes away, the gateway calls
 `Backend.abort(request_id)`, and the backend must free the request's KV on every engine.
 
-Two implementations: `InProcessBackend` (paraflex.serving.in_process_backend; the whole
-cluster in this process on a background thread) and the Ray backend
-(`paraflex.serving.ray_startup.start_cluster`; one actor per engine).
+Two implementations, both over the one serving frontend (paraflex.serving.frontend):
+`InProcessBackend` (paraflex.serving.in_process_backend; the whole cluster in this process on a
+background thread) and the Ray backend (`paraflex.serving.ray_startup.start_cluster`; one actor
+per engine).
 
 Contract details an implementation must honour:
 

@@ -1,11 +1,17 @@
 """In-process runtime: every engine of a placement as an object in this process.
 
 Place in the data flow: `LLMCluster(config, placement=None)` plans (with `paraflex.planner`
-when no placement is given), builds one `EngineLoop` per engine (`build_engine`), wires them
-with one `LocalTransport`, and dispatches each request to the replica of its model with the
-fewest outstanding requests. Tokens flow back through an `OutputSink` per request. A request
-stopped to free KV in a stall restarts by recompute (paraflex/serving/recompute.py) under a new engine
-request id; the engines' outputs are mapped back to the client's id.
+when no placement is given), builds the engines (`InProcessEngines`,
+paraflex/serving/in_process_engines.py: one `EngineLoop` per engine, wired with one
+`LocalTransport`) and puts the serving frontend (paraflex/serving/frontend.py) over them: it
+admits each request, dispatches it to the replica of its model with the fewest outstanding
+requests, routes tokens back to the request's `OutputSink`, and restarts a request stopped to
+free KV in a stall by recompute (paraflex/serving/recompute.py). What this class adds: a queue of
+submits and aborts applied by the thread that steps the engines, the loop that steps them, and
+the exact stall check (no engine can run anything and nothing travels between them). A request
+reaches its first engine in the step that applies its submit; a restart (released on the way,
+perhaps inside an engine's step) in the next one. Importable as `paraflex.serving.LLMCluster`
+too.
 
 Two ways to drive it:
 
@@ -25,17 +31,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from paraflex.serving.admission import check_request, kv_limits_by_model, max_model_len
-from paraflex.engine.core.dispatcher import Dispatcher
-from paraflex.engine.engine_builder import build_engine, choose_device, engine_routes
-from paraflex.engine.core.messages import FreeMessage
 from paraflex.engine.core.sampling_params import SamplingParams
-from paraflex.engine.worker.tokenizer import Tokenizer, load_tokenizer
-from paraflex.engine.transport.base import Envelope
+from paraflex.engine.engine_builder import choose_device
 from paraflex.engine.transport.in_process import LocalTransport
+from paraflex.engine.worker.tokenizer import Tokenizer, load_tokenizer
 from paraflex.errors import ParaflexError, UserError
-from paraflex.serving.kv_stall import StallWatch, live_by_replica, stall_message
-from paraflex.serving.recompute import Restartable, Restarts, held_by_model
+from paraflex.serving.admission import kv_limits_by_model
+from paraflex.serving.frontend import Frontend, end_quietly
+from paraflex.serving.in_process_engines import InProcessEngines
+from paraflex.serving.kv_stall import stall_message
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +54,6 @@ class Result:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[dict] | None = None
-
-
-@dataclass(kw_only=True)
-class _Live(Restartable):
-    sink: object
 
 
 STALL_ROUNDS = 3  # rounds in which no engine ran anything and nothing travelled: a stall
@@ -100,22 +99,13 @@ class LLMCluster:
         self.device = choose_device(device)
         self.hub = LocalTransport()
         self._tokenizers: dict[str, Tokenizer] = {}
-        self.engines = []  # the EngineLoops of the engines holding at least one stage
-        for eid in range(placement.num_engines):
-            if not placement.engine(eid).stages:
-                continue  # nothing resident (e.g. only other models' stages, filtered out)
-            last_models = [m for m, (_, s, r) in engine_routes(placement, eid).items() if s == len(r) - 1]
-            toks = {m: self.tokenizer(m) for m in last_models}
-            self.engines.append(build_engine(
-                config, placement, eid, self.hub.endpoint(eid), self, device=self.device, dtype=dtype,
-                kv_bytes=kv_bytes, host_kv_bytes=host_kv_bytes, seed=seed, tokenizers=toks,
-                progress=progress,
-            ))
-        self._by_id = {e.engine_id: e for e in self.engines}
-        self._kv_limits = kv_limits_by_model({e.engine_id: e.scheduler.kv_token_limits() for e in self.engines})
-        self._live: dict[str, _Live] = {}  # by the client's request id, oldest first
-        self.restarts = Restarts()  # engine request ids, stops per model (paraflex/serving/recompute.py)
-        self.dispatcher = Dispatcher.from_placement(placement)
+        self.engine_handles = InProcessEngines(
+            config, placement, self.hub, self, self.tokenizer, device=self.device, dtype=dtype,
+            kv_bytes=kv_bytes, host_kv_bytes=host_kv_bytes, seed=seed, progress=progress)
+        self.engines = self.engine_handles.loops  # the EngineLoops of the engines holding a stage
+        self.frontend = Frontend(config, placement, self.engine_handles,
+                                 report=lambda line: log.info("runtime: %s", line),
+                                 kv_limits=kv_limits_by_model(self.engine_handles.kv_token_limits()))
         self._inbox: list[tuple] = []
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -123,7 +113,6 @@ class LLMCluster:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.loop_error: BaseException | None = None
-        self.stall_watch = StallWatch()
 
     # ------------------------------------------------------------------ models
     def models(self) -> list[str]:
@@ -131,7 +120,7 @@ class LLMCluster:
 
     def max_model_len(self, model: str) -> int:
         """The longest request (prompt + max_tokens) of `model` its engines can hold."""
-        return max_model_len(self.config, self._kv_limits, model)
+        return self.frontend.max_model_len(model)
 
     def tokenizer(self, model: str) -> Tokenizer:
         tok = self._tokenizers.get(model)
@@ -144,14 +133,13 @@ class LLMCluster:
     def submit(self, model: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                request_id: str | None = None, sink=None) -> str:
         """Queue a request; its output goes to `sink.on_output(...)`. Returns the request id."""
-        params = (params or SamplingParams()).validate()
-        prompt = check_request(self.config, self.placement, self._kv_limits, model, prompt_token_ids, params.max_tokens)
+        prompt, params = self.frontend.admit(model, prompt_token_ids, params or SamplingParams())
         rid = request_id or f"req-{next(self._ids)}"
         with self._wake:
             if self.loop_error is not None:  # checked under the lock the failing loop takes
                 raise ParaflexError(f"the engines stopped after an internal error ({self._loop_failure()}); "
                                     "restart the server")
-            if self.restarts.in_use(rid, self._live) or any(e[1] == rid for e in self._inbox if e[0] == "add"):
+            if self.frontend.in_use(rid) or any(e[1] == rid for e in self._inbox if e[0] == "add"):
                 raise UserError(f"request_id: {rid!r} is already in use")
             self._inbox.append(("add", rid, model, prompt, params, sink))
             self._wake.notify()
@@ -166,8 +154,7 @@ class LLMCluster:
 
     def held(self) -> dict[str, int]:
         """Per model: requests stopped to free KV, waiting for their replica to restart them."""
-        with self._lock:
-            return held_by_model(self._live.values())
+        return self.frontend.held()
 
     def has_unfinished(self) -> bool:
         """Requests live or queued, or messages (tokens, frees) still travelling between engines;
@@ -176,24 +163,24 @@ class LLMCluster:
             return self.loop_error is None and self._has_work_locked()
 
     def _has_work_locked(self) -> bool:
-        return bool(self._live or self._inbox or self.hub.pending())
+        return bool(self._inbox) or self.frontend.has_live() or bool(self.engine_handles.pending())
 
     def step(self) -> bool:
         """Apply queued submits/aborts, then let every engine run at most one batch.
         True if anything happened."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
+        worked = self.engine_handles.deliver()  # restarts released since the last step
         for i, item in enumerate(inbox):
             try:
                 self._apply(item)
             except BaseException:  # what was not applied goes back, for the failure path to end
                 with self._lock:
-                    applied = item[0] == "add" and item[1] in self._live
+                    applied = item[0] == "add" and self.frontend.is_live(item[1])
                     self._inbox[:0] = inbox[i + 1:] if applied else inbox[i:]
                 raise
-        worked = bool(inbox)
-        for engine in self.engines:
-            worked |= engine.step()
+        worked |= bool(inbox)
+        worked |= self.engine_handles.step()
         return worked
 
     def run_until_idle(self, timeout_s: float | None = None) -> None:
@@ -226,7 +213,7 @@ class LLMCluster:
                 self._wake.notify()
             self._thread.join()
             self._thread = None
-        self.hub.close()
+        self.engine_handles.close()
 
     def _loop(self) -> None:
         idle = 0
@@ -241,7 +228,7 @@ class LLMCluster:
                 now = time.monotonic()
                 if now - watched >= WATCH_EVERY_S:
                     watched = now
-                    self._watch_stalls(now)
+                    self.watch_stalls(now)
                 if self.step() or self.hub.pending():
                     idle = 0
                     continue
@@ -256,11 +243,10 @@ class LLMCluster:
                 self.loop_error = exc
                 queued, self._inbox = self._inbox, []
             error = f"runtime loop failed: {self._loop_failure()}"
-            for rid in list(self._live):
-                _guarded(rid, self._emit, rid, [], "abort", error)
+            self.frontend.fail_all(error)
             for item in queued:  # submitted, never applied: they end too
-                if item[0] == "add" and item[5] is not None:
-                    _guarded(item[1], item[5].on_output, item[1], [], "abort", error)
+                if item[0] == "add":
+                    end_quietly(item[1], item[5], error)
 
     def _loop_failure(self) -> str:
         return f"{type(self.loop_error).__name__}: {self.loop_error}"
@@ -290,87 +276,27 @@ class LLMCluster:
             col.result.text = tok.decode(col.result.token_ids)
         return [c.result for c in collectors]
 
-    # ------------------------------------------------------------------ internals
-    def _holds_kv(self, rid: str, engines) -> bool:
-        for engine in engines:
-            req = engine.scheduler.request(rid)
-            if req is not None and req.alloc is not None:
-                return True
-        return False
+    # ------------------------------------------------------------------ the engines' side
+    def on_output(self, request_id, token_ids, finish_reason, error, **extra) -> None:
+        """The engines' sink: to the frontend, which maps the engine request id to the client's."""
+        self.frontend.on_output(request_id, token_ids, finish_reason, error, **extra)
 
-    def _stuck(self) -> str:
-        return ", ".join(f"engine {e.engine_id}: {e.scheduler.pool.num_free} of {e.scheduler.pool.capacity} KV "
-                         f"blocks free, {e.scheduler.pool.host_num_free} host blocks free"
-                         for e in self.engines if e.has_work()) or "no engine has queued work"
-
-    def _stall_report(self) -> str:
-        return (f"pipeline stalled with {len(self._live)} request(s) left: queued work that does not fit "
-                f"in KV ({self._stuck()}); give later stages KV in proportion to their layers, add host "
-                "swap space, or lower scheduler.max_batch_size")
+    def watch_stalls(self, now: float) -> None:
+        """A replica stalled while others work (paraflex/serving/kv_stall.py): the frontend stops
+        what the watch names. Called by the background loop about twice a second."""
+        self.frontend.watch_stalls(now, self.engine_handles.run_counts())
 
     def _apply(self, item) -> None:
         if item[0] == "add":
             _, rid, model, prompt, params, sink = item
-            replica = self.dispatcher.pick(model)
-            with self._lock:
-                self._live[rid] = _Live(model=model, replica=replica, prompt=prompt, params=params,
-                                        engine_rid=rid, sink=sink)
-                self.restarts.begin(rid)
-            self._submit_to_engine(model, replica, rid, prompt, params)
-        elif item[0] == "restart":
-            _, rid, engine_rid, prompt, params = item
-            live = self._live.get(rid)
-            if live is not None and live.engine_rid == engine_rid and not live.held:  # not ended or stopped meanwhile
-                self._submit_to_engine(live.model, live.replica, engine_rid, prompt, params)
+            try:
+                self.frontend.start(rid, model, prompt, params, sink)
+            except UserError as exc:  # its id was taken between submit and now (e.g. by a restart)
+                end_quietly(rid, sink, str(exc))
+                return
+            self.engine_handles.deliver()  # it reaches its engine in this step
         else:
-            self._end(item[1], item[2])
-
-    def _submit_to_engine(self, model: str, replica: int, engine_rid: str, prompt, params) -> None:
-        first = self.placement.models[model].replicas[replica][0]
-        try:
-            self._by_id[first].add_request(model, engine_rid, prompt, params)
-        except ParaflexError as exc:  # refused (e.g. an id used before): it ends, the engines go on
-            self.on_output(engine_rid, [], "abort", f"engine {first} refused the request: {exc}")
-
-    def _free_everywhere(self, live: _Live) -> None:
-        """Free the request's KV on every stage of its replica (as an abort)."""
-        meta = FreeMessage(live.model, [live.engine_rid], "aborted").to_dict()
-        for eid in self.placement.models[live.model].replicas[live.replica]:
-            self.hub.send(Envelope(eid, eid, live.model, "free", meta))
-
-    def _end(self, rid: str, error: str | None) -> None:
-        """Abort a live request: free its KV on every stage, finish its stream ("abort")."""
-        live = self._live.get(rid)
-        if live is None:
-            return
-        if not live.held:
-            self._free_everywhere(live)
-        self._emit(rid, [], "abort", error)
-
-    def _preempt(self, rid: str, error: str) -> None:
-        """Stop a request to free KV (a stall): it restarts by recompute (paraflex/serving/recompute.py),
-        or ends with `error` after MAX_RECOMPUTES restarts."""
-        live = self._live.get(rid)
-        if live is None:
-            return
-        with self._lock:
-            stopped = self.restarts.stop(live)
-        if not stopped:
-            self._end(rid, error)
-            return
-        log.info("runtime: request %s stopped to free KV; it restarts by recompute after %d token(s)",
-                 rid, live.tokens)
-        self._free_everywhere(live)
-        self._release((live.model, live.replica), ended=False)
-
-    def _release(self, key: tuple[str, int], ended: bool) -> None:
-        """Restart the held request of replica `key` that `to_release` names (on the next step:
-        this may run inside an engine's step, through a sink)."""
-        with self._lock:
-            got = self.restarts.release(self._live, key, ended)
-            if got is not None:
-                rid, prompt, params = got
-                self._inbox.append(("restart", rid, self._live[rid].engine_rid, prompt, params))
+            self.frontend.end(item[1], item[2])
 
     def _break_stall(self) -> bool:
         """No engine can run anything and nothing travels between them: the live requests' KV
@@ -379,51 +305,18 @@ class LLMCluster:
         newest: its KV frees on every stage, the others go on, and it restarts by recompute;
         requests still waiting for their prompt hold none and wait. False when no request holds
         KV."""
-        with self._lock:
-            live = [(rid, lv.engine_rid) for rid, lv in self._live.items() if not lv.held]
-        stuck = [e for e in self.engines if e.has_work()]
-        rid = next((r for engines in (stuck, self.engines) for r, erid in reversed(live)
-                    if self._holds_kv(erid, engines)), None)
+        running = self.frontend.running_engine_ids()
+        rid = self.engine_handles.newest_holder(running)
         if rid is None:
             return False
-        self._preempt(rid, stall_message(f"no engine could run any of the {len(live)} running requests "
-                                         f"({self._stuck()})"))
+        self.frontend.preempt(rid, stall_message(f"no engine could run any of the {len(running)} running requests "
+                                                 f"({self.engine_handles.stuck_report()})"))
         return True
 
-    def _watch_stalls(self, now: float) -> None:
-        """A replica stalled while others work (paraflex/serving/kv_stall.py): stop what the watch names."""
-        with self._lock:
-            replicas = live_by_replica(self.placement, self._live)
-        runs = {e.engine_id: e.run_counts() for e in self.engines}
-        for rid, error in self.stall_watch.check(now, runs, replicas):
-            self._preempt(rid, error)
-
-    def on_output(self, request_id, token_ids, finish_reason, error, **extra) -> None:
-        """The engines' sink: forward to the request's own sink; drop output after the end (or
-        of a run stopped for a restart)."""
-        rid = self.restarts.client_of.get(request_id)
-        if rid is not None:
-            self._emit(rid, token_ids, finish_reason, error, **extra)
-
-    def _emit(self, rid, token_ids, finish_reason, error, **extra) -> None:
-        live = self._live[rid]
-        live.output.extend(token_ids)
-        if finish_reason is not None:
-            with self._lock:
-                del self._live[rid]
-                self.restarts.end(live)
-            self.dispatcher.done(live.model, live.replica)
-            self._release((live.model, live.replica), ended=not live.held)
-        if live.sink is not None:
-            live.sink.on_output(rid, token_ids, finish_reason, error, **extra)
-
-
-def _guarded(rid: str, end, *args) -> None:
-    """`end(*args)`, logging instead of raising: one broken sink must not keep the others waiting."""
-    try:
-        end(*args)
-    except Exception:  # noqa: BLE001
-        log.exception("runtime: could not end request %s", rid)
+    def _stall_report(self) -> str:
+        return (f"pipeline stalled with {len(self.frontend.live)} request(s) left: queued work that does not fit "
+                f"in KV ({self.engine_handles.stuck_report()}); give later stages KV in proportion to their "
+                "layers, add host swap space, or lower scheduler.max_batch_size")
 
 
 def _restrict(placement, models):

@@ -1,13 +1,14 @@
 """A Backend over the in-process runtime: every engine in this process, on one thread.
 
 Data flow: the gateway calls `stream(...)` on its event loop; this submits the request to
-`paraflex.serving.in_process.LLMCluster` (which dispatches it to the least-loaded replica and steps all
-engines on its background thread). The cluster calls `on_output` on that thread; each
-output is handed to the request's asyncio queue with `call_soon_threadsafe` and yielded to
-the gateway. `abort` asks the cluster to free the request's KV on every stage; the cluster
-then ends the stream with finish_reason "abort". Used by `paraflex serve --in-process`,
-the gateway's end-to-end tests and the load benchmark; the Ray backend replaces it in
-production with the same protocol.
+`paraflex.serving.in_process.LLMCluster`, whose serving frontend (paraflex/serving/frontend.py)
+dispatches it to the least-loaded replica while the cluster steps all engines on its background
+thread. The request's `StreamSink` (paraflex/serving/stream_sink.py) hands each output from
+that thread to the request's asyncio queue, and `stream` yields it to the gateway. `abort` asks
+the cluster to free the request's KV on every stage; the cluster then ends the stream with
+finish_reason "abort". Used by `paraflex serve --in-process`, the gateway's end-to-end tests
+and the load benchmark; the Ray backend (paraflex/serving/ray_backend.py) runs the same frontend
+over engine actors.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import threading
 from typing import AsyncIterator
 
 from paraflex.serving.backend import BackendMetrics, ModelCard, Output
+from paraflex.serving.stream_sink import StreamSink
 
 
 # The engine thread releases the GIL inside every torch op and needs it back between ops; with
@@ -26,18 +28,6 @@ from paraflex.serving.backend import BackendMetrics, ModelCard, Output
 # served at batch 32 on the 2-core VM: 113-114 tok/s (TPOT 208-211 ms) vs 94-103 (268-304 ms),
 # two interleaved pairs of runs (`bench/serve_load.py --peer-batches 32`).
 GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-class _QueueSink:
-    """Forwards one request's outputs from the engine thread to an asyncio queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue[Output] = asyncio.Queue()
-
-    def on_output(self, request_id, token_ids, finish_reason, error, **extra) -> None:
-        out = Output(list(token_ids), finish_reason, error)
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
 
 
 class InProcessBackend:
@@ -65,7 +55,7 @@ class InProcessBackend:
 
     async def stream(self, model: str, prompt_token_ids: list[int], params,
                      request_id: str) -> AsyncIterator[Output]:
-        sink = _QueueSink(asyncio.get_running_loop())
+        sink = StreamSink(asyncio.get_running_loop())
         self.cluster.submit(model, prompt_token_ids, params, request_id, sink)  # UserError: rejected
         with self._lock:
             self._live[request_id] = model
@@ -106,7 +96,7 @@ class InProcessBackend:
             running[m] = max(0, running[m] - n)
             waiting[m] += n
         return BackendMetrics(running=running, waiting=waiting, kv_cache_usage=usage,
-                              preemptions=dict(self.cluster.restarts.preemptions))
+                              preemptions=self.cluster.frontend.preemptions())
 
     async def close(self) -> None:
         await asyncio.to_thread(self.cluster.shutdown)

@@ -1,11 +1,12 @@
 """KV-stall watch: which live request to stop when a replica has stopped making progress.
 
-Place in the data flow: both serving backends call `StallWatch.check` about twice a second, the
-in-process runtime from its background loop (paraflex/serving/in_process.py) and the Ray backend from its
-monitor thread (paraflex/serving/ray_backend.py). Each passes what it knows: per engine, per resident
-model, how many batches started and finished (`EngineLoop.runs`, None when the engine's numbers
-are not fresh this round); per replica, its engines and its running requests (oldest first; not
-those held for a restart) with the tokens each has received so far.
+Place in the data flow: the serving frontend (`Frontend.watch_stalls`, paraflex/serving/frontend.py)
+calls `StallWatch.check` about twice a second, from the in-process runtime's background loop
+(paraflex/serving/in_process.py) or the Ray backend's monitor thread (paraflex/serving/ray_monitor.py).
+It passes what it knows: per engine, per resident model, how many batches started and finished
+(`EngineLoop.runs`, None when the engine's numbers are not fresh this round); per replica, its
+engines and its running requests (oldest first; not those held for a restart) with the tokens
+each has received so far.
 
 Why: the engine scheduler admits a prompt into free blocks only and never recomputes, so when
 the live requests' decodes outgrow the KV pools and the swap space, a replica can wait for ever
@@ -13,7 +14,7 @@ the live requests' decodes outgrow the KV pools and the swap space, a replica ca
 of its engines is in the middle of a batch, and for `after_s` neither did any batch of its model
 run on its engines nor did any of its requests receive a token. Then the newest of its requests
 that has tokens (it holds KV on every stage of the replica) is named with an explicit error: the
-backend frees that KV and restarts the request by recompute (paraflex/serving/recompute.py), or ends it
+frontend frees that KV and restarts the request by recompute (paraflex/serving/recompute.py), or ends it
 with the error once it has been restarted too often; the others get `after_s` again; a replica
 whose requests all wait for their prompt holds no KV and is left waiting. Other replicas working
 meanwhile do not hide a stalled one. Pure logic: no torch, Ray or HTTP.
@@ -35,7 +36,7 @@ class LiveRequest:
 
 
 def live_by_replica(placement, live) -> dict[tuple[str, int], tuple[list[int], list[LiveRequest]]]:
-    """`StallWatch.check`'s `replicas` from a backend's live requests (`live`: client request
+    """`StallWatch.check`'s `replicas` from the frontend's live requests (`live`: client request
     id -> `recompute.Restartable`, oldest first): those held for a restart hold no KV and are
     left out; the others count the tokens of their current run (`run_tokens`)."""
     replicas: dict = {}

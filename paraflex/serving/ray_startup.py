@@ -5,8 +5,8 @@ Data flow: `start_cluster(config, placement)` starts a local Ray instance in a t
 `ray_address`, or uses the Ray already initialised in this process), creates one `EngineActor`
 per placement engine (paraflex.engine.ray_engine) and the `OutputRouter`, prints each engine's
 start-up progress, then builds one torch.distributed process group per model replica
-(paraflex.engine.transport.ray) and returns a `RayBackend` (paraflex.serving.ray_backend), which serves
-requests and watches for engine faults.
+(paraflex.engine.transport.ray) through `RayEngines` (paraflex.serving.ray_engines) and returns a
+`RayBackend` (paraflex.serving.ray_backend), which serves requests and watches for engine faults.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from paraflex.engine.ray_output import OutputRouter
 from paraflex.engine.transport.ray import start_store
 from paraflex.errors import ParaflexError, UserError
 from paraflex.serving.ray_backend import RayBackend
+from paraflex.serving.ray_engines import RayEngines
 
 
 def _print(line: str) -> None:
@@ -85,10 +86,10 @@ def start_cluster(config, placement=None, ray_address: str | None = None,
         statuses = _wait_ready(actors, progress, startup_timeout_s)
         host = ray.util.get_node_ip_address()
         store, port = start_store(host)
-        backend = RayBackend(config, placement, actors, router, store, host, port, ray_dir, progress)
-        wire = [g.to_wire() for g in backend.groups.values()]
-        ray.get([a.connect.remote(actors, wire, host, port) for a in actors.values()], timeout=120)
-        progress(f"paraflex: {len(wire)} process group(s) built ({'nccl' if use_gpu else 'gloo'})")
+        engines = RayEngines(placement, actors, router, store, host, port)
+        backend = RayBackend(config, placement, engines, ray_dir, progress)
+        groups = engines.connect(timeout_s=120)
+        progress(f"paraflex: {groups} process group(s) built ({'nccl' if use_gpu else 'gloo'})")
     except BaseException:
         for a in list(actors.values()) + ([router] if router is not None else []):
             ray.kill(a, no_restart=True)

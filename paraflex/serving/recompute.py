@@ -1,14 +1,14 @@
 """Preemption by recompute: a request stopped to free KV restarts from the tokens it has.
 
-Place in the data flow: both serving backends (paraflex/serving/in_process.py, paraflex/serving/ray_backend.py)
-keep a `Restartable` record per live request and one `Restarts` book (engine request id ->
+Place in the data flow: the serving frontend (paraflex/serving/frontend.py, under both backends)
+keeps a `Restartable` record per live request and one `Restarts` book (engine request id ->
 client request id, stops per model). When the KV-stall watch (paraflex/serving/kv_stall.py), or the in-
-process runtime's exact stall check, names a request to stop, the backend calls `Restarts.stop`
+process runtime's exact stall check, names a request to stop, the frontend calls `Restarts.stop`
 (`preempt`): the request's KV is freed on every stage under its current engine request id (as an
 abort), and the request is held, keeping its place in dispatch. `to_release` says when its
 replica can take it back: after another request of that replica ends (which frees KV), or at
 once when none of its requests is running; one at a time, oldest first, so a restarted request
-cannot take back the blocks the others just got and stall them again. The backend then submits
+cannot take back the blocks the others just got and stall them again. The frontend then submits
 what `Restarts.release` (`restart`) gives to the replica's first stage under a new engine
 request id (the engines remember freed ids): the original prompt followed by every token the
 client has received, `max_tokens` lowered by as many, and `SamplingParams.resumed` holding those
@@ -30,7 +30,7 @@ MAX_RECOMPUTES = 8
 
 @dataclass(kw_only=True)
 class Restartable:
-    """What a backend keeps of a live request to restart it (its stream record extends this)."""
+    """What the frontend keeps of a live request to restart it (its `ClientRequest` extends this)."""
 
     model: str
     replica: int
@@ -105,9 +105,9 @@ def restart(rid: str, rec: Restartable, in_use) -> tuple[list[int], object]:
 
 
 class Restarts:
-    """One backend's books for restarts by recompute: which client request each engine request
+    """The frontend's books for restarts by recompute: which client request each engine request
     id serves (outputs of a stopped run map to nothing and are dropped), and the stops per
-    model. The backend calls it under its own lock."""
+    model. The frontend calls it under its lock."""
 
     def __init__(self) -> None:
         self.client_of: dict[str, str] = {}  # engine request id -> client request id

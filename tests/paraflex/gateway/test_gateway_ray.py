@@ -95,7 +95,7 @@ def test_killed_engine_shows_in_health_and_other_models_keep_serving(served):
 
     url, backend = served
     c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-    ray.kill(backend.actors[0], no_restart=True)  # hosts tiny-2l replica 0, tiny-4l and tiny-8l stages
+    ray.kill(backend.engines.actors[0], no_restart=True)  # hosts tiny-2l replica 0, tiny-4l and tiny-8l stages
     assert wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503, timeout=10)
     health = httpx.get(f"{url}/health", timeout=10).json()
     assert health["engines"]["0"] != "alive" and health["engines"]["1"] == "alive"

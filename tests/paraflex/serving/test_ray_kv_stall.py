@@ -43,7 +43,7 @@ def backend(ray_session):
     }, source="kv-stall")
     placement = hand_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 1, 200_000)
     backend = start_cluster(config, placement, progress=lambda line: None)
-    backend.stall_watch = StallWatch(after_s=1.0)
+    backend.frontend.stall_watch = StallWatch(after_s=1.0)
     yield backend
     asyncio.run(backend.close())
 
@@ -73,4 +73,4 @@ def test_a_kv_stall_restarts_the_newest_holder_by_recompute_and_every_request_co
         return await asyncio.gather(*[_drain(backend, f"r{i}", [256] + [5 + i] * 60) for i in range(6)])
     ends = asyncio.run(asyncio.wait_for(all_of_them(), timeout=180))
     assert ends == [(120, "length", None)] * 6
-    assert backend.restarts.preemptions["tiny-2l"] >= 1
+    assert backend.frontend.restarts.preemptions["tiny-2l"] >= 1

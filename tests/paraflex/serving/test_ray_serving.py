@@ -56,7 +56,7 @@ def _engines_idle(b, timeout=10.0) -> list[dict]:
     """Poll every engine until none holds a request or a KV block; returns the statuses."""
     deadline = time.monotonic() + timeout
     while True:
-        sts = ray.get([a.status.remote() for a in b.actors.values()], timeout=10)
+        sts = ray.get([a.status.remote() for a in b.engines.actors.values()], timeout=10)
         if all(not st.get("live") and st.get("kv_usage") == 0.0 for st in sts) or time.monotonic() > deadline:
             return sts
         time.sleep(0.1)
@@ -171,7 +171,7 @@ def test_engine_kill_fails_its_replicas_others_serve_then_rejoins(backend, refer
                    for i in range(2)]
         await asyncio.sleep(1.0)  # they are decoding through engines 0 -> 1 -> 2
         killed_at = time.monotonic()
-        ray.kill(backend.actors[1], no_restart=False)  # the process dies; Ray may restart it
+        ray.kill(backend.engines.actors[1], no_restart=False)  # the process dies; Ray may restart it
         ended = await asyncio.wait_for(asyncio.gather(*victims), timeout=10.0)
         took = time.monotonic() - killed_at
         health = backend.health()
@@ -201,7 +201,7 @@ def test_engine_kill_fails_its_replicas_others_serve_then_rejoins(backend, refer
 
 
 def test_engine_gone_for_good_is_an_error_not_a_hang(backend):
-    ray.kill(backend.actors[0], no_restart=True)
+    ray.kill(backend.engines.actors[0], no_restart=True)
     deadline = time.monotonic() + 10
     while backend.health()["engines"]["0"] != "dead" and time.monotonic() < deadline:
         time.sleep(0.1)

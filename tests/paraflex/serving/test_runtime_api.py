@@ -242,7 +242,7 @@ def test_after_the_engine_loop_fails_every_request_ends_and_new_ones_are_refused
 def test_a_failure_while_admitting_ends_the_requests_queued_behind_it(monkeypatch):
     pl = make_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 2)
     c = LLMCluster(_demo_config(), pl, kv_bytes=1 << 20, models=["tiny-2l"])
-    monkeypatch.setattr(c.dispatcher, "pick", lambda model: (_ for _ in ()).throw(RuntimeError("dispatch bug")))
+    monkeypatch.setattr(c.frontend.dispatcher, "pick", lambda model: (_ for _ in ()).throw(RuntimeError("dispatch bug")))
     sinks = [Sink(), Sink()]
     for i, sink in enumerate(sinks):
         c.submit("tiny-2l", [256, i], SamplingParams(max_tokens=2), sink=sink)
@@ -275,7 +275,7 @@ def test_a_kv_stall_restarts_the_newest_holder_by_recompute_and_every_request_co
         c.shutdown()
     else:
         c.run_until_idle(timeout_s=120)
-    assert c.restarts.preemptions["tiny-2l"] >= 1
+    assert c.frontend.restarts.preemptions["tiny-2l"] >= 1
     assert [s.calls[-1][1:3] for s in sinks] == [("length", None)] * 8
     assert [s.tokens for s in sinks] == expected
     assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
@@ -302,9 +302,9 @@ def test_the_background_loop_hands_each_replica_to_the_stall_watch():
     others of its replica run, then restarts, and every request completes."""
     c, sinks, _, _ = _stalled()
     used = c.engines[0].scheduler.pool.num_used
-    c._watch_stalls(100.0)
-    c._watch_stalls(105.0)
-    assert c.restarts.preemptions == {"tiny-2l": 1} and c.held() == {"tiny-2l": 1}
+    c.watch_stalls(100.0)
+    c.watch_stalls(105.0)
+    assert c.frontend.restarts.preemptions == {"tiny-2l": 1} and c.held() == {"tiny-2l": 1}
     while c.hub.pending():
         c.step()
     assert c.engines[0].scheduler.pool.num_used < used  # the stopped request's KV is free
@@ -320,7 +320,7 @@ def test_a_held_request_can_be_aborted_and_a_restarted_one_is_not_named_before_i
     new run has a token it holds no KV, so the watch is told 0 tokens for it."""
     c, sinks, rids, holders = _stalled()
     for now in (100.0, 105.0, 110.0, 115.0):  # the first stop changes the replica: 5 s more
-        c._watch_stalls(now)
+        c.watch_stalls(now)
     assert c.held() == {"tiny-2l": 2}
     first, second = holders[-1], holders[-2]  # stopped in this order
     c.abort(rids[first])
@@ -335,9 +335,9 @@ def test_a_held_request_can_be_aborted_and_a_restarted_one_is_not_named_before_i
             self.replicas = replicas
             return []
 
-    c.stall_watch = Capture()
-    c._watch_stalls(200.0)
-    fed = {r.rid: r.tokens for r in c.stall_watch.replicas[("tiny-2l", 0)][1]}
+    c.frontend.stall_watch = Capture()
+    c.watch_stalls(200.0)
+    fed = {r.rid: r.tokens for r in c.frontend.stall_watch.replicas[("tiny-2l", 0)][1]}
     assert sinks[second].tokens and fed[rids[second]] == 0
     c.run_until_idle(timeout_s=120)
     assert len(sinks[second].tokens) == 120 and sinks[second].calls[-1][1] == "length"
@@ -349,13 +349,13 @@ def test_a_request_stopped_once_more_than_the_restart_cap_ends_with_the_stall_er
     complete."""
     c, sinks, rids, holders = _stalled()
     newest = holders[-1]
-    c._live[rids[newest]].recomputes = MAX_RECOMPUTES
-    c._watch_stalls(100.0)
-    c._watch_stalls(105.0)
+    c.frontend.live[rids[newest]].recomputes = MAX_RECOMPUTES
+    c.watch_stalls(100.0)
+    c.watch_stalls(105.0)
     reason, error = sinks[newest].calls[-1][1:3]
     assert reason == "abort" and error.startswith("stopped to free KV memory: no batch of tiny-2l ran")
     assert f"restarted by recompute {MAX_RECOMPUTES} times" in error and "cluster.memory_gb" in error
-    assert c.restarts.preemptions == {} and c.held() == {}
+    assert c.frontend.restarts.preemptions == {} and c.held() == {}
     c.run_until_idle(timeout_s=120)
     assert all(s.calls[-1][1:3] == ("length", None) for i, s in enumerate(sinks) if i != newest)
     assert all(e.scheduler.pool.num_used == 0 for e in c.engines)
@@ -365,8 +365,8 @@ def test_after_a_loop_failure_with_a_request_held_for_a_restart_nothing_is_left(
     """The loop fails while a request waits for its restart: every request ends with the
     failure, the held one too, and ending them queues no restart (nothing left unfinished)."""
     c, sinks, _, holders = _stalled()
-    c._watch_stalls(100.0)
-    c._watch_stalls(105.0)
+    c.watch_stalls(100.0)
+    c.watch_stalls(105.0)
     assert c.held() == {"tiny-2l": 1}
     monkeypatch.setattr(c.engines[0], "step", lambda: (_ for _ in ()).throw(RuntimeError("engine bug")))
     c._loop()
