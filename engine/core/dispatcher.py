@@ -8,7 +8,7 @@ index (the placement lists replicas in a stable order). Pure Python, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from paraflex.errors import ConfigError, ParaflexError, UserError
 
@@ -35,11 +35,14 @@ class Dispatcher:
             raise UserError(f"unknown model {model!r}; served models: {', '.join(sorted(self._outstanding))}")
         return counts
 
-    def pick(self, model: str) -> int:
-        """The replica with the fewest outstanding requests (lowest index on ties); counts it."""
+    def pick(self, model: str, among: Iterable[int] | None = None) -> int | None:
+        """The replica with the fewest outstanding requests (lowest index on ties), counted;
+        only the replicas `among` (e.g. the live ones) when given, None when that is empty."""
         counts = self._counts(model)
-        best = min(range(len(counts)), key=counts.__getitem__)
-        counts[best] += 1
+        candidates = range(len(counts)) if among is None else sorted(among)
+        best = min(candidates, key=counts.__getitem__, default=None)
+        if best is not None:
+            counts[best] += 1
         return best
 
     def done(self, model: str, replica: int) -> None:

@@ -251,19 +251,9 @@ class Frontend:
         return not any(e in self.down for e in self.placement.models[model].replicas[replica])
 
     def _pick_live(self, model: str) -> int | None:
-        """Least outstanding among live replicas: dead picks are returned to the dispatcher and
-        the next least-outstanding is tried."""
-        tried = []
-        chosen = None
-        for _ in range(len(self.placement.models[model].replicas)):
-            j = self.dispatcher.pick(model)
-            if self._replica_alive(model, j):
-                chosen = j
-                break
-            tried.append(j)
-        for j in tried:
-            self.dispatcher.done(model, j)
-        return chosen
+        """Least outstanding among the live replicas (None when none is live)."""
+        live = [j for j in range(len(self.placement.models[model].replicas)) if self._replica_alive(model, j)]
+        return self.dispatcher.pick(model, among=live)
 
     def _down_summary(self) -> str:
         return "; ".join(f"engine {e} dead ({why})" for e, why in sorted(self.down.items())) or "no engine is down"

@@ -39,3 +39,9 @@ def test_from_placement():
     placement = SimpleNamespace(models={"a": SimpleNamespace(replicas=[[0, 1], [2, 3]]), "b": SimpleNamespace(replicas=[[1]])})
     d = Dispatcher.from_placement(placement)
     assert d.outstanding("a") == [0, 0] and d.outstanding("b") == [0]
+
+
+def test_pick_among_a_subset():
+    d = Dispatcher({"m": 3})
+    assert [d.pick("m", among=[1, 2]) for _ in range(3)] == [1, 2, 1]
+    assert d.pick("m", among=[]) is None and d.outstanding("m") == [0, 2, 1]
