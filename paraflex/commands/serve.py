@@ -81,6 +81,7 @@ def run(args) -> int:
     from paraflex.config.schema import load_config
     from paraflex.gateway.app import build_app
     from paraflex.gateway.server import base_url, bind, serve
+    from paraflex.models.engine_support import require_runnable
 
     if args.in_process and (args.ray_address or args.max_restarts):
         raise UserError("--in-process: cannot be combined with --ray-address or --max-restarts (Ray only)")
@@ -99,6 +100,7 @@ def run(args) -> int:
     try:
         config_path = args.config or default_config_path()
         config = load_config(config_path)
+        require_runnable(config)
         placement = load_placement(config, args.placement)
         print(f"starting {len(placement.engines)} engines ({'in-process' if args.in_process else 'Ray'}) ...",
               flush=True)

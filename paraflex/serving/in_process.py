@@ -34,6 +34,7 @@ from paraflex.engine.worker.tokenizer import Tokenizer, load_tokenizer
 from paraflex.engine.transport.base import Envelope
 from paraflex.engine.transport.in_process import LocalTransport
 from paraflex.errors import ParaflexError, UserError
+from paraflex.models.engine_support import require_runnable
 from paraflex.serving.kv_stall import StallWatch, live_by_replica, stall_message
 from paraflex.serving.recompute import Restartable, Restarts, held_by_model
 
@@ -84,6 +85,7 @@ class LLMCluster:
         """kv_bytes / host_kv_bytes: per-engine KV pool and swap space (override the plan);
         progress: a callable taking one line of text, told about planning and loading;
         models: serve only these models of the placement (load nothing of the others)."""
+        require_runnable(config, models)
         self.config = config
         if placement is None:
             from paraflex.planner import plan
