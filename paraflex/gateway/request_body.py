@@ -2,13 +2,18 @@
 what is wrong: 413 past MAX_BODY_BYTES (counted as the body streams in), 400 for a body that is
 not JSON Python can read (syntax, encoding, huge integers, deep nesting), not an object, holding
 text with an unpaired UTF-16 surrogate, or failing the schema (the field path and the fix).
+A body over OFF_LOOP_BYTES is decoded and validated on a worker thread, so that a few large
+bodies (an 8 MiB list of token ids takes ~0.5 s) do not hold up `/health` and other clients.
 
 Place in the data flow: every POST route of app.py starts with `parse(request, Schema)`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -25,6 +30,11 @@ from paraflex.gateway.protocol import (
 )
 
 MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of text, ~1 MB as token ids
+OFF_LOOP_BYTES = 64 << 10  # larger bodies are decoded on a worker thread (smaller: microseconds)
+# One thread decodes the large bodies of this process, one at a time: json and pydantic hold the
+# GIL, so a second thread would add no throughput, only more threads for the event loop's thread
+# to win the GIL from (8 concurrent 8 MiB bodies on the default pool: /health took seconds).
+_LARGE_BODY_DECODER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paraflex-body-decoder")
 
 _FIELD_NAMES = {name for schema in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
                                     ChatMessage, TextPart, StreamOptions) for name in schema.model_fields}
@@ -75,6 +85,21 @@ def _encodable(text: str) -> bool:
     return True
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _may_hold_surrogates(raw: bytes) -> bool:
+    """Whether the JSON text `raw` can decode to a string with a UTF-16 surrogate: only through a
+    \\uD800-\\uDFFF escape, or bytes that are not strict UTF-8 (json reads UTF-16/32 and encoded
+    surrogates too). Both checks run in C; walking every value of an 8 MiB body in Python takes
+    ~1 s."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return _SURROGATE_ESCAPE.search(raw) is not None
+
+
 def _surrogate_at(body) -> str | None:
     """Path of the first string (or key) holding an unpaired UTF-16 surrogate, e.g. a JSON
     "\\ud800" escape: such text cannot be encoded, so no tokenizer can read it."""
@@ -95,9 +120,8 @@ def _surrogate_at(body) -> str | None:
     return None
 
 
-async def parse(request: Request, schema):
-    """The body of `request` as a valid `schema` instance, or an ApiError naming what is wrong."""
-    body = await read_body(request)
+def decode(body: bytes, schema):
+    """The JSON text `body` as a valid `schema` instance, or an ApiError naming what is wrong."""
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:  # bad JSON/encoding, >4300-digit ints, deep nesting
@@ -105,7 +129,7 @@ async def parse(request: Request, schema):
         raise ApiError(400, f"request body is not valid JSON ({detail})")
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
-    bad = _surrogate_at(data)
+    bad = _surrogate_at(data) if _may_hold_surrogates(body) else None
     if bad is not None:
         raise ApiError(400, f"{bad}: holds an unpaired UTF-16 surrogate (e.g. \\ud800); send valid Unicode text",
                        param=bad)
@@ -113,3 +137,11 @@ async def parse(request: Request, schema):
         return schema.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc)
+
+
+async def parse(request: Request, schema):
+    """The body of `request` as a valid `schema` instance, or an ApiError naming what is wrong."""
+    body = await read_body(request)
+    if len(body) > OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(_LARGE_BODY_DECODER, decode, body, schema)
+    return decode(body, schema)
