@@ -32,6 +32,9 @@ def add_arguments(parser) -> None:
                         help="require 'Authorization: Bearer KEY' (default: $PARAFLEX_API_KEY, else no auth)")
     parser.add_argument("--max-outstanding", type=int, default=256, metavar="N",
                         help="admitted requests before new ones get 503 (default 256)")
+    parser.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="a client must send a request's headers within SECONDS of their first byte, and its "
+                             "body may stall at most SECONDS (408) (default 30)")
     parser.add_argument("--in-process", action="store_true",
                         help="run every engine in this process instead of as Ray actors (debugging)")
     parser.add_argument("--ray-address", default=None,
@@ -94,6 +97,8 @@ def run(args) -> int:
                         "(check $PARAFLEX_API_KEY for a trailing newline); give a key without spaces")
     if args.max_outstanding < 1:
         raise UserError("--max-outstanding: must be at least 1")
+    if not 0 < args.read_timeout < float("inf"):
+        raise UserError(f"--read-timeout: must be a finite number of seconds > 0, got {args.read_timeout:g}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port: {args.port} is not a TCP port (0-65535)")
     sock = bind(args.host, args.port)  # a bad --host or a taken --port fails before any planning or engine
@@ -109,7 +114,8 @@ def run(args) -> int:
             app = build_app(backend, api_key=args.api_key, max_outstanding=args.max_outstanding)
             names = ", ".join(c.name for c in backend.models())
             serve(app, sock, announce=lambda: print(
-                f"serving {names}\n{base_url(sock)}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True))
+                f"serving {names}\n{base_url(sock)}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True),
+                read_timeout=args.read_timeout)
         finally:
             print("stopping engines ...", file=sys.stderr, flush=True)
             asyncio.run(backend.close())

@@ -1,9 +1,9 @@
 """The gateway's error responses: `ApiError` carries an HTTP status, a message naming the field
 at fault and the fix, and OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`.
 
-Place in the data flow: request parsing (request_body.py) and the routes (app.py) raise it; the
-app's exception handler turns it into the JSON response, so the `openai` client raises its
-typed exceptions.
+Place in the data flow: request parsing (request_body.py), the body read timeout
+(read_timeouts.py) and the routes (app.py) raise it; the app's exception handler turns it into
+the JSON response, so the `openai` client raises its typed exceptions.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": "1"} if self.status == 503 else None
+        if self.status == 408:  # the client is still sending the request: end the connection
+            headers = {"Connection": "close"}
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error",
+                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
                 503: "service_unavailable"}.get(self.status, "server_error")
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=headers)

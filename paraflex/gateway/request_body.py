@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from paraflex.gateway.api_error import ApiError
 from paraflex.gateway.protocol import (
@@ -28,6 +30,8 @@ from paraflex.gateway.protocol import (
     TextPart,
     TokenizeRequest,
 )
+
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of text, ~1 MB as token ids
 OFF_LOOP_BYTES = 64 << 10  # larger bodies are decoded on a worker thread (smaller: microseconds)
@@ -63,17 +67,24 @@ def validation_error(exc: ValidationError) -> ApiError:
 
 
 async def read_body(request: Request) -> bytes:
-    """The request body, refused (413) past MAX_BODY_BYTES before it is all read."""
+    """The request body, refused (413) past MAX_BODY_BYTES before it is all read. A client that
+    goes away meanwhile is logged in one line (its request ends there: nobody is left to answer)."""
     declared = request.headers.get("content-length", "")
     too_big = ApiError(413, f"request body is over {MAX_BODY_BYTES >> 20} MiB; send a shorter prompt")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_big
     parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_big
-        parts.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise too_big
+            parts.append(chunk)
+    except ClientDisconnect:
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.warning("%s went away after sending %d of %s body bytes of %s %s", client, size, declared or "its",
+                    request.method, request.url.path)
+        raise ApiError(499, "the client closed the connection before sending the whole request body") from None
     return b"".join(parts)
 
 

@@ -11,6 +11,7 @@ by handle.
 from __future__ import annotations
 
 import errno
+import functools
 import signal
 import socket
 import threading
@@ -20,6 +21,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from paraflex.errors import UserError
+from paraflex.gateway.read_timeouts import BodyReadTimeout, HeaderTimeoutH11
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -55,8 +57,9 @@ class _Server(uvicorn.Server):
     gateway's running requests explicitly when it shuts down (`Gateway.drain`) instead of
     letting uvicorn cancel them after its grace period (which cut streams off mid-chunk)."""
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, gateway) -> None:
         super().__init__(config)
+        self.gateway = gateway  # app.state.gateway (None for an app build_app did not make)
         self.caught: list[int] = []
 
     def handle_exit(self, sig: int, frame) -> None:
@@ -64,10 +67,9 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:
-        gateway = getattr(self.config.app.state, "gateway", None)
         try:
-            if gateway is not None:
-                await gateway.drain()
+            if self.gateway is not None:
+                await self.gateway.drain()
         finally:
             await super().shutdown(sockets)
 
@@ -77,19 +79,22 @@ class _Server(uvicorn.Server):
 # just as clients reused them, and ~1 request in 2,500-10,000 got a connection reset before
 # any status line. 75 s is nginx's and gunicorn's default, far above the clients' 5 s.
 KEEP_ALIVE_S = 75
+READ_TIMEOUT_S = 30.0  # default header and body read timeout (read_timeouts.py; `--read-timeout`)
 
 
-def server_config(app: FastAPI) -> uvicorn.Config:
-    """uvicorn's settings for the gateway."""
-    return uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-                          timeout_keep_alive=KEEP_ALIVE_S, lifespan="off")
+def server_config(app: FastAPI, read_timeout: float = READ_TIMEOUT_S) -> uvicorn.Config:
+    """uvicorn's settings for the gateway: the app behind the body read timeout, the h11
+    protocol with the header read timeout, and the keep-alive above."""
+    protocol = functools.partial(HeaderTimeoutH11, header_timeout=read_timeout)
+    return uvicorn.Config(BodyReadTimeout(app, read_timeout), http=protocol, log_level="warning", access_log=False,
+                          timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S, lifespan="off")
 
 
-def _server(app: FastAPI) -> _Server:
-    return _Server(server_config(app))
+def _server(app: FastAPI, read_timeout: float) -> _Server:
+    return _Server(server_config(app, read_timeout), getattr(app.state, "gateway", None))
 
 
-def serve(app: FastAPI, sock: socket.socket, announce=None) -> None:
+def serve(app: FastAPI, sock: socket.socket, announce=None, read_timeout: float = READ_TIMEOUT_S) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn's handlers drain the connections), then raise
     KeyboardInterrupt after a Ctrl-C (the CLI exits 130) or SystemExit(143) after SIGTERM, so
     the caller's clean-up (stopping the engines) runs either way. `announce()` (printing the
@@ -99,7 +104,7 @@ def serve(app: FastAPI, sock: socket.socket, announce=None) -> None:
     signal it caught into the handler that was there before it (this one again). A re-raised
     SIGINT becomes a cancellation in asyncio's runner, lost when its main task has already
     finished, so the interrupt is raised here instead."""
-    server = _server(app)
+    server = _server(app, read_timeout)
     previous = signal.signal(signal.SIGTERM, server.handle_exit)
     try:
         if announce is not None:
@@ -117,10 +122,10 @@ class ServerThread:
     """The app on a daemon thread (uvicorn leaves signals alone off the main thread);
     `stop()` shuts uvicorn down and joins the thread."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, read_timeout: float = READ_TIMEOUT_S):
         self._sock = bind(host, port)
         self.url = base_url(self._sock)
-        self._server = _server(app)
+        self._server = _server(app, read_timeout)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="paraflex-gateway", daemon=True)
 
