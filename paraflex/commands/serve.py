@@ -30,6 +30,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
     parser.add_argument("--api-key", default=os.environ.get("PARAFLEX_API_KEY") or None,
                         help="require 'Authorization: Bearer KEY' (default: $PARAFLEX_API_KEY, else no auth)")
+    parser.add_argument("--metrics-require-key", action="store_true",
+                        help="/metrics too needs the API key (default: open, for Prometheus scrapers; /health always is)")
+    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                        help="accept requests whose Host header is NAME (repeatable; '*' for any). Always accepted: "
+                             "localhost, IP addresses and the --host name")
     parser.add_argument("--max-outstanding", type=int, default=256, metavar="N",
                         help="admitted requests before new ones get 503 (default 256)")
     parser.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
@@ -95,6 +100,8 @@ def run(args) -> int:
     if args.api_key is not None and any(ch.isspace() for ch in args.api_key):
         raise UserError("--api-key: contains whitespace, which an HTTP header cannot carry intact "
                         "(check $PARAFLEX_API_KEY for a trailing newline); give a key without spaces")
+    if args.metrics_require_key and args.api_key is None:
+        raise UserError("--metrics-require-key: there is no key to require; give --api-key (or $PARAFLEX_API_KEY)")
     if args.max_outstanding < 1:
         raise UserError("--max-outstanding: must be at least 1")
     if not 0 < args.read_timeout < float("inf"):
@@ -111,7 +118,8 @@ def run(args) -> int:
               flush=True)
         backend = start_backend(config, placement, args)
         try:
-            app = build_app(backend, api_key=args.api_key, max_outstanding=args.max_outstanding)
+            app = build_app(backend, api_key=args.api_key, max_outstanding=args.max_outstanding,
+                            allowed_hosts=(args.host, *args.allowed_host), metrics_require_key=args.metrics_require_key)
             names = ", ".join(c.name for c in backend.models())
             serve(app, sock, announce=lambda: print(
                 f"serving {names}\n{base_url(sock)}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True),

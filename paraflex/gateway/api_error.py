@@ -2,8 +2,9 @@
 at fault and the fix, and OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`.
 
 Place in the data flow: request parsing (request_body.py), the body read timeout
-(read_timeouts.py) and the routes (app.py) raise it; the app's exception handler turns it into
-the JSON response, so the `openai` client raises its typed exceptions.
+(read_timeouts.py), the request guards (guards.py) and the routes (app.py) raise it or send
+its response; the app's exception handler turns it into the JSON response, so the `openai`
+client raises its typed exceptions.
 """
 
 from __future__ import annotations
@@ -24,6 +25,6 @@ class ApiError(Exception):
             headers = {"Connection": "close"}
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-                503: "service_unavailable"}.get(self.status, "server_error")
+                415: "invalid_request_error", 503: "service_unavailable"}.get(self.status, "server_error")
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=headers)

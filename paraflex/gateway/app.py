@@ -7,8 +7,9 @@ requests are outstanding) -> generation.generate over the Backend -> OpenAI JSON
 chunks ending in `data: [DONE]`. Non-streaming requests watch for the client going away and
 abort in the backend; streaming requests are cancelled by Starlette on disconnect and abort
 in generation.generate's cleanup. Routes: /v1/models, /v1/completions,
-/v1/chat/completions, /tokenize, /detokenize, /health, /metrics. With an API key, every
-route except /health and /metrics needs `Authorization: Bearer <key>` (401 otherwise).
+/v1/chat/completions, /tokenize, /detokenize, /health, /metrics. Before any route, guards.py
+checks the `Host` header (400) and, with an API key, `Authorization: Bearer <key>` on every
+route except /health and /metrics (401; /metrics too with metrics_require_key).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import secrets
 import time
 import uuid
 from typing import AsyncIterator
@@ -29,6 +29,7 @@ from paraflex.errors import UserError
 from paraflex.gateway.api_error import ApiError
 from paraflex.serving.backend import Backend, ModelCard
 from paraflex.gateway.generation import Admission, Chunk, Running, Ticket, generate
+from paraflex.gateway.guards import BearerAuth, HostCheck
 from paraflex.gateway.metrics import GatewayMetrics
 from paraflex.gateway.protocol import (
     ChatCompletionRequest,
@@ -42,7 +43,6 @@ from paraflex.gateway.protocol import (
 from paraflex.gateway.request_body import parse
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-_OPEN_PATHS = ("/health", "/metrics")
 
 
 def _param_of(message: str) -> str | None:
@@ -53,24 +53,6 @@ def _param_of(message: str) -> str | None:
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-class _BearerAuth:
-    """Pure ASGI middleware (so disconnect detection still works): 401 without the key."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = api_key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(key, self.expected):
-                response = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                    code="invalid_api_key").response()
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _model_entry(card: ModelCard, created: int) -> dict:
@@ -248,8 +230,11 @@ class Gateway:
             await chunks.aclose()
 
 
-def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: int = 256) -> FastAPI:
-    """The FastAPI app serving `backend`. max_outstanding: admitted requests before 503."""
+def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: int = 256,
+              allowed_hosts: tuple[str, ...] = (), metrics_require_key: bool = False) -> FastAPI:
+    """The FastAPI app serving `backend`. max_outstanding: admitted requests before 503;
+    allowed_hosts: `Host` names accepted besides localhost and IP addresses ("*": any; guards.py);
+    metrics_require_key: /metrics too needs the API key (only /health stays open)."""
     gw = Gateway(backend, max_outstanding)
     app = FastAPI(title="ParaFlex", docs_url=None, redoc_url=None)
     app.state.gateway = gw
@@ -266,7 +251,9 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
         return ApiError(exc.status_code, what).response()
 
     if api_key is not None:
-        app.add_middleware(_BearerAuth, api_key=api_key)
+        app.add_middleware(BearerAuth, api_key=api_key,
+                           open_paths=("/health",) if metrics_require_key else ("/health", "/metrics"))
+    app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)  # added last: runs first
 
     @app.get("/v1/models")
     async def list_models():

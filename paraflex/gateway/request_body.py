@@ -1,5 +1,5 @@
 """An HTTP request body -> a validated protocol model (protocol.py), or an `ApiError` naming
-what is wrong: 413 past MAX_BODY_BYTES (counted as the body streams in), 400 for a body that is
+what is wrong: 415 unless declared `application/json`, 413 past MAX_BODY_BYTES (counted as the body streams in), 400 for a body that is
 not JSON Python can read (syntax, encoding, huge integers, deep nesting), not an object, holding
 text with an unpaired UTF-16 surrogate, or failing the schema (the field path and the fix).
 A body over OFF_LOOP_BYTES is decoded and validated on a worker thread, so that a few large
@@ -150,8 +150,18 @@ def decode(body: bytes, schema):
         raise validation_error(exc)
 
 
+def check_json_media_type(request: Request) -> None:
+    """415 unless the body is declared `application/json`: a web page can POST `text/plain` (or
+    form data) to any address without the browser asking the server first (CORS), never JSON."""
+    declared = request.headers.get("content-type", "")
+    if declared.partition(";")[0].strip().lower() != "application/json":
+        raise ApiError(415, f"Content-Type: {declared or 'missing'}; send the body as JSON with "
+                            "'Content-Type: application/json'")
+
+
 async def parse(request: Request, schema):
     """The body of `request` as a valid `schema` instance, or an ApiError naming what is wrong."""
+    check_json_media_type(request)
     body = await read_body(request)
     if len(body) > OFF_LOOP_BYTES:
         return await asyncio.get_running_loop().run_in_executor(_LARGE_BODY_DECODER, decode, body, schema)
