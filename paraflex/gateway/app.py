@@ -31,6 +31,7 @@ from paraflex.serving.backend import Backend, ModelCard
 from paraflex.gateway.generation import Admission, Chunk, Running, Ticket, generate
 from paraflex.gateway.guards import BearerAuth, HostCheck
 from paraflex.gateway.metrics import GatewayMetrics
+from paraflex.gateway.openapi import OpenApiDocument
 from paraflex.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -248,23 +249,28 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
         what = {404: f"no route {request.url.path}; see GET /v1/models, POST /v1/completions, "
                      "/v1/chat/completions, /tokenize, /detokenize, GET /health, /metrics",
                 405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return ApiError(exc.status_code, what).response()
+        return ApiError(exc.status_code, what, headers=exc.headers).response()  # 405's Allow
+
+    doc = OpenApiDocument(app)
+    streams = {200: {"description": "the completion, or with `stream: true` server-sent events ending in "
+                                    "`data: [DONE]`", "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key,
                            open_paths=("/health",) if metrics_require_key else ("/health", "/metrics"))
     app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)  # added last: runs first
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=doc.errors(400, 401))
     async def list_models():
         return {"object": "list", "data": [_model_entry(c, gw.created) for c in gw.cards.values()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=doc.errors(400, 401, 404))
     async def retrieve_model(model_id: str):
         card = gw.card(model_id)
         return _model_entry(card, gw.created)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=doc.json_body(CompletionRequest),
+              responses={**streams, **doc.errors(400, 401, 404, 408, 413, 415, 500, 503)})
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
         card = gw.card(req.model)
@@ -284,7 +290,8 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
                                      "finish_reason": last.finish_reason}],
                 "usage": gw.usage(len(ids), last.completion_tokens)}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=doc.json_body(ChatCompletionRequest),
+              responses={**streams, **doc.errors(400, 401, 404, 408, 413, 415, 500, 503)})
     async def chat_completions(request: Request):
         req = await parse(request, ChatCompletionRequest)
         card = gw.card(req.model)
@@ -309,7 +316,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
                              "logprobs": None, "finish_reason": last.finish_reason}],
                 "usage": gw.usage(len(ids), last.completion_tokens)}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=doc.json_body(TokenizeRequest), responses=doc.errors(400, 401, 404, 408, 413, 415))
     async def tokenize(request: Request):
         req = await parse(request, TokenizeRequest)
         card = gw.card(req.model)
@@ -322,7 +329,8 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
             ids = await _encode(card, req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": card.max_context, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=doc.json_body(DetokenizeRequest),
+              responses=doc.errors(400, 401, 404, 408, 413, 415))
     async def detokenize(request: Request):
         req = await parse(request, DetokenizeRequest)
         card = gw.card(req.model)
@@ -332,12 +340,14 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
                            f"{card.tokenizer.vocab_size})", param="tokens")
         return {"prompt": card.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/health", methods=["GET", "HEAD"], responses={
+        503: {"description": "an engine has failed: `ok` is false",
+              "content": {"application/json": {"schema": {"type": "object"}}}}, **doc.errors(400)})
     async def health():
         state = gw.backend.health()
         return JSONResponse(state, status_code=200 if state.get("ok") else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=doc.errors(400, 401))
     async def metrics():
         return PlainTextResponse(gw.metrics.render(gw.backend.metrics()),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
