@@ -40,6 +40,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="a client must send a request's headers within SECONDS of their first byte, and its "
                              "body may stall at most SECONDS (408) (default 30)")
+    parser.add_argument("--drain-seconds", type=float, default=5.0, metavar="SECONDS",
+                        help="after SIGTERM, answer /health and new requests with 503 for SECONDS while running "
+                             "requests go on, then close (default 5; 0 closes at once)")
     parser.add_argument("--in-process", action="store_true",
                         help="run every engine in this process instead of as Ray actors (debugging)")
     parser.add_argument("--ray-address", default=None,
@@ -106,6 +109,8 @@ def run(args) -> int:
         raise UserError("--max-outstanding: must be at least 1")
     if not 0 < args.read_timeout < float("inf"):
         raise UserError(f"--read-timeout: must be a finite number of seconds > 0, got {args.read_timeout:g}")
+    if not 0 <= args.drain_seconds < float("inf"):
+        raise UserError(f"--drain-seconds: must be a finite number of seconds >= 0, got {args.drain_seconds:g}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port: {args.port} is not a TCP port (0-65535)")
     sock = bind(args.host, args.port)  # a bad --host or a taken --port fails before any planning or engine
@@ -123,7 +128,7 @@ def run(args) -> int:
             names = ", ".join(c.name for c in backend.models())
             serve(app, sock, announce=lambda: print(
                 f"serving {names}\n{base_url(sock)}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True),
-                read_timeout=args.read_timeout)
+                read_timeout=args.read_timeout, drain_s=args.drain_seconds)
         finally:
             print("stopping engines ...", file=sys.stderr, flush=True)
             asyncio.run(backend.close())

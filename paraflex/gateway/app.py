@@ -29,7 +29,7 @@ from paraflex.errors import UserError
 from paraflex.gateway.api_error import ApiError
 from paraflex.serving.backend import Backend, ModelCard
 from paraflex.gateway.generation import Admission, Chunk, Running, Ticket, generate
-from paraflex.gateway.guards import BearerAuth, HostCheck
+from paraflex.gateway.guards import BearerAuth, HostCheck, RefuseWhenClosed
 from paraflex.gateway.metrics import GatewayMetrics
 from paraflex.gateway.openapi import OpenApiDocument
 from paraflex.gateway.protocol import (
@@ -99,12 +99,21 @@ class Gateway:
         self.created = int(time.time())
         self.running = Running()  # generation.generate keeps it
 
-    async def drain(self) -> None:
-        """The server is shutting down: refuse new requests (503), also those admitted whose
-        stream has not started, and end every running one with an explicit error, freed on the
-        engines, so each stream ends with an error event and [DONE] and each blocking request
-        with a 503 before the connections close."""
+    def stop_admitting(self) -> None:
+        """The server is about to shut down (SIGTERM's drain window, server.py): /health answers
+        503 and new requests 503 with Retry-After (also those admitted whose stream has not
+        started); running requests go on."""
         self.running.closed = SHUTTING_DOWN
+
+    def closed_reason(self) -> str | None:
+        """Why new requests are refused (503), or None while the server takes them."""
+        return self.running.closed
+
+    async def drain(self) -> None:
+        """The server is shutting down: refuse new requests (`stop_admitting`) and end every
+        running one with an explicit error, freed on the engines, so each stream ends with an
+        error event and [DONE] and each blocking request with a 503 before the connections close."""
+        self.stop_admitting()
         for rid in list(self.running.ids):
             await self.backend.abort(rid, error=SHUTTING_DOWN)
 
@@ -258,13 +267,14 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key,
                            open_paths=("/health",) if metrics_require_key else ("/health", "/metrics"))
+    app.add_middleware(RefuseWhenClosed, closed_reason=gw.closed_reason, open_paths=("/health", "/metrics"))
     app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)  # added last: runs first
 
-    @app.get("/v1/models", responses=doc.errors(400, 401))
+    @app.get("/v1/models", responses=doc.errors(400, 401, 503))
     async def list_models():
         return {"object": "list", "data": [_model_entry(c, gw.created) for c in gw.cards.values()]}
 
-    @app.get("/v1/models/{model_id:path}", responses=doc.errors(400, 401, 404))
+    @app.get("/v1/models/{model_id:path}", responses=doc.errors(400, 401, 404, 503))
     async def retrieve_model(model_id: str):
         card = gw.card(model_id)
         return _model_entry(card, gw.created)
@@ -316,7 +326,8 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
                              "logprobs": None, "finish_reason": last.finish_reason}],
                 "usage": gw.usage(len(ids), last.completion_tokens)}
 
-    @app.post("/tokenize", openapi_extra=doc.json_body(TokenizeRequest), responses=doc.errors(400, 401, 404, 408, 413, 415))
+    @app.post("/tokenize", openapi_extra=doc.json_body(TokenizeRequest),
+              responses=doc.errors(400, 401, 404, 408, 413, 415, 503))
     async def tokenize(request: Request):
         req = await parse(request, TokenizeRequest)
         card = gw.card(req.model)
@@ -330,7 +341,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
         return {"count": len(ids), "max_model_len": card.max_context, "tokens": ids}
 
     @app.post("/detokenize", openapi_extra=doc.json_body(DetokenizeRequest),
-              responses=doc.errors(400, 401, 404, 408, 413, 415))
+              responses=doc.errors(400, 401, 404, 408, 413, 415, 503))
     async def detokenize(request: Request):
         req = await parse(request, DetokenizeRequest)
         card = gw.card(req.model)
@@ -341,10 +352,12 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
         return {"prompt": card.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.api_route("/health", methods=["GET", "HEAD"], responses={
-        503: {"description": "an engine has failed: `ok` is false",
+        503: {"description": "an engine has failed (`ok` false), or the server is shutting down (`shutting_down` true)",
               "content": {"application/json": {"schema": {"type": "object"}}}}, **doc.errors(400)})
     async def health():
         state = gw.backend.health()
+        if gw.closed_reason():
+            state = {**state, "ok": False, "shutting_down": True}
         return JSONResponse(state, status_code=200 if state.get("ok") else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=doc.errors(400, 401))

@@ -1,4 +1,5 @@
-"""Checks every request passes before it reaches a route: the `Host` header and the API key.
+"""Checks every request passes before it reaches a route: the `Host` header, the API key, and
+whether the server still takes requests.
 
 `HostCheck` answers 400 to a request whose `Host` is not a name of this server, so a web page
 cannot reach a keyless server on loopback through DNS rebinding (its domain re-pointed at
@@ -6,7 +7,9 @@ cannot reach a keyless server on loopback through DNS rebinding (its domain re-p
 address (rebinding needs a name), the names given (the bound `--host` and each
 `--allowed-host`), or anything with `*`. `BearerAuth` answers 401 without
 `Authorization: Bearer <key>` on every route but the open ones (`/health`, and `/metrics`
-unless `--metrics-require-key`). Both are pure ASGI middleware, so the routes' disconnect
+unless `--metrics-require-key`). `RefuseWhenClosed` answers 503 (`Retry-After`) to every
+route but `/health` (which says so itself) and `/metrics` once the server is shutting down
+(SIGTERM's drain window, server.py). All are pure ASGI middleware, so the routes' disconnect
 detection still works. (The other half of the browser defence, JSON bodies only, is
 request_body.py's 415.)
 
@@ -82,4 +85,20 @@ class BearerAuth:
                                     code="invalid_api_key").response()
                 await response(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+class RefuseWhenClosed:
+    """503 with `closed_reason()` on every path but `open_paths` while it is not None."""
+
+    def __init__(self, app, closed_reason, open_paths: tuple[str, ...]) -> None:
+        self.app = app
+        self.closed_reason = closed_reason
+        self.open_paths = open_paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        reason = self.closed_reason() if scope["type"] == "http" else None
+        if reason and scope["path"] not in self.open_paths:
+            await ApiError(503, reason).response()(scope, receive, send)
+            return
         await self.app(scope, receive, send)
