@@ -7,9 +7,10 @@ requests are outstanding) -> generation.generate over the Backend -> OpenAI JSON
 chunks ending in `data: [DONE]`. Non-streaming requests watch for the client going away and
 abort in the backend; streaming requests are cancelled by Starlette on disconnect and abort
 in generation.generate's cleanup. Routes: /v1/models, /v1/completions,
-/v1/chat/completions, /tokenize, /detokenize, /health, /metrics. Before any route, guards.py
-checks the `Host` header (400) and, with an API key, `Authorization: Bearer <key>` on every
-route except /health and /metrics (401; /metrics too with metrics_require_key).
+/v1/chat/completions, /tokenize, /detokenize, /health, /metrics (and /openapi.json,
+openapi.py). Before any route, guards.py checks the `Host` header (400), refuses new requests
+once the server is shutting down (503), and, with an API key, checks `Authorization: Bearer
+<key>` on every route except /health and /metrics (401; /metrics too with metrics_require_key).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from paraflex.serving.backend import Backend, ModelCard
 from paraflex.gateway.generation import Admission, Chunk, Running, Ticket, generate
 from paraflex.gateway.guards import BearerAuth, HostCheck, RefuseWhenClosed
 from paraflex.gateway.metrics import GatewayMetrics
-from paraflex.gateway.openapi import OpenApiDocument
+from paraflex.gateway.openapi import STREAMED, OpenApiDocument
 from paraflex.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -261,8 +262,6 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
         return ApiError(exc.status_code, what, headers=exc.headers).response()  # 405's Allow
 
     doc = OpenApiDocument(app)
-    streams = {200: {"description": "the completion, or with `stream: true` server-sent events ending in "
-                                    "`data: [DONE]`", "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key,
@@ -280,7 +279,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
         return _model_entry(card, gw.created)
 
     @app.post("/v1/completions", openapi_extra=doc.json_body(CompletionRequest),
-              responses={**streams, **doc.errors(400, 401, 404, 408, 413, 415, 500, 503)})
+              responses={**STREAMED, **doc.errors(400, 401, 404, 408, 413, 415, 500, 503)})
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
         card = gw.card(req.model)
@@ -301,7 +300,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
                 "usage": gw.usage(len(ids), last.completion_tokens)}
 
     @app.post("/v1/chat/completions", openapi_extra=doc.json_body(ChatCompletionRequest),
-              responses={**streams, **doc.errors(400, 401, 404, 408, 413, 415, 500, 503)})
+              responses={**STREAMED, **doc.errors(400, 401, 404, 408, 413, 415, 500, 503)})
     async def chat_completions(request: Request):
         req = await parse(request, ChatCompletionRequest)
         card = gw.card(req.model)

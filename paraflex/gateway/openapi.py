@@ -35,6 +35,11 @@ WHEN = {
 }
 
 
+# The 200 of a generation route: JSON, or server-sent events with `stream: true`.
+STREAMED = {200: {"description": "the completion, or with `stream: true` server-sent events ending in `data: [DONE]`",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
