@@ -96,6 +96,6 @@ class Worker:
             out = stage.forward(inputs, meta, view)
         if stage.last:
             rows = [i for i, r in enumerate(reqs) if r.samples]
-            if len(rows) != len(reqs):
-                out = out[torch.tensor(rows, device=out.device)]
+            if len(rows) != len(reqs):  # a batch of prompt chunks only samples nothing: rows may be []
+                out = out[torch.tensor(rows, dtype=torch.long, device=out.device)]
         return out

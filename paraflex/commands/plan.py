@@ -12,6 +12,7 @@ import sys
 import time
 
 from paraflex.config.schema import load_config
+from paraflex.models.engine_support import require_runnable
 from paraflex.errors import UserError
 from paraflex.placement import Placement
 from paraflex.planner import SOLVERS, plan
@@ -44,6 +45,7 @@ def run(args) -> int:
     config = load_config(args.config)
     if args.validate:
         return _validate(args.validate, config)
+    require_runnable(config)
     if args.time_limit is not None and not 0 < args.time_limit < float("inf"):
         raise UserError(f"--time-limit must be a finite number > 0 seconds, got {args.time_limit:g}")
     _check_output("-o", args.output, "placement.json")

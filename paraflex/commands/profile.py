@@ -17,6 +17,7 @@ import sys
 
 from paraflex.config.schema import load_config
 from paraflex.errors import UserError
+from paraflex.models.engine_support import require_runnable
 
 NAME = "profile"
 HELP = "Measure per-layer op times of the config's models on this machine (cost-model tables)."
@@ -61,6 +62,7 @@ def run(args) -> int:
         if unknown:
             raise UserError(f"--models: {unknown[0]!r} is not a model of the config; choose from {', '.join(names)}")
         names = wanted
+    require_runnable(config, names)
 
     import torch
 

@@ -30,8 +30,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
     parser.add_argument("--api-key", default=os.environ.get("PARAFLEX_API_KEY") or None,
                         help="require 'Authorization: Bearer KEY' (default: $PARAFLEX_API_KEY, else no auth)")
+    parser.add_argument("--metrics-require-key", action="store_true",
+                        help="/metrics too needs the API key (default: open, for Prometheus scrapers; /health always is)")
+    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                        help="accept requests whose Host header is NAME (repeatable; '*' for any). Always accepted: "
+                             "localhost, IP addresses and the --host name")
     parser.add_argument("--max-outstanding", type=int, default=256, metavar="N",
                         help="admitted requests before new ones get 503 (default 256)")
+    parser.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="a client must send a request's headers within SECONDS of their first byte, and its "
+                             "body may stall at most SECONDS (408) (default 30)")
+    parser.add_argument("--drain-seconds", type=float, default=5.0, metavar="SECONDS",
+                        help="after SIGTERM, answer /health and new requests with 503 for SECONDS while running "
+                             "requests go on, then close (default 5; 0 closes at once)")
     parser.add_argument("--in-process", action="store_true",
                         help="run every engine in this process instead of as Ray actors (debugging)")
     parser.add_argument("--ray-address", default=None,
@@ -86,6 +97,7 @@ def run(args) -> int:
     except ImportError as exc:
         raise UserError(f"serve needs the HTTP stack: the {exc.name!r} package is not installed (pip install "
                         "fastapi uvicorn); `paraflex generate` runs without it") from None
+    from paraflex.models.engine_support import require_runnable
 
     if args.in_process and (args.ray_address or args.max_restarts):
         raise UserError("--in-process: cannot be combined with --ray-address or --max-restarts (Ray only)")
@@ -96,23 +108,32 @@ def run(args) -> int:
     if args.api_key is not None and any(ch.isspace() for ch in args.api_key):
         raise UserError("--api-key: contains whitespace, which an HTTP header cannot carry intact "
                         "(check $PARAFLEX_API_KEY for a trailing newline); give a key without spaces")
+    if args.metrics_require_key and args.api_key is None:
+        raise UserError("--metrics-require-key: there is no key to require; give --api-key (or $PARAFLEX_API_KEY)")
     if args.max_outstanding < 1:
         raise UserError("--max-outstanding: must be at least 1")
+    if not 0 < args.read_timeout < float("inf"):
+        raise UserError(f"--read-timeout: must be a finite number of seconds > 0, got {args.read_timeout:g}")
+    if not 0 <= args.drain_seconds < float("inf"):
+        raise UserError(f"--drain-seconds: must be a finite number of seconds >= 0, got {args.drain_seconds:g}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port: {args.port} is not a TCP port (0-65535)")
     sock = bind(args.host, args.port)  # a bad --host or a taken --port fails before any planning or engine
     try:
         config_path = args.config or default_config_path()
         config = load_config(config_path)
+        require_runnable(config)
         placement = load_placement(config, args.placement)
         print(f"starting {len(placement.engines)} engines ({'in-process' if args.in_process else 'Ray'}) ...",
               flush=True)
         backend = start_backend(config, placement, args)
         try:
-            app = build_app(backend, api_key=args.api_key, max_outstanding=args.max_outstanding)
+            app = build_app(backend, api_key=args.api_key, max_outstanding=args.max_outstanding,
+                            allowed_hosts=(args.host, *args.allowed_host), metrics_require_key=args.metrics_require_key)
             names = ", ".join(c.name for c in backend.models())
             serve(app, sock, announce=lambda: print(
-                f"serving {names}\n{base_url(sock)}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True))
+                f"serving {names}\n{base_url(sock)}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True),
+                read_timeout=args.read_timeout, drain_s=args.drain_seconds)
         finally:
             print("stopping engines ...", file=sys.stderr, flush=True)
             asyncio.run(backend.close())

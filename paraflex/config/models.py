@@ -128,7 +128,7 @@ def _arch_from_mapping(d: dict, path: str) -> ModelArch:
     rope_scaling = d.get("rope_scaling")
     if rope_scaling is not None and not isinstance(rope_scaling, dict):
         raise ConfigError(s.at("rope_scaling"), f"expected a mapping (as in HF config.json) or nothing, got {value_kind(rope_scaling)}")
-    return ModelArch(**kw, rope_scaling=rope_scaling)
+    return ModelArch(**kw, rope_scaling=rope_scaling, unsupported=s.str("unsupported"))
 
 
 def check_models(models: list[ModelConfig], cluster: ClusterConfig) -> None:

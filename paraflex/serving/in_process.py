@@ -36,6 +36,7 @@ from paraflex.engine.engine_builder import choose_device
 from paraflex.engine.transport.in_process import LocalTransport
 from paraflex.engine.worker.tokenizer import Tokenizer, load_tokenizer
 from paraflex.errors import ParaflexError, UserError
+from paraflex.models.engine_support import require_runnable
 from paraflex.serving.admission import kv_limits_by_model
 from paraflex.serving.frontend import Frontend, end_quietly
 from paraflex.serving.in_process_engines import InProcessEngines
@@ -83,6 +84,7 @@ class LLMCluster:
         """kv_bytes / host_kv_bytes: per-engine KV pool and swap space (override the plan);
         progress: a callable taking one line of text, told about planning and loading;
         models: serve only these models of the placement (load nothing of the others)."""
+        require_runnable(config, models)
         self.config = config
         if placement is None:
             from paraflex.planner import plan

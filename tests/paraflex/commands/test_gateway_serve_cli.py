@@ -90,6 +90,33 @@ def test_serve_stops_its_engines_on_sigterm(files):
             proc.wait()
 
 
+@pytest.mark.slow
+def test_sigterm_answers_503_during_the_drain_window_then_a_second_one_stops(files):
+    """What docs/serve.md promises a load balancer: after SIGTERM, /health and new requests get
+    503 (Retry-After) from the still-open listener; a second SIGTERM ends the window."""
+    import httpx
+
+    cfg, pl = files
+    proc, lines = start([cfg, "--placement", pl, "--in-process", "--port", "0", "--drain-seconds", "600"])
+    try:
+        out = read_until(lines, "/v1", timeout=120)
+        url = next(line for line in out if "/v1" in line).split()[0].removesuffix("/v1")
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health", timeout=10).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the signal is handled between two ticks of the server's loop
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-2l", "prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "shutting down" in r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+        read_until(lines, "stopping engines", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_serve_rejects_a_missing_placement_file(files, tmp_path, capsys):
     cfg, _ = files
     assert main(["serve", cfg, "--placement", str(tmp_path / "nope.json"), "--in-process"]) == 2

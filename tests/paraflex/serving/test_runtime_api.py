@@ -242,7 +242,7 @@ def test_after_the_engine_loop_fails_every_request_ends_and_new_ones_are_refused
 def test_a_failure_while_admitting_ends_the_requests_queued_behind_it(monkeypatch):
     pl = make_placement({"tiny-2l": (2, [(0, 2)], [[0]])}, 2)
     c = LLMCluster(_demo_config(), pl, kv_bytes=1 << 20, models=["tiny-2l"])
-    monkeypatch.setattr(c.frontend.dispatcher, "pick", lambda model: (_ for _ in ()).throw(RuntimeError("dispatch bug")))
+    monkeypatch.setattr(c.frontend.dispatcher, "pick", lambda model, among=None: (_ for _ in ()).throw(RuntimeError("dispatch bug")))
     sinks = [Sink(), Sink()]
     for i, sink in enumerate(sinks):
         c.submit("tiny-2l", [256, i], SamplingParams(max_tokens=2), sink=sink)
