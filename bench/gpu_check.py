@@ -100,7 +100,7 @@ def part_tests(ctx) -> dict:
 def kernel_checks(ctx) -> list[dict]:
     import torch
 
-    sys.path.insert(0, str(TESTS / "engine" / "kernels"))
+    sys.path.insert(0, str(TESTS / "helpers"))
     from kernel_cases import LAYER, TOLERANCE, make_case
 
     from paraflex.engine.kernels import triton_paged_attention as tpa
@@ -130,7 +130,7 @@ def kernel_checks(ctx) -> list[dict]:
 def part_greedy(ctx) -> dict:
     import torch
 
-    sys.path.insert(0, str(TESTS))
+    sys.path.insert(0, str(TESTS / "helpers"))
     from oracle_models import build_llama, build_qwen2, make_config, make_placement
 
     from paraflex.engine.core.sampling_params import SamplingParams
@@ -451,7 +451,7 @@ def part_serve(ctx) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    sys.path.insert(0, str(TESTS))
+    sys.path.insert(0, str(TESTS / "helpers"))
     from oracle_models import make_config, make_placement, save_tokenizer
 
     from paraflex.engine.core.sampling_params import SamplingParams

@@ -18,6 +18,12 @@ Swapping moves a whole allocation: `swap_out` returns ``[(device_block, host_blo
 table then names host blocks or device blocks respectively. A request's stage is therefore
 either fully resident or fully swapped, never split.
 
+A table object only ever grows by appending to its layers: when its blocks are re-placed
+(`swap_out`, `swap_in`) or freed (`release`), the pool empties that object (and, on a swap,
+gives the allocation a fresh table). The worker relies on this to keep block tables on the
+device between steps (engine/worker/block_tables.py): a table object it has seen before holds
+what it held then plus appended blocks; an emptied one is gone.
+
 Invariants (checked by `check()`; the hypothesis tests call it after every event): no block is
 owned twice; free + used = capacity on both pools; an allocation's blocks all lie in the pool it
 claims to be in; every layer of an allocation has the same number of blocks.
@@ -232,11 +238,14 @@ class BlockPool:
     @staticmethod
     def _move(alloc: Allocation, dst_free: FreeList, src_free: FreeList) -> list[tuple[int, int]]:
         plan = []
+        table = []
         for layer in alloc.table:
             dst = dst_free.take(len(layer))
             plan.extend(zip(layer, dst))
             src_free.give(layer)
-            layer[:] = dst
+            layer.clear()  # the old table object is emptied, the allocation gets a fresh one
+            table.append(dst)
+        alloc.table = table
         return plan
 
     # --- invariants --------------------------------------------------------------------

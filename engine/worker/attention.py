@@ -82,13 +82,10 @@ class AttentionMetadata:
         """query_lens[i]: new tokens of request i; context_lens[i]: its tokens in KV after
         this step (cached + new); block_tables[layer][i]: its physical blocks in that layer
         (layer counted inside the stage)."""
-        if len(query_lens) != len(context_lens):
-            raise ValueError("query_lens and context_lens differ in length")
+        check_lengths(query_lens, context_lens)
         num_seqs = len(query_lens)
         max_q, max_k = max(query_lens), max(context_lens)
         max_blocks = -(-max_k // tokens_per_block)
-        if any(q <= 0 or q > c for q, c in zip(query_lens, context_lens)):
-            raise ValueError("every request needs 1 <= new tokens <= context tokens")
         needs = [-(-c // tokens_per_block) for c in context_lens]
         pads = [[0] * (max_blocks - need) for need in needs]
         flat = array.array("q")  # one flat int64 buffer: ~10x faster to fill and wrap than torch.tensor(list)
@@ -166,6 +163,14 @@ class AttentionMetadata:
             cached[0] = (base[:, None, :, None, :, None] + (kvh * per_vec)[None, :, None, :, None, None]
                          + sub).reshape(layers, -1)  # [L, 2, B, H, K, per_vec]
         return table, cached[0], cached[1], row
+
+
+def check_lengths(query_lens: list[int], context_lens: list[int]) -> None:
+    """Raise ValueError unless every request has 1 <= new tokens <= context tokens."""
+    if len(query_lens) != len(context_lens):
+        raise ValueError("query_lens and context_lens differ in length")
+    if any(q <= 0 or q > c for q, c in zip(query_lens, context_lens)):
+        raise ValueError("every request needs 1 <= new tokens <= context tokens")
 
 
 @dataclass

@@ -4,8 +4,10 @@ Place in the data flow: the engine loop takes a `ScheduledBatch` from the engine
 scheduler and hands it here with the hidden states received from the previous stage (None on
 a first stage). The worker executes the batch's swap plan on the shared `KVCache` (device ->
 host copies first, then host -> device), builds the attention metadata from the batch's
-layer-wise block tables, and runs the `Stage`. It returns the hidden states for the next stage
-or, on a last stage, the logits of the requests that sample a token this step.
+layer-wise block tables (on CUDA, the tables stay on the device between steps and only new
+blocks are sent: engine/worker/block_tables.py), and runs the `Stage`. It returns the hidden
+states for the next stage or, on a last stage, the logits of the requests that sample a token
+this step.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from paraflex.engine.kernels import native_attention, native_ops
+from paraflex.engine.worker import block_tables
 from paraflex.engine.worker.attention import AttentionMetadata
 from paraflex.engine.worker.kv_cache import KVCache
 from paraflex.engine.worker.model import Stage
@@ -38,6 +41,7 @@ class Worker:
         self.stages: dict[str, Stage] = {}
         self._views: dict[str, torch.Tensor] = {}
         self.graphs: dict = {}  # model -> its stage's decode CUDA graphs (engine/kernels/cuda_graphs.py)
+        self.metadata: dict[str, block_tables.IncrementalMetadata] = {}  # model -> its device-kept tables
         if self.device.type == "cpu":
             native_attention.load()  # build/load the kernels now, not in the first request's step
             native_ops.LIBRARY.load()
@@ -46,6 +50,9 @@ class Worker:
         self.stages[model] = stage
         a = stage.arch
         self._views[model] = self.kv.model_view(a.num_kv_heads, a.head_dim, stage.dtype)
+        if block_tables.enabled(self.device):
+            self.metadata[model] = block_tables.IncrementalMetadata(stage.num_layers, self._views[model].shape[2],
+                                                                    self.device)
 
     def capture_decode_graphs(self, max_batch_size: int, reserved: int, label: str, progress=None) -> None:
         """Capture CUDA graphs of every resident stage's decode steps (CUDA only)."""
@@ -79,11 +86,15 @@ class Worker:
                 raise ParaflexError(f"batch {batch.batch_id}: {inputs.shape[0]} hidden rows received for "
                                     f"{batch.num_tokens} tokens")
         view = self._views[batch.model]
-        tables = [[r.block_table[layer] for r in reqs] for layer in range(stage.num_layers)]
-        meta = AttentionMetadata.build(
-            [r.num_tokens for r in reqs], [r.context_len for r in reqs], tables,
-            view.shape[2], self.device,
-        )
+        incremental = self.metadata.get(batch.model)
+        if incremental is not None:
+            meta = incremental.build(reqs)
+        else:
+            tables = [[r.block_table[layer] for r in reqs] for layer in range(stage.num_layers)]
+            meta = AttentionMetadata.build(
+                [r.num_tokens for r in reqs], [r.context_len for r in reqs], tables,
+                view.shape[2], self.device,
+            )
         if self.device.type == "cpu" and self.max_threads > 1:
             serial = not stage.packed and batch.num_tokens <= SERIAL_MAX_TOKENS
             threads = 1 if serial else self.max_threads
