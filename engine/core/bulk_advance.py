@@ -1,30 +1,46 @@
-"""Bulk decode advance: k rounds of the driving protocol for one decode batch, in one call.
+"""Bulk decode advance: many rounds of the driving protocol for decode batches, in one call.
 
-Place in the data flow: a mixin of `EngineScheduler` (engine/core/scheduler.py) used only by the
-simulator's decode fast-forward (simulator/fastpath/fast_forward.py) and joint replay
-(simulator/fastpath/joint_replay.py), which prove first that the cycles run undisturbed. Split out so
-that the fast paths' state changes live in one file.
+Place in the data flow: one `BulkAdvance` per `EngineScheduler` (engine/core/scheduler.py, its
+`bulk`), used only by the simulator's fast path (simulator/fastpath/), which proves first that
+the rounds run undisturbed and computes every decision itself; these calls then leave the
+scheduler in exactly the state the rounds one by one leave (the same requests' states, queues
+and ages, the same KV blocks allocated in the same order, the same counters). The decode
+fast-forward uses `advance_first_decode` / `advance_later_decode`; the joint replay of a
+pipeline with the one-stage replicas on its engines the `replay_*` calls, in the order its cut
+applies them. tests/simulator/test_sim_fast_forward.py and test_sim_joint_replay.py pin this
+against the step-by-step path.
 """
 
 from __future__ import annotations
 
+from paraflex.engine.core.block_pool import BlockPool
+from paraflex.engine.core.first_stage_batches import FirstStageBatches
+from paraflex.engine.core.later_stage_batches import LaterStageBatches
 from paraflex.engine.core.messages import DECODE
-from paraflex.engine.core.queues import ResidentStage
+from paraflex.engine.core.queue_order import QueueOrder
+from paraflex.engine.core.queues import ResidentStage, ResidentStages
 from paraflex.engine.core.request import BLOCKED, FINISHED, RUNNING, WAITING_DECODE, StageRequest
+from paraflex.engine.core.request_table import RequestTable
 from paraflex.engine.core.scheduled import ProtocolError, ScheduledBatch
 
 
 class BulkAdvance:
-    """`advance_first_decode` / `advance_later_decode` for `EngineScheduler`."""
+    """State moves of the simulator's fast path over one engine's scheduler parts."""
 
-    # ------------------------------------------------------------------ bulk decode advance
-    # The simulator's fast-forward (simulator/fastpath/fast_forward.py) calls these when it has proved
-    # that the next k cycles of one decode batch run undisturbed: no other work on the engines
-    # of its route, no request finishing, KV growing into free blocks. They leave exactly the
-    # state that k rounds of the protocol (complete / token message / schedule at the first
-    # stage; receive_batch / schedule / complete at a later stage) would leave, with the same
-    # blocks allocated in the same order; tests/simulator/test_sim_fast_forward.py pins this against
-    # the step-by-step path.
+    def __init__(self, pool: BlockPool, requests: RequestTable, order: QueueOrder, first: FirstStageBatches,
+                 later: LaterStageBatches, stages: ResidentStages, engine_id: int):
+        self.pool = pool
+        self.requests = requests
+        self.order = order
+        self.first = first
+        self.later = later
+        self.stages = stages
+        self.engine_id = engine_id
+
+    # ------------------------------------------------------------------ decode fast-forward
+    # simulator/fastpath/fast_forward.py calls these when it has proved that the next k cycles
+    # of one decode batch run undisturbed: no other work on the engines of its route, no
+    # request finishing, KV growing into free blocks.
     def advance_first_decode(self, batch: ScheduledBatch, k: int) -> None:
         """First stage: `batch` (a decode batch just formed by `schedule`, all members running)
         completes, its tokens come back and the same members form k - 1 further batches that
@@ -39,15 +55,15 @@ class BulkAdvance:
         self._grow_in_order(reqs, 2, k - 1)
         for req in reqs:
             req.context_len += k - 1
-        self.decisions += k - 1
-        self._batch_seq += k - 1
+        self.order.decisions += k - 1
+        self.first.batch_seq += k - 1
         q = st.decode_q
         for req in reqs:  # the k-th completion and its token message
             req.context_len += 1
             req.generated += k
             req.transition(BLOCKED)
             req.transition(WAITING_DECODE)
-            q.push(req, self.decisions)
+            q.push(req, self.order.decisions)
 
     def advance_later_decode(self, model: str, stage: int, req_ids: list[str], k: int) -> None:
         """Later stage: k decode batches of exactly `req_ids` (all blocked here) arrive, run and
@@ -62,16 +78,14 @@ class BulkAdvance:
         if st.is_last:
             for req in reqs:
                 req.generated += k
-        self._seq += k
-        self.decisions += k
+        self.requests.seq += k
+        self.order.decisions += k
 
     # ------------------------------------------------------------------ joint replay
-    # simulator/fastpath/joint_replay.py replays several decode batches interleaved on one engine (a
+    # simulator/fastpath/ replays several decode batches interleaved on one engine (a
     # pipeline's stage and one-stage replicas); it computes every decision itself and applies
     # the outcome with these calls: the members' states and queues, then the engine's KV growth
-    # in decision order, its counters and its queues' ages. Together they leave the state the
-    # decisions one by one leave (tests/simulator/test_sim_joint_replay.py compares whole runs with the
-    # step-by-step path).
+    # in decision order, its counters and its queues' ages.
     def replay_first_decode(self, model: str, req_ids: list[str], k: int | list[int], since: int, running: bool) -> None:
         """A one-stage replica: the members (running in a batch just formed if `running`, else
         waiting in the decode queue, of which they are the whole content) go through k cycles
@@ -98,13 +112,6 @@ class BulkAdvance:
         for req in reqs:
             q.push(req, since)
 
-    def replay_prefill_done(self, batch: ScheduledBatch) -> None:
-        """A one-stage replica's prompt batch whose end the replay took over: `complete` and its
-        token back (`receive_tokens`, the first token) as at that end. (The age of the decode
-        queue it joins is set by `replay_first_decode` / `replay_ages`, or, still running at
-        the cut, is the decision count after `replay_counters`.)"""
-        self.receive_tokens(self.complete(batch).token_message)
-
     def replay_pipeline_first(self, model: str, members: list[tuple[str, int, int, str | None]]) -> None:
         """A pipeline's first stage: each (request, context, tokens, batch id) ends blocked in
         that batch (awaiting its token) or, with batch id None, waiting in the decode queue."""
@@ -113,9 +120,10 @@ class BulkAdvance:
         if q.items:
             q.pop_front(len(q.items))
         waiting = []
+        live = self.requests.live
         for rid, ctx, generated, bid in members:
-            req = self._reqs[rid]
-            self._leave_inflight(st, req)
+            req = live[rid]
+            st.leave_inflight(req)
             req.context_len = ctx
             req.generated = generated
             if bid is None:
@@ -123,10 +131,9 @@ class BulkAdvance:
                 waiting.append(req)
             else:
                 req.state = BLOCKED
-                req.batch_id = bid
-                st.inflight[bid] = st.inflight.get(bid, 0) + 1
+                st.enter_inflight(req, bid)
         for req in waiting:
-            q.push(req, self.decisions)
+            q.push(req, self.order.decisions)
 
     def replay_pipeline_later(self, model: str, stage: int, members: list[tuple[str, int, int]], served: int) -> None:
         """A pipeline's later stage: the first `served` received batches waiting here ran; each
@@ -134,19 +141,20 @@ class BulkAdvance:
         st = self._check_bulk(model, stage, 1)
         if served:
             st.decode_q.pop_front(served)
+        live = self.requests.live
         for rid, ctx, generated in members:
-            req = self._reqs[rid]
+            req = live[rid]
             req.context_len = ctx
             if st.is_last:
                 req.generated = generated
             req.state = BLOCKED
 
-    def replay_receive(self, msg, decisions: int, seq: int) -> None:
-        """A batch received during the replay, still waiting at its end: `receive_batch` as at
-        its arrival (after `decisions` decisions, `seq` received messages and requests)."""
-        self.decisions = decisions
-        self._seq = seq
-        self.receive_batch(msg)
+    def restore_counters(self, decisions: int, seq: int) -> None:
+        """The decision count and the last sequence number as at an earlier instant, for a
+        protocol call the replay makes as at that instant (`receive_batch` of a batch that
+        arrived in the replay, `add_request` of a request it admitted)."""
+        self.order.decisions = decisions
+        self.requests.seq = seq
 
     def replay_grows(self, grows: list) -> None:
         """The replayed decisions' KV growth, (allocation, target tokens), and the frees of the
@@ -175,24 +183,16 @@ class BulkAdvance:
 
     def replay_pipeline_gone(self, model: str, stage: int, req_ids: list[str]) -> None:
         """A pipeline's requests that produced their last token in the replay (on the first
-        stage: whose token came back): gone from this stage, as `_finish` leaves them (after
-        `replay_pipeline_first` / `replay_pipeline_later`); their KV is freed by
+        stage: whose token came back): gone from this stage, as `EngineScheduler.free` leaves
+        them (after `replay_pipeline_first` / `replay_pipeline_later`); their KV is freed by
         `replay_grows`, in order with the growth."""
         st = self._check_bulk(model, stage, 1)
         for rid in req_ids:
-            req = self._reqs.get(rid)
+            req = self.requests.live.get(rid)
             if req is None or req.state not in (BLOCKED, RUNNING, WAITING_DECODE) or req.abort_pending:
                 raise ProtocolError(f"replay_pipeline_gone: request {rid!r} is not a live decode request on engine {self.engine_id}")
-            self._leave_inflight(st, req)
+            st.leave_inflight(req)
             self._replay_gone(req)
-
-    def replay_admit(self, req_id: str, model: str, prompt_len: int, max_new_tokens: int, arrival: float,
-                     decisions: int, seq: int) -> None:
-        """A new request the replay admitted at its arrival: `add_request` as then, after
-        `decisions` decisions, its sequence number `seq`."""
-        self.decisions = decisions
-        self._seq = seq - 1
-        self.add_request(req_id, model, prompt_len, max_new_tokens, arrival)
 
     def replay_form_prefill(self, model: str, now: float, decisions: int, batch_seq: int) -> ScheduledBatch:
         """The decision forming the prompt batch of the one request waiting in `model`'s prefill
@@ -202,13 +202,14 @@ class BulkAdvance:
         st = self._check_bulk(model, 0, 1)
         if len(st.prefill_q.items) != 1:
             raise ProtocolError(f"replay_form_prefill: {model}'s prefill queue on engine {self.engine_id} does not hold one request")
-        self.decisions = decisions
-        seq, self._batch_seq = self._batch_seq, batch_seq
-        batch = self.policy.attempt(self, st.prefill_q, now)
-        self._batch_seq = seq
+        self.order.decisions = decisions
+        first = self.first
+        seq, first.batch_seq = first.batch_seq, batch_seq
+        batch = self.order.attempt(st.prefill_q, now)  # as the policy serves it
+        first.batch_seq = seq
         if batch is None or batch.swap_out or batch.swap_in:
             raise ProtocolError(f"replay_form_prefill: {model}'s prompt on engine {self.engine_id} is not admitted")
-        self.decisions += 1
+        self.order.decisions += 1
         return batch
 
     def replay_form(self, model: str, n: int, now: float) -> ScheduledBatch:
@@ -218,28 +219,29 @@ class BulkAdvance:
         st = self._check_bulk(model, 0, 1)
         if len(st.decode_q.items) != n:
             raise ProtocolError(f"replay_form: {model}'s decode queue on engine {self.engine_id} does not hold {n} requests")
-        batch = self.try_first_decode(st, n, now)
+        batch = self.first.decode(st, n, now)
         if batch is None or len(batch.requests) != n or batch.swap_out or batch.swap_in:
             raise ProtocolError(f"replay_form: {model}'s {n} requests on engine {self.engine_id} do not fit")
-        self.decisions += 1
+        self.order.decisions += 1
         return batch
 
     def replay_counters(self, decisions: int, seq: int, formed: int, promotions: int) -> None:
         """After the replayed decisions: the decision count, the sequence number (received
         batches), first-stage batches formed, and the starvation promotions among them."""
-        self.decisions = decisions
-        self._seq = seq
-        self._batch_seq += formed
-        self.stats["starvation_promotions"] += promotions
+        self.order.decisions = decisions
+        self.requests.seq = seq
+        self.first.batch_seq += formed
+        self.order.promotions += promotions
 
     def replay_ages(self, model: str, since: int, others: list[tuple[str, int]]) -> None:
         """The decision at which each non-empty decode queue (the pipeline's stage of `model`
         here, and each one-stage (model, since) of `others`) was last served or became non-empty."""
         for m, when in [(model, since), *others]:
-            q = self.stage_of(m).decode_q
+            q = self._resident(m).decode_q
             if q.items and q.since != when:
                 q.touch(when)
 
+    # ------------------------------------------------------------------ helpers
     def _grow_in_order(self, reqs: list[StageRequest], offset: int, cycles: int) -> None:
         """The KV growth of `cycles` cycles in which cycle i takes every member, in order, to
         cover context_len + i + offset tokens: the same `grow` calls (same targets, same
@@ -260,25 +262,31 @@ class BulkAdvance:
             grow(reqs[j].alloc, target)
 
     def _replay_gone(self, req: StageRequest) -> None:
-        """A request that finished in a replay leaves this engine, as `_finish` leaves it (its KV
-        freed by `replay_grows`)."""
+        """A request that finished in a replay leaves this engine, as `EngineScheduler.free`
+        leaves it (its KV freed by `replay_grows`)."""
         req.state = FINISHED
-        del self._reqs[req.req_id]
-        self._chunk_keys.pop(req.req_id, None)
-        self._remember(req.req_id, FINISHED)
+        self.requests.retire(req, FINISHED)
+        self.later.forget(req.req_id)
+
+    def _resident(self, model: str) -> ResidentStage:
+        """The stage of `model` resident here."""
+        st = self.stages.of(model)
+        if st is None:
+            raise ProtocolError(f"engine {self.engine_id} hosts no stage of model {model!r}")
+        return st
 
     def _check_bulk(self, model: str, stage: int, k: int) -> ResidentStage:
         if k < 1:
             raise ProtocolError(f"bulk advance of {k} cycles; give at least one")
-        if self.track_history:
+        if self.requests.track_history:
             raise ProtocolError("bulk advance skips state transitions; it cannot run with track_history")
-        st = self._by_key.get((model, stage))
+        st = self.stages.at(model, stage)
         if st is None:
             raise ProtocolError(f"engine {self.engine_id} hosts no stage {stage} of {model!r}")
         return st
 
     def _bulk_member(self, req_id: str, state: str) -> StageRequest:
-        req = self._reqs.get(req_id)
+        req = self.requests.live.get(req_id)
         if req is None or req.state != state or req.abort_pending or req.alloc is None or req.alloc.on_host:
             raise ProtocolError(f"bulk advance: request {req_id!r} is not {state} with resident KV on engine {self.engine_id}")
         return req

@@ -3,25 +3,27 @@
 Place in the data flow: `EngineScheduler` (engine/core/scheduler.py) keeps, per resident (model,
 stage), a `ResidentStage` with its queues (a first stage: waiting prompts and ready decodes;
 a later stage: received batches, `PendingBatch`, by kind). A `Queue` keeps its items sorted by
-arrival key and tells its owner when its head or size changes (the policy class heaps and the
-starvation ages live on the scheduler, engine/core/queue_heaps.py). Pure Python.
+arrival key (`arrival_key`) and tells its `QueueOrder` (engine/core/queue_order.py, which makes
+the queues and keeps the policy class heaps and the starvation ages) when it was served or its
+head or size changed. Pure Python.
 """
 
 from __future__ import annotations
 
 from bisect import insort
 from dataclasses import dataclass, field
-from heapq import heappush
-from itertools import count
 from typing import TYPE_CHECKING
 
 from paraflex.engine.core.messages import BatchMessage, DecodeEntry, PrefillEntry
-from paraflex.engine.core.request import StageRequest
+from paraflex.engine.core.request import BLOCKED, SWAPPED_BLOCKED, StageRequest
 
 if TYPE_CHECKING:
-    from paraflex.engine.core.scheduler import EngineScheduler
+    from paraflex.engine.core.queue_order import QueueOrder
 
-_TICK = count()  # unique tie-break for the ages heap
+
+def arrival_key(item):
+    """The sort key of a queued request or received batch: (arrival, sequence number)."""
+    return item.key
 
 
 @dataclass
@@ -51,53 +53,91 @@ class ResidentStage:
     def queues(self) -> tuple["Queue", ...]:
         return (self.prefill_q, self.decode_q) if self.is_first else (self.full_q, self.decode_q, self.prefill_q)
 
+    def enter_inflight(self, req: StageRequest, batch_id: str) -> None:
+        """First stage: `req` ran in `batch_id` and now awaits its token."""
+        req.batch_id = batch_id
+        self.inflight[batch_id] = self.inflight.get(batch_id, 0) + 1
+
+    def leave_inflight(self, req: StageRequest) -> None:
+        """First stage: `req` no longer awaits the token of the batch it ran in (it came, or
+        the request ended)."""
+        if self.is_first and req.state in (BLOCKED, SWAPPED_BLOCKED) and req.batch_id is not None:
+            n = self.inflight.get(req.batch_id, 0) - 1
+            if n > 0:
+                self.inflight[req.batch_id] = n
+            else:
+                self.inflight.pop(req.batch_id, None)
+            req.batch_id = None
+
+
+class ResidentStages:
+    """The stages resident on one engine (`all`, in the order they were added), found by
+    (model, stage) or by model: one engine hosts at most one stage of a model."""
+
+    def __init__(self):
+        self.all: list[ResidentStage] = []
+        self._by_key: dict[tuple[str, int], ResidentStage] = {}
+        self._by_model: dict[str, ResidentStage] = {}
+
+    def add(self, st: ResidentStage) -> None:
+        self.all.append(st)
+        self._by_key[st.key] = st
+        self._by_model[st.model] = st
+
+    def at(self, model: str, stage: int) -> ResidentStage | None:
+        return self._by_key.get((model, stage))
+
+    def of(self, model: str) -> ResidentStage | None:
+        return self._by_model.get(model)
+
+    def first_of(self, model: str) -> ResidentStage | None:
+        """`model`'s first stage, if it is the stage resident here."""
+        st = self._by_model.get(model)
+        return st if st is not None and st.is_first else None
+
 
 class Queue:
     """Items sorted by arrival key, plus the decision index it last was served/became non-empty.
 
-    Every change of `since` also goes on the engine's `ages` heap, so that finding starving
+    Every change of `since` also goes on its order's ages heap, so that finding starving
     queues costs O(1) per decision while none starves.
     """
 
-    __slots__ = ("items", "since", "stage", "name", "owner", "reg")
+    __slots__ = ("items", "since", "stage", "name", "order", "reg")
 
-    def __init__(self, stage: ResidentStage, name: str, owner: "EngineScheduler"):
+    def __init__(self, stage: ResidentStage, name: str, order: "QueueOrder"):
         self.items: list = []
         self.since = 0
         self.stage = stage
         self.name = name
-        self.owner = owner
+        self.order = order
         self.reg: tuple | None = None  # (class, head key, tick) of its live entry in a class heap
 
     def touch(self, decision: int) -> None:
         """Mark the queue served (or newly non-empty) at `decision`."""
         self.since = decision
-        heappush(self.owner._ages, (decision, next(_TICK), self))
+        self.order.aged(self, decision)
 
     def push(self, item, decision: int) -> None:
         if not self.items:
             self.touch(decision)
-        insort(self.items, item, key=_key)
-        if self.items[0] is item or self.owner._classify_on_len:
-            self.owner._requeue(self)
+        insort(self.items, item, key=arrival_key)
+        if self.items[0] is item or self.order.classify_on_len:
+            self.order.requeue(self)
 
     def pop_front(self, n: int) -> None:
         del self.items[:n]
-        self.owner._requeue(self)
+        self.order.requeue(self)
 
     def remove(self, item) -> None:
         self.items.remove(item)
-        self.owner._requeue(self)
+        self.order.requeue(self)
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __repr__(self) -> str:
         return f"Queue({self.stage.model}/{self.stage.stage}.{self.name}, {len(self.items)})"
-
-
-def _key(item):
-    return item.key
 
 
 class PendingBatch:

@@ -52,96 +52,60 @@ keep. Every started request ends `finished` or `aborted`, and its KV is freed on
 
 States per (request, stage) follow the paper's Fig. 7 (engine/core/request.py).
 
-Policies (engine/policies/, chosen by name)
--------------------------------------------
-``full-batch-first`` (default, §5): (1) full decode batches (`max_batch_size` requests), then
-(2) prefills (one request per prefill batch by default; `prefill_max_requests` and
-`prefill_token_budget` allow packing), then (3) under-sized decode batches. Ascending arrival
-order within each class, across all resident stages. ``prefill-first`` (vLLM-like): prefills
-packed under the token budget first, then decodes. ``sarathi``: chunked prefill; each first-stage
-batch takes the ready decodes plus prompt chunks up to the token budget, with at most
-`num_stages` micro-batches of a model in flight.
+Policies (engine/core/policies/<name>.py, chosen by name): ``full-batch-first`` (default, §5:
+full decode batches, then prefills, then under-sized decode batches; ascending arrival order
+within each class, across all resident stages), ``prefill-first`` (vLLM-like) and ``sarathi``
+(chunked prefill). A policy orders the queues and says how to serve one; every policy obeys the
+same KV rules.
 
-KV and swapping (§5 "Swapping policy", §6.2)
---------------------------------------------
-A batch takes KV for its new tokens before it runs. A new prompt is admitted at the first stage
-only into free blocks, keeping a watermark (1% of the pool) plus the blocks of every swapped-out
-request free, so admissions never cause swapping nor take the room swapped requests need to
-come back (back-pressure). Work already admitted (decode steps, later-stage batches) evicts when
-it does not fit: victims come from the resident stage with the largest device KV occupancy on
-this engine (re-ranked after each victim), blocked before waiting-decode, newest first; running,
-mid-prompt and same-batch requests are never victims; nothing is ever recomputed. Eviction is
-all-or-nothing: if the batch would not fit even after every possible victim (or the host pool is
-full) nothing moves and the batch waits. A first-stage decode batch that cannot fit shrinks
-(newest members out); a later-stage batch runs whole or waits. Swap-in: a swapped request in a
-batch is swapped back when the batch is formed (first-stage decode batches take ready requests
-in arrival order, swapped or not); and whenever a decision evicted nothing, swapped requests
-come back ahead of need, oldest first, while 10% of the pool (at least the watermark) stays
-free. These copies ride on the returned batch's `swap_in` list. Sizing requirement: each
-stage's pool must hold one full batch of maximum-length requests by itself.
+KV and swapping (§5 "Swapping policy", §6.2): a batch takes KV for its new tokens before it runs;
+new prompts only into free blocks above a watermark, admitted work evicts (swaps out) when it
+does not fit, nothing is ever recomputed; the rules are in engine/core/kv_planner.py.
 
-No model starves (guarantee)
-----------------------------
-Every queue (a first stage's prefill queue and decode queue; a later stage's full-decode,
-under-sized-decode and prefill batch queues) records the decision at which it last was served
-or became non-empty. A non-empty queue not served for more than L decisions jumps ahead of the
-policy's class order; starving queues go oldest head first. L is `starvation_limit`, by default
-max(64, 4 x the number of queues on the engine) so that the policy's order rules in normal
-operation; 0 disables the promotion. A served queue cannot starve again for L decisions, so
-with L >= Q (the number of queues on the engine; the default ensures it) a queue whose head can
-get KV is served within L + Q decisions, whatever other models do. Within a queue the oldest
-request/batch goes first, and a first-stage decode batch takes up to `max_batch_size` of them. A chatty small model beside
-a large one therefore cannot hold back the large model's under-sized decode batches for ever
-(tests/engine/core/test_scheduler_starvation.py).
+No model starves: a non-empty queue not served for more than `starvation_limit` decisions (by
+default max(64, 4 x the number of queues)) jumps ahead of the policy's order, so every queue
+whose head can get KV is served within a bounded number of decisions; the guarantee and its
+bound are in engine/core/queue_order.py.
 
-Files: this module holds `EngineScheduler` (events in, `schedule`, `complete`, queries); its
-mixins hold one job each: queue ordering and starvation (engine/core/queue_heaps.py), KV fitting and
-swap planning (engine/core/kv_planning.py), batch formation (engine/core/batch_forming.py) and the
-simulator's bulk decode advance (engine/core/bulk_advance.py); engine/core/queues.py has the queue types,
-engine/core/scheduled.py what `schedule` and `complete` return.
+Parts (each owns its state; `EngineScheduler` wires them and holds no decision logic of its own
+beyond `schedule` below): `QueueOrder` (engine/core/queue_order.py: the queues, the policy's
+class heaps, the starvation promotion, the decision count); the policy
+(engine/core/policies/<name>.py: the class of each queue, how a queue is served); the batch
+formers `FirstStageBatches` (engine/core/first_stage_batches.py: decode, prompt and chunked
+batches) and `LaterStageBatches` (engine/core/later_stage_batches.py: received batches, run as
+formed); `KVPlanner` (engine/core/kv_planner.py: fitting a batch's KV, swap victims, the
+watermark, swap-in ahead); `RequestTable` (engine/core/request_table.py: live and ended requests,
+sequence numbers); `BulkAdvance` (engine/core/bulk_advance.py: the simulator's fast path's bulk
+state moves). engine/core/queues.py has the queue types, engine/core/scheduled.py what
+`schedule` and `complete` return.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Collection, Mapping
+from functools import partial
 
-from paraflex.errors import ConfigError, ParaflexError, UserError
-from paraflex.engine.core.batch_forming import BatchForming
+from paraflex.errors import ConfigError, ParaflexError
 from paraflex.engine.core.block_pool import BlockPool, tokens_per_block
 from paraflex.engine.core.bulk_advance import BulkAdvance
-from paraflex.engine.core.kv_planning import KVPlanning
-from paraflex.engine.core.messages import (
-    DECODE,
-    PREFILL,
-    BatchMessage,
-    FreeMessage,
-    TokenEntry,
-    TokenMessage,
-)
-from paraflex.engine.core.queue_heaps import QueueHeaps
-from paraflex.engine.core.queues import PendingBatch, Queue, ResidentStage
-from paraflex.engine.core.request import (
-    ABORTED,
-    BLOCKED,
-    FINISHED,
-    RUNNING,
-    SWAPPED_BLOCKED,
-    SWAPPED_DECODE,
-    WAITING_DECODE,
-    WAITING_PREFILL,
-    StageRequest,
-)
+from paraflex.engine.core.first_stage_batches import FirstStageBatches
+from paraflex.engine.core.kv_planner import KVPlanner
+from paraflex.engine.core.later_stage_batches import LaterStageBatches
+from paraflex.engine.core.messages import PREFILL, BatchMessage, FreeMessage, TokenEntry, TokenMessage
+from paraflex.engine.core.policies import Policy, get_policy
+from paraflex.engine.core.queue_order import QueueOrder
+from paraflex.engine.core.queues import PendingBatch, Queue, ResidentStage, ResidentStages
+from paraflex.engine.core.request import (ABORTED, BLOCKED, FINISHED, RUNNING, SWAPPED_DECODE, WAITING_DECODE,
+                                          WAITING_PREFILL, StageRequest)
+from paraflex.engine.core.request_table import RequestTable
 from paraflex.engine.core.scheduled import Completion, ProtocolError, ScheduledBatch, ScheduledRequest
 
-# the engine core's scheduler API, importable from here as before the split into mixins
+# the engine core's scheduler API, importable from here
 __all__ = ["Completion", "EngineScheduler", "PendingBatch", "ProtocolError", "Queue", "ResidentStage",
            "ScheduledBatch", "ScheduledRequest"]
 
-_GONE_MEMORY = 100_000  # ids of finished/aborted requests remembered to drop late messages
 
-
-class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
+class EngineScheduler:
     """Per-engine scheduler over resident stages and one block pool (see module docstring)."""
 
     def __init__(
@@ -156,8 +120,6 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
         engine_id: int = 0,
         track_history: bool = False,
     ):
-        from paraflex.engine.core.policies import get_policy
-
         if max_batch_size < 1:
             raise ConfigError("scheduler.max_batch_size", f"must be >= 1 (got {max_batch_size})")
         if prefill_token_budget < 1:
@@ -170,31 +132,29 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
             raise ConfigError("scheduler.watermark", f"must be in [0, 1) (got {watermark})")
         self.pool = pool
         self.max_batch_size = max_batch_size
-        self.policy = get_policy(policy)
         self.prefill_token_budget = prefill_token_budget
-        self.prefill_max_requests = prefill_max_requests or self.policy.default_prefill_max_requests(max_batch_size)
-        self.starvation_limit = starvation_limit
-        self.watermark_blocks = int(watermark * pool.capacity + 0.999999) if watermark else 0
-        # free blocks kept when swapping in ahead of need, so the swap-in does not force an eviction
-        self.headroom_blocks = max(self.watermark_blocks, pool.capacity // 10)
         self.engine_id = engine_id
-        self.track_history = track_history
-        self.stages: list[ResidentStage] = []
-        self._by_key: dict[tuple[str, int], ResidentStage] = {}
-        self._first: dict[str, ResidentStage] = {}
-        self._reqs: dict[str, StageRequest] = {}
-        self._ages: list = []  # heap of (since, tick, queue): see Queue
-        self._heaps: list[list] = [[] for _ in range(self.policy.num_classes)]  # per class: (head key, tick, queue)
-        self._classify_on_len = self.policy.classify_on_len
-        self._starvation_auto = 64
-        self._swapped: set[StageRequest] = set()  # requests whose KV is in the host pool
-        self._gone: OrderedDict[str, str] = OrderedDict()  # finished/aborted ids -> final state
-        self._chunk_keys: dict[str, tuple] = {}  # later stages: req_id -> key of the batch with its latest chunk
-        self._seq = 0
-        self._batch_seq = 0
-        self._last_pick: tuple | None = None  # (class, head key, queue) of the last policy pick; None if promoted
-        self.decisions = 0
-        self.stats = {"swap_out_blocks": 0, "swap_in_blocks": 0, "swap_outs": 0, "swap_ins": 0, "starvation_promotions": 0}
+        self.resident = ResidentStages()
+        self.stages: list[ResidentStage] = self.resident.all
+        self.requests = RequestTable(track_history)
+        self.order = QueueOrder(starvation_limit)
+        self.policy = get_policy(policy)
+        self.prefill_max_requests = prefill_max_requests or self.policy.default_prefill_max_requests(max_batch_size)
+        self.kv = KVPlanner(pool, self.requests.live.values, self.stages, watermark)
+        self.first_stage = FirstStageBatches(pool, self.kv, self.order, engine_id)
+        self.later_stage = LaterStageBatches(pool, self.kv, self.order, self.requests, max_batch_size, engine_id)
+        self.bulk = BulkAdvance(pool, self.requests, self.order, self.first_stage, self.later_stage, self.resident, engine_id)
+
+    @property
+    def policy(self) -> Policy:
+        """The scheduling policy (engine/core/policies/): the class of each queue, how to serve one."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self._policy = policy
+        self.order.follow(policy.num_classes, partial(policy.classify, self), partial(policy.attempt, self),
+                          policy.classify_on_len)
 
     @classmethod
     def from_config(cls, pool: BlockPool, scheduler_config, engine_id: int = 0) -> "EngineScheduler":
@@ -216,133 +176,58 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
             raise ConfigError(f"{model}.stage", f"stage {stage} outside 0..{num_stages - 1}")
         if num_layers < 1:
             raise ConfigError(f"{model}.num_layers", f"stage {stage} needs >= 1 layer (got {num_layers})")
-        if any(s.model == model for s in self.stages):
+        if self.resident.of(model) is not None:
             raise ConfigError(f"{model}.stages", f"engine {self.engine_id} already hosts a stage of {model}; one engine holds at most one stage per model")
         st = ResidentStage(model, stage, num_layers, kv_bytes_per_token_per_layer, num_stages,
                            tokens_per_block(self.pool.block_bytes, kv_bytes_per_token_per_layer, model))
-        if st.is_first:
-            st.prefill_q, st.decode_q = Queue(st, "prefill", self), Queue(st, "decode", self)
-        else:
-            st.full_q, st.decode_q, st.prefill_q = Queue(st, "full", self), Queue(st, "decode", self), Queue(st, "prefill", self)
-        self._starvation_auto = max(64, 4 * sum(len(x.queues()) for x in self.stages + [st]))
-        self.stages.append(st)
-        self._by_key[st.key] = st
-        if st.is_first:
-            self._first[model] = st
+        self.order.attach(st)
+        self.resident.add(st)
         return st
 
     def stage_of(self, model: str) -> ResidentStage:
-        for st in self.stages:
-            if st.model == model:
-                return st
-        raise ProtocolError(f"engine {self.engine_id} hosts no stage of model {model!r}")
+        st = self.resident.of(model)
+        if st is None:
+            raise ProtocolError(f"engine {self.engine_id} hosts no stage of model {model!r}")
+        return st
 
     def kv_token_limits(self) -> dict[str, tuple[int, int]]:
         """Per resident model, what one request's KV may take of this engine's pool for its
-        stage: (prompt tokens a first stage admits into an otherwise empty pool, above the
-        watermark; tokens of its whole context, prompt + max_tokens - 1). Serving backends
-        refuse a request over either up front (paraflex/serving/admission.py): it could never run."""
-        out = {}
-        for st in self.stages:
-            per_layer = self.pool.capacity // st.num_layers
-            prompt = (self.pool.capacity - self.watermark_blocks) // st.num_layers if st.is_first else per_layer
-            out[st.model] = (prompt * st.tokens_per_block, per_layer * st.tokens_per_block)
-        return out
+        stage (`KVPlanner.token_limits`); serving backends refuse a request over either up
+        front (paraflex/serving/admission.py): it could never run."""
+        return self.kv.token_limits()
 
     # ------------------------------------------------------------------ events in
     def add_request(self, req_id: str, model: str, prompt_len: int, max_new_tokens: int, arrival_time: float,
                     prompt_token_ids: list[int] | None = None, sampling: dict | None = None) -> StageRequest:
         """A new request at its model's first stage (state waiting-prefill)."""
-        st = self._first.get(model)
+        st = self.resident.first_of(model)
         if st is None:
             raise ProtocolError(f"engine {self.engine_id} hosts no first stage of {model!r}; dispatch to the replica's first engine")
-        if req_id in self._reqs or req_id in self._gone:
-            raise ProtocolError(f"request id {req_id!r} already used on engine {self.engine_id}; request ids must be unique")
-        if prompt_len < 1:
-            raise ConfigError("prompt_len", f"request {req_id!r} has {prompt_len} prompt tokens; send at least one")
-        if max_new_tokens < 1:
-            raise ConfigError("max_tokens", f"request {req_id!r} asks for {max_new_tokens} new tokens; ask for at least one")
-        if prompt_token_ids is not None and len(prompt_token_ids) != prompt_len:
-            raise ProtocolError(f"request {req_id!r}: prompt_len {prompt_len} != len(prompt_token_ids) {len(prompt_token_ids)}")
-        longest = prompt_len + max_new_tokens - 1  # the last token is never fed back
-        blocks = -(-longest // st.tokens_per_block) * st.num_layers
-        if blocks > self.pool.capacity:
-            raise UserError(
-                f"request {req_id!r}: {prompt_len} prompt tokens + max_tokens {max_new_tokens} need {blocks} KV blocks "
-                f"at {model} stage 0, but engine {self.engine_id} holds {self.pool.capacity}; shorten the prompt or lower max_tokens "
-                f"(or give the engine more KV memory: cluster.memory_gb, or fewer stages per engine)"
-            )
-        req = self._new_request(req_id, st, arrival_time, prompt_len, max_new_tokens, sampling,
-                                list(prompt_token_ids) if prompt_token_ids is not None else None)
-        st.prefill_q.push(req, self.decisions)
+        self.requests.check_new(req_id, prompt_len, max_new_tokens, prompt_token_ids, self.engine_id)
+        self.kv.check_fits_ever(req_id, st, prompt_len, max_new_tokens, self.engine_id)
+        req = self.requests.open(req_id, st, arrival_time, prompt_len, max_new_tokens, sampling,
+                                 list(prompt_token_ids) if prompt_token_ids is not None else None)
+        st.prefill_q.push(req, self.order.decisions)
         return req
 
     def receive_batch(self, msg: BatchMessage) -> bool:
         """A batch formed upstream arrives at a later stage; it runs later as one batch. False
         when none of its requests is live here any more (nothing will run: drop its tensors)."""
-        st = self._by_key.get((msg.model, msg.stage))
+        st = self.resident.at(msg.model, msg.stage)
         if st is None or st.is_first:
             raise ProtocolError(f"engine {self.engine_id} hosts no later stage {msg.stage} of {msg.model!r}")
-        self._seq += 1
-        pb = PendingBatch(msg, self._seq)
-        row = 0
-        floor = None  # key of the latest batch holding an earlier chunk of one of our prompts
-        for e in msg.prefills:
-            if e.req_id in self._gone:  # ended here already: its rows are not run
-                row += e.num_tokens
-                pb.dropped = True
-                continue
-            req = self._reqs.get(e.req_id)
-            if req is None:
-                req = self._new_request(e.req_id, st, e.arrival, e.prompt_len, e.max_new_tokens, e.sampling, None)
-            elif req.state == BLOCKED:
-                req.transition(WAITING_PREFILL)
-            elif req.state not in (WAITING_PREFILL, RUNNING):  # RUNNING: its previous chunk runs now
-                raise ProtocolError(f"prefill chunk for {e.req_id!r} at {st.model}/{st.stage} in state {req.state}")
-            if req.pending_chunks or req.state == RUNNING:  # an earlier chunk waits or runs here
-                prev = self._chunk_keys.get(e.req_id)
-                if prev is not None and (floor is None or prev > floor):
-                    floor = prev
-            req.pending_chunks += 1
-            pb.prefills.append((req, e))
-            pb.rows.append((row, row + e.num_tokens))
-            row += e.num_tokens
-        for e in msg.decodes:
-            if e.req_id in self._gone:
-                row += 1
-                pb.dropped = True
-                continue
-            req = self._reqs.get(e.req_id)
-            if req is None:
-                raise ProtocolError(f"decode step for unknown request {e.req_id!r} at {st.model}/{st.stage}; its prefill never arrived")
-            if req.context_len != e.position:
-                raise ProtocolError(f"decode step for {e.req_id!r} at position {e.position}, but {req.context_len} tokens have KV here")
-            req.transition(WAITING_DECODE if req.state == BLOCKED else SWAPPED_DECODE)
-            pb.decodes.append((req, e))
-            pb.rows.append((row, row + 1))
-            row += 1
-        if not len(pb):
-            return False
-        pb.key = (min(r.arrival for r in pb.members()), pb.seq)
-        # A later chunk must never sort ahead of the batch with the chunk before it (its head
-        # would wait for that chunk, which waits behind it: a stall under chunked prefill).
-        if floor is not None and floor[0] > pb.key[0]:
-            pb.key = (floor[0], pb.seq)
-        for req, _ in pb.prefills:
-            self._chunk_keys[req.req_id] = pb.key
-        pb.queue = self._pending_queue(st, pb)
-        pb.queue.push(pb, self.decisions)
-        return True
+        return self.later_stage.receive(st, msg)
 
     def receive_tokens(self, msg: TokenMessage) -> None:
         """Tokens sampled by the last stage arrive at the first stage."""
-        st = self._first.get(msg.model)
+        st = self.resident.first_of(msg.model)
         if st is None:
             raise ProtocolError(f"engine {self.engine_id} hosts no first stage of {msg.model!r} for token message {msg.batch_id}")
+        live = self.requests.live
         for e in msg.entries:
-            req = self._reqs.get(e.req_id)
+            req = live.get(e.req_id)
             if req is None:
-                if e.req_id in self._gone:
+                if e.req_id in self.requests.gone:
                     continue
                 raise ProtocolError(f"token for unknown request {e.req_id!r} at {msg.model} first stage")
             if req.abort_pending:
@@ -350,17 +235,17 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
             if e.finished:
                 self._finish(req, FINISHED)
                 continue
-            self._leave_inflight(st, req)
+            st.leave_inflight(req)
             if not st.is_last:  # a one-stage model counted the token in complete() already
                 req.generated += 1
             if req.token_ids is not None and e.token_id is not None:
                 req.token_ids.append(e.token_id)
             req.transition(WAITING_DECODE if req.state == BLOCKED else SWAPPED_DECODE)
-            st.decode_q.push(req, self.decisions)
+            st.decode_q.push(req, self.order.decisions)
 
     def free(self, req_id: str) -> bool:
         """Request finished: free its KV here. Idempotent; False if nothing was held."""
-        req = self._reqs.get(req_id)
+        req = self.requests.live.get(req_id)
         if req is None:
             return False
         if req.state == RUNNING:
@@ -373,9 +258,9 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
 
         If it is inside the running batch the abort waits for `complete`.
         """
-        req = self._reqs.get(req_id)
+        req = self.requests.live.get(req_id)
         if req is None:
-            self._remember(req_id, ABORTED)
+            self.requests.remember(req_id, ABORTED)
             return False
         if req.state == RUNNING:
             req.abort_pending = True
@@ -397,27 +282,28 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
 
     # ------------------------------------------------------------------ decisions
     def schedule(self, now: float = 0.0) -> ScheduledBatch | None:
-        """The next batch to run on this engine, or None if nothing can run now."""
-        batch = None
-        self._last_pick = None
-        if self.starvation_limit != 0:
-            batch = self._serve_starving(now)
+        """The next batch to run on this engine, or None if nothing can run now: a queue past
+        the starvation limit first (oldest head), else the policy's pick (its classes in
+        order, oldest head first within a class); then, if the decision evicted nothing,
+        swapped requests come back ahead of need."""
+        batch = self.order.serve_starving(now)
         if batch is None:
-            batch = self.policy.pick(self, now)
+            batch = self._policy.pick(self, now)
         if batch is not None:
-            self.decisions += 1
-            if self._swapped and not batch.swap_out:
-                self._swap_in_ahead(batch)
+            self.order.decisions += 1
+            if self.kv.swapped and not batch.swap_out:
+                self.kv.swap_in_ahead(batch)
         return batch
 
     def complete(self, batch: ScheduledBatch, tokens: Mapping[str, int] | None = None,
                  stopped: Collection[str] = ()) -> Completion:
         """The worker finished `batch`: requests move on (blocked, waiting, finished)."""
-        st = self._by_key[(batch.model, batch.stage)]
+        st = self.resident.at(batch.model, batch.stage)
         done = Completion(batch.batch_id)
         entries = []
+        live = self.requests.live
         for sr in batch.requests:
-            req = self._reqs.get(sr.req_id)
+            req = live.get(sr.req_id)
             if req is None or req.state != RUNNING:
                 raise ProtocolError(f"complete({batch.batch_id}): request {sr.req_id!r} is not running here")
             if sr.kind == PREFILL:
@@ -438,10 +324,9 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
                 continue
             req.transition(nxt)
             if nxt == WAITING_PREFILL and st.is_first:
-                st.prefill_q.push(req, self.decisions)
+                st.prefill_q.push(req, self.order.decisions)
             elif nxt == BLOCKED and st.is_first:
-                req.batch_id = batch.batch_id
-                st.inflight[batch.batch_id] = st.inflight.get(batch.batch_id, 0) + 1
+                st.enter_inflight(req, batch.batch_id)
             if st.is_last and sr.samples:
                 req.generated += 1
                 tok = tokens.get(req.req_id) if tokens is not None else None
@@ -456,6 +341,42 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
             done.token_message = TokenMessage(batch.model, batch.batch_id, entries)
         return done
 
+    def _finish(self, req: StageRequest, final: str) -> None:
+        """`req` ended here: out of its queue (or received batches), its KV released."""
+        st = self.resident.at(req.model, req.stage)
+        st.leave_inflight(req)
+        if req.state in (WAITING_PREFILL, WAITING_DECODE, SWAPPED_DECODE):
+            if st.is_first:
+                q = st.prefill_q if req.state == WAITING_PREFILL else st.decode_q
+                if req in q.items:
+                    q.remove(req)
+            else:
+                self.later_stage.drop(st, req)
+        req.transition(final)
+        self.pool.release(req.req_id)
+        req.alloc = None
+        self.kv.forget(req)
+        self.requests.retire(req, final)
+        self.later_stage.forget(req.req_id)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def decisions(self) -> int:
+        """Batches `schedule` has formed on this engine."""
+        return self.order.decisions
+
+    @property
+    def effective_starvation_limit(self) -> int:
+        """The starvation limit in decisions (`starvation_limit`, or the automatic one)."""
+        return self.order.effective_starvation_limit
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Swap and starvation-promotion counters."""
+        kv = self.kv
+        return {"swap_out_blocks": kv.swap_out_blocks, "swap_in_blocks": kv.swap_in_blocks, "swap_outs": kv.swap_outs,
+                "swap_ins": kv.swap_ins, "starvation_promotions": self.order.promotions}
+
     def has_queued(self, model: str) -> bool:
         """Whether this engine's stage of `model` has work waiting in a queue."""
         st = self.stage_of(model)
@@ -464,109 +385,33 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
     @property
     def has_swapped(self) -> bool:
         """Whether some request's KV on this engine is in the host pool."""
-        return bool(self._swapped)
+        return bool(self.kv.swapped)
 
-    # ------------------------------------------------------------------ queries
     def state_of(self, req_id: str) -> str | None:
-        req = self._reqs.get(req_id)
+        req = self.requests.live.get(req_id)
         if req is not None:
             return req.state
-        return self._gone.get(req_id)
+        return self.requests.gone.get(req_id)
 
     def request(self, req_id: str) -> StageRequest | None:
-        return self._reqs.get(req_id)
+        return self.requests.live.get(req_id)
 
     def live_requests(self) -> list[StageRequest]:
-        return list(self._reqs.values())
+        return list(self.requests.live.values())
 
     @property
     def num_live(self) -> int:
-        return len(self._reqs)
+        return len(self.requests.live)
 
     def has_ready_work(self) -> bool:
         """Whether some queue holds work (it may still wait for KV)."""
-        return any(len(q) for st in self.stages for q in st.queues())
+        return any(len(q) for q in self.order.queues)
 
     def check(self) -> None:
         """Raise ParaflexError if scheduler or pool invariants are broken (used by tests)."""
         self.pool.check()
-        for rid, req in self._reqs.items():
-            alloc = self.pool.get(rid)
-            if alloc is not req.alloc:
-                raise ParaflexError(f"{rid!r}: the request's allocation is not the pool's")
-            if req.swapped != (alloc is not None and alloc.on_host):
-                raise ParaflexError(f"{rid!r} in state {req.state} but its KV is {'on host' if alloc and alloc.on_host else 'not on host'}")
-            if alloc is not None and alloc.token_capacity < req.context_len:
-                raise ParaflexError(f"{rid!r} has {req.context_len} tokens of context but KV for {alloc.token_capacity}")
-        for rid in self._gone:
-            if rid in self.pool:
-                raise ParaflexError(f"{rid!r} is {self._gone[rid]} but still holds KV")
-        for st in self.stages:
-            for q in st.queues():
-                keys = [x.key for x in q.items]
-                if keys != sorted(keys):
-                    raise ParaflexError(f"{q!r} is out of arrival order")
-
-    # ------------------------------------------------------------------ helpers for policies
-    def _new_request(self, req_id, st, arrival, prompt_len, max_new, sampling, token_ids) -> StageRequest:
-        self._seq += 1
-        req = StageRequest(req_id, st.model, st.stage, arrival, self._seq, prompt_len, max_new, sampling,
-                           token_ids, self.track_history)
-        self._reqs[req_id] = req
-        return req
-
-    def _pending_queue(self, st: ResidentStage, pb: PendingBatch) -> Queue:
-        if pb.msg.kind == PREFILL:
-            return st.prefill_q
-        if pb.msg.kind == DECODE and len(pb) >= self.max_batch_size:
-            return st.full_q
-        return st.decode_q
-
-    def _remember(self, req_id: str, state: str) -> None:
-        self._gone[req_id] = state
-        if len(self._gone) > _GONE_MEMORY:
-            self._gone.popitem(last=False)
-
-    def _leave_inflight(self, st: ResidentStage, req: StageRequest) -> None:
-        if st.is_first and req.state in (BLOCKED, SWAPPED_BLOCKED) and req.batch_id is not None:
-            n = st.inflight.get(req.batch_id, 0) - 1
-            if n > 0:
-                st.inflight[req.batch_id] = n
-            else:
-                st.inflight.pop(req.batch_id, None)
-            req.batch_id = None
-
-    def _finish(self, req: StageRequest, final: str) -> None:
-        st = self._by_key[(req.model, req.stage)]
-        self._leave_inflight(st, req)
-        if req.state in (WAITING_PREFILL, WAITING_DECODE, SWAPPED_DECODE):
-            if st.is_first:
-                q = st.prefill_q if req.state == WAITING_PREFILL else st.decode_q
-                if req in q.items:
-                    q.remove(req)
-            else:
-                self._drop_from_pending(st, req)
-        req.transition(final)
-        self.pool.release(req.req_id)
-        req.alloc = None
-        self._swapped.discard(req)
-        del self._reqs[req.req_id]
-        self._chunk_keys.pop(req.req_id, None)
-        self._remember(req.req_id, final)
-
-    def _drop_from_pending(self, st: ResidentStage, req: StageRequest) -> None:
-        """Remove a cancelled request from every received batch that holds it (rare: a scan)."""
-        for q in st.queues():
-            for pb in list(q.items):
-                for lst, base in ((pb.prefills, 0), (pb.decodes, len(pb.prefills))):
-                    for i in range(len(lst) - 1, -1, -1):
-                        if lst[i][0] is req:
-                            del lst[i]
-                            del pb.rows[base + i]
-                            pb.dropped = True
-                if not len(pb):
-                    q.remove(pb)
-
-    def _next_batch_id(self, st: ResidentStage) -> str:
-        self._batch_seq += 1
-        return f"{st.model}/e{self.engine_id}/{self._batch_seq}"
+        self.requests.check(self.pool)
+        for q in self.order.queues:
+            keys = [x.key for x in q.items]
+            if keys != sorted(keys):
+                raise ParaflexError(f"{q!r} is out of arrival order")

@@ -17,7 +17,7 @@ When (all checked at the moment the first engine formed the batch, at time t):
 - no other engine of the route is running something; no engine of the route holds swapped KV;
 - on a one-stage route, the engine's other non-empty queues all come later in the policy's
   order (class, then head key) than this batch's queue, and the replay stops before any of
-  them reaches its starvation promotion (`EngineScheduler.repeatable_decisions`); on a longer
+  them reaches its starvation promotion (`QueueOrder.repeatable_decisions`); on a longer
   route no engine of the route has queued work (an idle stage would run it between steps);
 - horizon: every cycle replayed ends (its tokens are back at the first engine) strictly before
   the first event that can reach the route: events pending at its engines; events of another
@@ -34,7 +34,7 @@ Then the outcome of each cycle is known: the scheduler would pick these requests
 each stage starts when its input arrives. The replay records the same metrics at the same times (stage
 intervals, batch sizes, hops, one token per request per cycle, computed with the same float
 expressions as the event handlers) and moves each engine's scheduler state forward in bulk
-(`EngineScheduler.advance_first_decode` / `advance_later_decode`), allocating the same blocks in
+(`BulkAdvance.advance_first_decode` / `advance_later_decode`), allocating the same blocks in
 the same order. The first engine then forms the next batch through the ordinary `schedule` at
 the time the last replayed tokens arrive. Exactness is pinned by tests/simulator/test_sim_fast_forward.py
 (per-request timelines and summaries identical with and without it, on random workloads).
@@ -147,7 +147,7 @@ class DecodeFastForward:
         if self._event_before(route, ours, first_end):
             return 0, t
         if len(route) == 1:  # its engine decides once per cycle, with its other queues waiting
-            budget = first.scheduler.repeatable_decisions(sb) + 1
+            budget = first.scheduler.order.repeatable_decisions(first.scheduler.stage_of(sb.model)) + 1
         elif any(eng.scheduler.has_ready_work() for eng in route):
             return 0, t  # an idle stage would run that work between two of this batch's steps
         else:
@@ -298,9 +298,9 @@ class DecodeFastForward:
             k, s = self._replay_pipeline(route, infos, n, base, kv, free, kv_next, k_max, horizon, recs, t)
         if not k:
             return None
-        first.scheduler.advance_first_decode(sb, k)
+        first.scheduler.bulk.advance_first_decode(sb, k)
         for eng, inf in zip(route[1:], infos[1:]):
-            eng.scheduler.advance_later_decode(sb.model, inf.stage, rids, k)
+            eng.scheduler.bulk.advance_later_decode(sb.model, inf.stage, rids, k)
         if cluster.check:
             for eng in route:
                 eng.scheduler.check()

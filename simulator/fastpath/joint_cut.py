@@ -2,7 +2,7 @@
 
 Place in the data flow: `GroupSim.apply` (joint_sim.py) calls `apply_cut` once the replay stops
 (joint_replay.py, the cut); per engine it applies the metrics in time order, the requests' and
-queues' states, the KV growth in decision order and the counters (`EngineScheduler.replay_*` in
+queues' states, the KV growth in decision order and the counters (`BulkAdvance.replay_*` in
 engine/core/bulk_advance.py), then hands what is still running or in flight to real events
 (`Cluster.hold`, `send_batch`, `send_tokens`, `start_batch`).
 """
@@ -46,49 +46,50 @@ def apply_cut(sim) -> None:
             adm = jn.adm
             if adm is not None:  # added as at its arrival; its prompt formed as at its formation
                 _replay_admit(s, adm)
-                s.replay_grows(grows[g:adm.mark])
-                jn.sb = s.replay_form_prefill(adm.key[0], jn.start, adm.d, es.batch_seq + adm.batch_seq)
+                s.bulk.replay_grows(grows[g:adm.mark])
+                jn.sb = s.bulk.replay_form_prefill(adm.key[0], jn.start, adm.d, es.batch_seq + adm.batch_seq)
                 metrics.decode_steps(eng.id, busy[b:adm.busy_mark])
                 g, b = adm.mark, adm.busy_mark
             metrics.batch(eng.id, jn.start, jn.end, True, 1, jn.tokens)  # its prompt, then its first
             metrics.tokens([jn.rec], jn.end)  # token (as `stage_done` records them)
             if jn.joined:
-                s.replay_prefill_done(jn.sb)
+                _prefill_done(s, jn.sb)
         adm = es.admitted
         if adm is not None:  # admitted, its prompt still waiting
             _replay_admit(s, adm)
         metrics.decode_steps(eng.id, busy[b:] if b else busy)
         for r in es.replicas:
             for rids, recs, steps in r.done:
-                s.replay_finish(r.key[0], rids)
+                s.bulk.replay_finish(r.key[0], rids)
                 _token_steps(metrics, r, rids, recs, r.times[:steps])
             if r.formed and r.rids:
                 late = r.late
                 cycles = r.formed if late is None else [r.formed - late[rid][1] if rid in late else r.formed
                                                        for rid in r.rids]
                 if late is None or any(cycles):
-                    s.replay_first_decode(r.key[0], r.rids, cycles, r.since, False)
+                    s.bulk.replay_first_decode(r.key[0], r.rids, cycles, r.since, False)
             if r.times and r.rids:
                 _token_steps(metrics, r, r.rids, r.recs, r.times)
         if es.j == 0:
             members = [(rid, kv[3], sim.gen0[rid], es.bid_of.get(rid)) for rid, kv in es.pkv.items()]
-            s.replay_pipeline_first(model, members)
+            s.bulk.replay_pipeline_first(model, members)
             if es.gone:
-                s.replay_pipeline_gone(model, 0, es.gone)
+                s.bulk.replay_pipeline_gone(model, 0, es.gone)
         else:
             waiting = {rid for b in es.queue if id(b) in es.queued for rid in b.rids}
             members = [(rid, kv[3], es.pgen[rid]) for rid, kv in es.pkv.items() if rid not in waiting]
-            s.replay_pipeline_later(model, es.j, members, es.served_queued)
+            s.bulk.replay_pipeline_later(model, es.j, members, es.served_queued)
             if es.gone:
-                s.replay_pipeline_gone(model, es.j, es.gone)
+                s.bulk.replay_pipeline_gone(model, es.j, es.gone)
             for b, d, i in es.arrivals:  # received in the replay, still waiting: received for real
                 if any(b is q for q in es.queue):
-                    s.replay_receive(_message(sim, b, es.j), d, es.seq + i - 1)
-        s.replay_grows(grows[g:] if g else grows)
-        s.replay_counters(es.d, es.seq + es.received, es.formed, es.promotions)
-        s.replay_ages(model, es.since, [(r.key[0], r.since) for r in es.replicas])
+                    s.bulk.restore_counters(d, es.seq + i - 1)  # received as at its arrival
+                    s.receive_batch(_message(sim, b, es.j))
+        s.bulk.replay_grows(grows[g:] if g else grows)
+        s.bulk.replay_counters(es.d, es.seq + es.received, es.formed, es.promotions)
+        s.bulk.replay_ages(model, es.since, [(r.key[0], r.since) for r in es.replicas])
         if prompts and not prompts[-1].joined:  # still running at the cut: done when the engine is free
-            s.replay_prefill_done(prompts[-1].sb)
+            _prefill_done(s, prompts[-1].sb)
     metrics.hops += len(sim.hops)  # (`metrics.hop` for each)
     metrics.hop_bytes += sum(sim.hops)
     gone = sim.gone
@@ -102,7 +103,7 @@ def apply_cut(sim) -> None:
         if kind == END and isinstance(what, ReplicaBatch) and what.fin is not None:
             eng = es.eng  # the step with last tokens, as `schedule` forms it at its start
             start = what.fin[0]
-            cluster.start_batch(eng, eng.scheduler.replay_form(what.key[0], what.n, start), start, time, what.n, what.n)
+            cluster.start_batch(eng, eng.scheduler.bulk.replay_form(what.key[0], what.n, start), start, time, what.n, what.n)
         elif kind == END:
             cluster.hold(es.eng, what if isinstance(what, tuple) else pkey if isinstance(what, PipeBatch) else what.key,
                          time)
@@ -139,8 +140,18 @@ def _tokens(sim, b: PipeBatch, fin: list) -> TokenMessage:
 
 
 def _replay_admit(s, adm: Admitted) -> None:
-    """`EngineScheduler.replay_admit` for a request the replay admitted."""
-    s.replay_admit(adm.rid, adm.key[0], adm.prompt_len, adm.max_new, adm.arrival, adm.since, adm.seq)
+    """`add_request` of a request the replay admitted, as at its arrival (after `adm.since`
+    decisions, its sequence number `adm.seq`)."""
+    s.bulk.restore_counters(adm.since, adm.seq - 1)
+    s.add_request(adm.rid, adm.key[0], adm.prompt_len, adm.max_new, adm.arrival)
+
+
+def _prefill_done(s, sb) -> None:
+    """A one-stage replica's prompt batch whose end the replay took over: `complete` and its
+    token back (`receive_tokens`, the first token) as at that end. (The age of the decode
+    queue it joins is set by `replay_first_decode` / `replay_ages`, or, still running at the
+    cut, is the decision count after `replay_counters`.)"""
+    s.receive_tokens(s.complete(sb).token_message)
 
 
 def _token_steps(metrics, r: ReplicaBatch, rids, recs, times) -> None:

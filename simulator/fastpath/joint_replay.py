@@ -258,7 +258,7 @@ class JointReplay:
             if s.has_swapped or eng.wake_pending:
                 return None
             info = eng.stages[model]
-            es = GroupEngine(eng, j, info, 0 if s.starvation_limit == 0 else s.effective_starvation_limit)
+            es = GroupEngine(eng, j, info, 0 if s.order.starvation_limit == 0 else s.effective_starvation_limit)
             max_batch = s.max_batch_size
             pst = s.stage_of(model)
             if pst.prefill_q.items or (j and pst.full_q.items):

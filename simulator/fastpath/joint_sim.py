@@ -396,10 +396,10 @@ class GroupSim:
             self.paused = (x, tuple(sorted({*order, es.j})))
 
     def _serve_prompt(self, es: GroupEngine, adm: Admitted, x: float) -> None:
-        """Form adm's prompt batch at x (`try_first_prefill`: admitted if its KV fits above the
+        """Form adm's prompt batch at x (`FirstStageBatches.prefill`: admitted if its KV fits above the
         watermark; else `schedule` would go on to other queues: cut), to run its whole prompt;
         at its end the request joins its replica (`Joiner`)."""
-        if es.eng.scheduler.watermark_blocks + adm.blocks > es.blocks:
+        if es.eng.scheduler.kv.watermark_blocks + adm.blocks > es.blocks:
             raise Stop
         es.nready -= 1
         adm.formed = True

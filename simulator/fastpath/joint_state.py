@@ -140,8 +140,8 @@ class GroupEngine:
         self.info = info
         s = eng.scheduler
         self.d = s.decisions
-        self.batch_seq = s._batch_seq
-        self.seq = s._seq
+        self.batch_seq = s.first_stage.batch_seq
+        self.seq = s.requests.seq
         self.running = None  # at the start (end, what): a ReplicaBatch, a PipeBatch, or the key of a held stage;
         # in the simulation what runs (only whether it is None matters)
         self.blocks = eng.pool.num_free

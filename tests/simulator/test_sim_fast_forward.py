@@ -107,7 +107,7 @@ def _state(scheds):
     out = []
     for s in scheds:
         reqs = sorted((r.req_id, r.state, r.context_len, r.generated, [list(x) for x in r.alloc.table]) for r in s.live_requests())
-        out.append((reqs, s.decisions, s._seq, s._batch_seq, s.pool.num_free, s.pool.check(), s.check()))
+        out.append((reqs, s.decisions, s.requests.seq, s.first_stage.batch_seq, s.pool.num_free, s.pool.check(), s.check()))
     return out
 
 
@@ -120,8 +120,8 @@ def test_bulk_advance_equals_k_protocol_rounds(prompts, k):
         _cycle(step, b_step)
         if i < k - 1:
             b_step = step[0].schedule(1.0)
-    bulk[0].advance_first_decode(b_bulk, k)
-    bulk[1].advance_later_decode("m", 1, [r.req_id for r in b_bulk.requests], k)
+    bulk[0].bulk.advance_first_decode(b_bulk, k)
+    bulk[1].bulk.advance_later_decode("m", 1, [r.req_id for r in b_bulk.requests], k)
     assert _state(bulk) == _state(step)
     nxt_step, nxt_bulk = step[0].schedule(2.0), bulk[0].schedule(2.0)
     assert (nxt_bulk.batch_id, [(r.req_id, r.start_pos, r.block_table) for r in nxt_bulk.requests]) == \
@@ -132,10 +132,10 @@ def test_bulk_advance_refuses_a_request_that_is_not_running():
     scheds = _pipeline()
     b = _start(scheds, [(4, 16)])
     with pytest.raises(ProtocolError, match="not blocked"):
-        scheds[1].advance_later_decode("m", 1, ["r0", "nope"], 2)
+        scheds[1].bulk.advance_later_decode("m", 1, ["r0", "nope"], 2)
     scheds[0].complete(b)
     with pytest.raises(ProtocolError, match="not running"):
-        scheds[0].advance_first_decode(b, 2)
+        scheds[0].bulk.advance_first_decode(b, 2)
 
 
 @pytest.mark.slow

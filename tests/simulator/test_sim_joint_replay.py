@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 
 from paraflex.config.schema import Config, WorkloadConfig
-from paraflex.engine.core.queue_heaps import QueueHeaps
+from paraflex.engine.core.queue_order import QueueOrder
 from paraflex.engine.core.scheduler import EngineScheduler
 from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
 from paraflex.simulator.core.cluster import Cluster
@@ -90,7 +90,7 @@ def _counters(res):
     """Each engine's scheduler counters at the end of a run (decisions, sequence numbers, batch
     ids, swaps, starvation promotions) and what it still holds (requests, free blocks): the
     replay must leave them as one by one."""
-    return [(e.scheduler.decisions, e.scheduler._seq, e.scheduler._batch_seq, e.scheduler.stats,
+    return [(e.scheduler.decisions, e.scheduler.requests.seq, e.scheduler.first_stage.batch_seq, e.scheduler.stats,
              sorted(r.req_id for r in e.scheduler.live_requests()), e.pool.num_free) for e in res.engines]
 
 
@@ -112,7 +112,7 @@ def test_random_workloads_identical_with_and_without_fast_paths(seed, memory_gb,
     cfg = ring_config(memory_gb, max_batch, policy, w)
     with pytest.MonkeyPatch.context() as mp:
         if starvation is not None:
-            mp.setattr(QueueHeaps, "effective_starvation_limit", property(lambda self: starvation))
+            mp.setattr(QueueOrder, "effective_starvation_limit", property(lambda self: starvation))
         fast, plain = _both(cfg, _layout(cfg, policy), rate=rate, seed=seed)
     _assert_identical(fast, plain)
 
@@ -596,7 +596,7 @@ def test_pipeline_finish_while_a_last_token_step_runs_at_a_cut(monkeypatch):
     step with last tokens runs there, and the replay is cut before that step ends (it is
     formed for real at the cut, its replayed growth dropped): the frees must stay (a review's
     reproducer: they were dropped with it, leaving the finished requests' blocks in the pool)."""
-    monkeypatch.setattr(QueueHeaps, "effective_starvation_limit", property(lambda self: 3))
+    monkeypatch.setattr(QueueOrder, "effective_starvation_limit", property(lambda self: 3))
     cfg = ring_config(0.012, 16)
     spec = [("p", 0.0024131619913530422, 14, 8), ("p", 0.002795803965364128, 34, 2), ("b", 0.003390591923069348, 17, 12),
             ("d", 0.0098072886371421, 35, 200), ("a", 0.010138440152618717, 28, 123), ("p", 0.01224550185437809, 19, 19),

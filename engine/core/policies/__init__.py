@@ -2,9 +2,9 @@
 
 Place in the data flow: `EngineScheduler` (engine/core/scheduler.py) holds one policy object and
 calls `policy.pick(sched, now)` once per decision (after the starvation promotion). A policy
-only orders candidates; forming batches, KV and swapping stay in the scheduler's
-`try_first_decode` / `try_first_prefill` / `try_pending`, so every policy obeys the same KV
-rules. One file per policy; `get_policy(name)` and `POLICIES` are the registry.
+only orders candidates; forming batches, KV and swapping stay in the scheduler's batch formers
+(`sched.first_stage.decode` / `prefill`, `sched.later_stage.run_oldest`), so every policy obeys
+the same KV rules. One file per policy; `get_policy(name)` and `POLICIES` are the registry.
 """
 
 from __future__ import annotations

@@ -23,6 +23,6 @@ class Sarathi(Policy):
     def first_prefill(self, sched, st, now):
         if len(st.inflight) >= st.num_stages:
             return None
-        return sched.try_first_decode(st, sched.max_batch_size, now, prefill_budget=sched.prefill_token_budget)
+        return sched.first_stage.decode(st, sched.max_batch_size, now, prefill_budget=sched.prefill_token_budget)
 
     first_decode = first_prefill  # one mixed batch serves both queues

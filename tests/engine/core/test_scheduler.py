@@ -417,7 +417,7 @@ def test_swap_in_ahead_keeps_the_headroom_free():
     s = engine(blocks=59, host=100, batch=1)
     s.add_stage("A", 0, 1, 256, 1)
     s.add_stage("B", 0, 1, 256, 1)
-    assert s.headroom_blocks == 5  # 10% of the pool
+    assert s.kv.headroom_blocks == 5  # 10% of the pool
     dones = prefill_all(s, [("a1", "A", 4 * 20, 0), ("a2", "A", 4 * 20, 1), ("a3", "A", 4 * 19, 2)])
     deliver(s, dones["a3"])
     b, _ = run(s)  # the pool is full; a3 grows by a block: evicts a2 (A's newest blocked)
