@@ -42,6 +42,7 @@ import numpy as np
 
 from paraflex.planner.problem import NoFeasiblePlan, Problem, Solution, replica_engines
 from paraflex.planner.replication import choose_next
+from paraflex.planner.sharding import gib
 
 _TIE = 1e-9
 _MAX_PAIRS = 256  # pair moves tried per polish round (bounds the polish on dense engines)
@@ -312,10 +313,13 @@ def _check_capacity(problem: Problem) -> None:
     kv = problem.kappa_bytes * sum(problem.stage_counts)
     total = problem.memory_bytes * problem.num_engines
     if weights + kv > total:
+        # fewer stages need less kappa in all, but only while the weights alone fit
+        fix = ("add engines or memory (the weights alone exceed it)" if weights > total else
+               "lower planner.kappa_gb, add engines or memory, or raise planner.target_stage_time so models have "
+               "fewer stages, each with its kappa")
         raise NoFeasiblePlan(
             f"no feasible placement: one replica of every model needs {_gb(weights)} of weights plus "
-            f"kappa x {sum(problem.stage_counts)} stages = {_gb(kv)} of KV, more than the cluster's {_gb(total)}; "
-            "lower planner.kappa_gb, add engines or memory, or raise planner.target_stage_time"
+            f"kappa x {sum(problem.stage_counts)} stages = {_gb(kv)} of KV, more than the cluster's {_gb(total)}; {fix}"
         )
 
 
@@ -332,13 +336,19 @@ def _finish(problem: Problem, placer: _Placer, weights, last, reason: str, polis
 
 
 def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.3g} GB"
+    """Bytes in GiB, the unit of the config's memory_gb and kappa_gb."""
+    return gib(nbytes)
 
 
 def _explain(problem: Problem, fail: _Failed) -> str:
+    # Total memory suffices (_check_capacity passed) and every stage fits an engine alone
+    # (sharding raised S until it does), so what fails is packing the stages together:
+    # smaller stages (a lower T_s) pack better, fewer of them would not.
+    spec = problem.models[fail.index]
     return (
-        f"no feasible placement: {fail.model} (replica {fail.replica + 1}) cannot be placed with at least "
-        f"kappa = {_gb(problem.kappa_bytes)} of KV per stage within {_gb(problem.memory_bytes)} per engine "
-        f"on {problem.num_engines} engines; lower planner.kappa_gb, add engines or memory, or raise "
-        "planner.target_stage_time so models have fewer stages"
+        f"no feasible placement: {fail.model} (replica {fail.replica + 1}, largest stage "
+        f"{_gb(max(spec.stage_weights))} of weights) cannot be placed with at least kappa = {_gb(problem.kappa_bytes)} "
+        f"of KV per stage beside the other models' stages within {_gb(problem.memory_bytes)} per engine on "
+        f"{problem.num_engines} engines; lower planner.kappa_gb, add engines or memory, or lower "
+        "planner.target_stage_time so models are cut into more, smaller stages that pack together"
     )
