@@ -113,6 +113,14 @@ def _plant_weights(d):
     d["engines"][0]["weight_bytes"] += 12345
 
 
+def _plant_objective(d):
+    d["objective"] *= 1.1  # a better plan than the stages give
+
+
+def _plant_objective_bytes(d):
+    d["params"]["objective_bytes"] *= 1.1
+
+
 @pytest.mark.parametrize(
     "plant, expected",
     [
@@ -122,8 +130,10 @@ def _plant_weights(d):
         (_plant_memory, "(5):"),
         (_plant_layer_gap, "covers layers"),
         (_plant_weights, "records"),
+        (_plant_objective, "objective: the file records Phi*"),
+        (_plant_objective_bytes, "objective: params.objective_bytes"),
     ],
-    ids=["p1", "overlap", "kappa", "memory", "layer-gap", "weights"],
+    ids=["p1", "overlap", "kappa", "memory", "layer-gap", "weights", "objective", "objective-bytes"],
 )
 def test_validate_catches_planted_violation(base_plan, plant, expected, tmp_path, capsys):
     d = json.loads(json.dumps(base_plan))
