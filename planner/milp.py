@@ -100,13 +100,18 @@ def _phi_bytes(problem: Problem, engines: list[list[list[int]]]) -> float:
     return min(c / k for c, k in zip(cap, cnt) if k)
 
 
-def solve(problem: Problem, time_limit: float | None = None, progress: Progress | None = None) -> Solution:
-    """Alg. 1's replication schedule with every step's placement solved exactly."""
+def solve(problem: Problem, time_limit: float | None = None, progress: Progress | None = None,
+          fill: bool = True) -> Solution:
+    """Alg. 1's replication schedule with every step's placement solved exactly. With `fill`
+    (as `placement_optimizer.optimize`) a model that cannot get another replica drops out and
+    the others go on."""
     deadline = None if time_limit is None else time.monotonic() + time_limit
     stages, ratios = problem.stage_counts, problem.ratios
     replicas = [1] * len(problem.models)
     last: Solution | None = None
     iteration = 0
+    added = -1
+    full: dict[int, str] = {}
     while True:
         iteration += 1
         remaining = None if deadline is None else max(1.0, deadline - time.monotonic())
@@ -115,10 +120,23 @@ def solve(problem: Problem, time_limit: float | None = None, progress: Progress 
             if last is None:
                 raise NoFeasiblePlan(
                     "no feasible placement of one replica per model (MILP): lower planner.kappa_gb, "
-                    "add engines or memory, or raise planner.target_stage_time"
+                    "add engines or memory, or lower planner.target_stage_time so models are cut into more, "
+                    "smaller stages that pack together"
                 )
-            last.stop_reason = f"no feasible placement with {sum(replicas)} replicas {replicas}"
-            return last
+            reason = f"no feasible placement with {sum(replicas)} replicas {replicas}"
+            if not fill:
+                last.stop_reason = reason
+                return last
+            replicas[added] -= 1
+            full[added] = reason
+            added = choose_next(problem.num_engines, stages, replicas, ratios, fill=True, skip=full)
+            if added < 0:
+                last.stop_reason = "no model can get another replica (" + "; ".join(
+                    f"{problem.models[i].name}: {why}" for i, why in full.items()) + "; the others need more engines)"
+                return last
+            replicas[added] += 1
+            iteration -= 1
+            continue
         engines, phi, proven = found
         last = Solution(engines, phi, iteration, optimal=proven)
         if progress:
@@ -126,8 +144,10 @@ def solve(problem: Problem, time_limit: float | None = None, progress: Progress 
         if deadline is not None and time.monotonic() >= deadline:
             last.stop_reason = "time limit reached"
             return last
-        chosen = choose_next(problem.num_engines, stages, replicas, ratios)
+        chosen = choose_next(problem.num_engines, stages, replicas, ratios, fill=fill, skip=full)
         if chosen < 0:
-            last.stop_reason = "Alg. 1: the next replica of the chosen model would not fit in the engines"
+            last.stop_reason = ("Alg. 1: the next replica of the chosen model would not fit in the engines" if not fill
+                                else "no model can get another replica within the engines")
             return last
+        added = chosen
         replicas[chosen] += 1

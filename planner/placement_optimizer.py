@@ -208,10 +208,13 @@ def _lex_greater(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(len(differ)) and bool(a[differ[0]] > b[differ[0]])
 
 
-def optimize(problem: Problem, progress: Progress | None = None, polish: bool = True) -> Solution:
+def optimize(problem: Problem, progress: Progress | None = None, polish: bool = True, fill: bool = True) -> Solution:
     """Run Alg. 1 + Alg. 2 to completion; raises NoFeasiblePlan if the first step fails.
 
-    With `polish` the final plan goes through `_Placer.polish` (documented addition).
+    With `polish` the final plan goes through `_Placer.polish` (documented addition). With
+    `fill` (default; False is the paper's rule) a model that cannot get another replica, in
+    Alg. 1 or in the placement, drops out and replication goes on with the others while any
+    fits (`replication.choose_next`); the stop reason lists each model that dropped out.
     """
     _check_capacity(problem)
     models = problem.models
@@ -235,6 +238,8 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
     resume = 0  # the first model of `order` this iteration places (the replicated one)
     kept = 0  # snapshots kept: those before it, and its own when its earlier replicas stand
     iteration = 0
+    added = -1  # the model that got a replica for this iteration (-1: the first iteration)
+    full: dict[int, str] = {}  # fill: models that cannot get another replica -> why
     while True:
         iteration += 1
         del snapshots[kept:]
@@ -284,7 +289,21 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                     f"replica {fail.replica + 1} of {fail.model} would leave a stage below kappa "
                     f"({_gb(max(fail.best, 0.0))} < {_gb(problem.kappa_bytes)}) or overflow memory"
                 )
-                return _finish(problem, placer, weights, last, reason, polish)
+                if not fill:
+                    return _finish(problem, placer, weights, last, reason, polish)
+                # fill: the replicated model drops out; go on from the last feasible counts
+                replicas[added] -= 1
+                full[added] = reason if fail.index == added else f"{reason} once {models[added].name} had another replica"
+                chosen = choose_next(n, stages, replicas, ratios, fill=True, skip=full)
+                if chosen < 0:
+                    return _finish(problem, placer, weights, last, _fill_reason(models, stages, replicas, n, full), polish)
+                replicas[chosen] += 1
+                added = chosen
+                snapshots.clear()
+                resume = kept = 0
+                iteration -= 1
+                retrying = False  # a new step, not a retry of the failed one
+                continue
             snapshots.clear()
             resume = kept = 0
             iteration -= 1
@@ -296,11 +315,13 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
         last = (cap, cnt, [placed[i] for i in range(len(models))], iteration)
         if progress:
             progress(iteration, sum(replicas), float(_levels(cap, cnt).min()))
-        chosen = choose_next(n, stages, replicas, ratios)
+        chosen = choose_next(n, stages, replicas, ratios, fill=fill, skip=full)
         if chosen < 0:
-            reason = "Alg. 1: the next replica of the chosen model would not fit in the engines"
+            reason = ("Alg. 1: the next replica of the chosen model would not fit in the engines" if not fill
+                      else _fill_reason(models, stages, replicas, n, full))
             return _finish(problem, placer, weights, last, reason, polish)
         replicas[chosen] += 1
+        added = chosen
         # The models before it, and its own replicas so far, are placed as in this iteration
         # (same state, same greedy order, same ties): reuse them and place the new replica.
         resume = min(position[chosen], len(snapshots))
@@ -323,10 +344,25 @@ def _check_capacity(problem: Problem) -> None:
         )
 
 
+def _fill_reason(models, stages, replicas, n: int, full: dict[int, str]) -> str:
+    """Why replication stopped with `fill`: no model can get another replica; one clause each."""
+    parts = []
+    for i, m in enumerate(models):
+        if i in full:
+            parts.append(f"{m.name}: {full[i]}")
+        else:
+            parts.append(f"{m.name}: {replicas[i] + 1} replicas x {stages[i]} stages would exceed the {n} engines")
+    return "no model can get another replica (" + "; ".join(parts) + ")"
+
+
 def _finish(problem: Problem, placer: _Placer, weights, last, reason: str, polish: bool) -> Solution:
     cap, cnt, starts, iteration = last
     if polish:
         placer.polish(cap, cnt, starts, weights)
+    empty = [e for e in range(problem.num_engines) if cnt[e] == 0]
+    if empty:
+        reason += (f"; engine{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} "
+                   f"hold{'' if len(empty) > 1 else 's'} no stage because of it")
     return Solution(
         replicas=[[replica_engines(p, len(weights[i]), problem.num_engines) for p in sorted(st)] for i, st in enumerate(starts)],
         objective_bytes=float(_levels(cap, cnt).min()),
