@@ -39,6 +39,8 @@ class ResidentStage:
     decode_q: "Queue" = field(default=None, repr=False)  # first stage: ready decodes; later: under-sized batches
     full_q: "Queue" = field(default=None, repr=False)  # later stages: full decode batches
     inflight: dict[str, int] = field(default_factory=dict, repr=False)  # first stage: batch_id -> requests awaiting a token
+    # first stage: ids of the decode (or mixed) batches among `inflight` (the in-flight bound counts these)
+    decode_inflight: set[str] = field(default_factory=set, repr=False)
     key: tuple[str, int] = field(init=False, repr=False)
     is_first: bool = field(init=False, repr=False)
     is_last: bool = field(init=False, repr=False)

@@ -119,6 +119,7 @@ from paraflex.engine.messages import (
     TokenEntry,
     TokenMessage,
 )
+from paraflex.engine.policies.inflight_bound import parse_inflight_limit
 from paraflex.engine.queue_heaps import QueueHeaps
 from paraflex.engine.queues import PendingBatch, Queue, ResidentStage
 from paraflex.engine.request import (
@@ -155,6 +156,7 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
         watermark: float = 0.01,
         engine_id: int = 0,
         track_history: bool = False,
+        decode_batches_in_flight: int | str | None = "stages",
     ):
         from paraflex.engine.policies import get_policy
 
@@ -179,6 +181,7 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
         self.headroom_blocks = max(self.watermark_blocks, pool.capacity // 10)
         self.engine_id = engine_id
         self.track_history = track_history
+        self.decode_inflight_limit = parse_inflight_limit(decode_batches_in_flight)
         self.stages: list[ResidentStage] = []
         self._by_key: dict[tuple[str, int], ResidentStage] = {}
         self._first: dict[str, ResidentStage] = {}
@@ -204,6 +207,7 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
             max_batch_size=scheduler_config.max_batch_size,
             policy=scheduler_config.policy,
             engine_id=engine_id,
+            decode_batches_in_flight=getattr(scheduler_config, "decode_batches_in_flight", "stages"),
             # the config leaves the budget unset (None) unless the user gives one
             **({} if scheduler_config.prefill_token_budget is None
                else {"prefill_token_budget": scheduler_config.prefill_token_budget}),
@@ -442,6 +446,8 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
             elif nxt == BLOCKED and st.is_first:
                 req.batch_id = batch.batch_id
                 st.inflight[batch.batch_id] = st.inflight.get(batch.batch_id, 0) + 1
+                if batch.kind != PREFILL:
+                    st.decode_inflight.add(batch.batch_id)
             if st.is_last and sr.samples:
                 req.generated += 1
                 tok = tokens.get(req.req_id) if tokens is not None else None
@@ -522,6 +528,17 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
             return st.full_q
         return st.decode_q
 
+    def decode_inflight_full(self, st: ResidentStage) -> bool:
+        """Whether the first stage `st` of a multi-stage model already has as many decode
+        batches in flight as the in-flight bound allows (`decode_batches_in_flight`): then an
+        under-sized decode batch waits and the requests whose tokens come back meanwhile join
+        them (see engine/policies/inflight_bound.py). Always False for one-stage models and
+        with the bound off (None: the paper's unbounded rule)."""
+        limit = self.decode_inflight_limit
+        if limit is None or st.num_stages == 1:
+            return False
+        return len(st.decode_inflight) >= limit.cap(st.num_stages)
+
     def _remember(self, req_id: str, state: str) -> None:
         self._gone[req_id] = state
         if len(self._gone) > _GONE_MEMORY:
@@ -534,6 +551,7 @@ class EngineScheduler(QueueHeaps, KVPlanning, BatchForming, BulkAdvance):
                 st.inflight[req.batch_id] = n
             else:
                 st.inflight.pop(req.batch_id, None)
+                st.decode_inflight.discard(req.batch_id)
             req.batch_id = None
 
     def _finish(self, req: StageRequest, final: str) -> None:

@@ -35,7 +35,9 @@ def _config(memory_gb: float, max_batch: int, policy: str = "full-batch-first", 
     d = {
         "cluster": {"num_engines": 4, "device": "cpu", "memory_gb": memory_gb, "host_memory_gb": 0.01},
         "models": [{"name": n, "arch": a} for n, a, _ in MODELS],
-        "scheduler": {"max_batch_size": max_batch, "policy": policy, "block_bytes": 4096},
+        # the joint replay serves the paper's unbounded rule (the in-flight bound turns it off)
+        "scheduler": {"max_batch_size": max_batch, "policy": policy, "block_bytes": 4096,
+                      "decode_batches_in_flight": "unbounded"},
     }
     if workload is not None:
         d["workload"] = dataclasses.asdict(workload)
@@ -134,6 +136,20 @@ def test_pipeline_among_one_stage_replicas_is_replayed_exactly(monkeypatch):
     assert fast.summary["events"] < plain.summary["events"] / 3
 
 
+def test_the_in_flight_bound_turns_the_replay_off_with_identical_results(monkeypatch):
+    """With `decode_batches_in_flight: stages` (the default) a first stage holds under-sized
+    decode batches back while the pipeline is full, which the replay does not model: it must
+    decline, and the fast paths left still give the step-by-step results."""
+    spy = _Spy(monkeypatch)
+    cfg = _config(0.1, 8)
+    cfg.scheduler.decode_batches_in_flight = "stages"
+    reqs = _long_requests([("p", 0.0, 7, 200), ("a", 0.01, 5, 150), ("p", 0.02, 5, 120), ("b", 0.011, 9, 180),
+                           ("p", 0.05, 3, 90), ("d", 0.012, 3, 160), ("p", 0.5, 5, 100), ("a", 0.8, 3, 80)])
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs)
+    _assert_identical(fast, plain)
+    assert spy.decisions == 0
+
+
 def test_starvation_promotions_inside_the_replay(monkeypatch):
     """b and d share engine 1 with p's middle stage; b is older, so d waits for its starvation
     promotion every limit decisions, inside the replayed cycles (same promotions)."""
@@ -200,6 +216,7 @@ def test_paper_base_case_pipeline_is_replayed(monkeypatch):
     spy = _Spy(monkeypatch)
     cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "paper-base.yaml"))
     cfg.cluster.num_engines = 8
+    cfg.scheduler.decode_batches_in_flight = "unbounded"  # the paper's rule, which the replay serves
     cfg.workload = dataclasses.replace(cfg.workload, duration_s=None, num_requests=150)
     layout = build_system(cfg, SimSettings(system="paraflex"))
     res = simulate(cfg, SimSettings(system="paraflex", rate=4.0, seed=0), layout=layout)
