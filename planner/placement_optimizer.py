@@ -76,6 +76,7 @@ class _Placer:
         self.ring = problem.ring
         self.kappa = float(problem.kappa_bytes)
         self._windows: dict[int, np.ndarray] = {}
+        self.stage_cap: int | None = None  # fill phase: no engine may hold more stages than this
 
     def windows(self, s: int) -> np.ndarray:
         """Row p = engines of a replica starting at p (all starts, P1)."""
@@ -96,6 +97,8 @@ class _Placer:
         else:
             phi = inside
         phi[taken[idx].any(axis=1)] = -np.inf
+        if self.stage_cap is not None:
+            phi[(cnt[idx] >= self.stage_cap).any(axis=1)] = -np.inf
         return phi
 
     def best_start(self, cap: np.ndarray, cnt: np.ndarray, taken: np.ndarray, weights: np.ndarray) -> tuple[int, float]:
@@ -214,7 +217,10 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
     With `polish` the final plan goes through `_Placer.polish` (documented addition). With
     `fill` (default; False is the paper's rule) a model that cannot get another replica, in
     Alg. 1 or in the placement, drops out and replication goes on with the others while any
-    fits (`replication.choose_next`); the stop reason lists each model that dropped out.
+    fits (`replication.choose_next`) on spare engines only: from then on no engine may hold
+    more stages than the busiest one did when the first model dropped out (`_Placer.stage_cap`),
+    so filling uses idle and empty engines without thinning every model's batches on the busy
+    ones; the stop reason lists each model that dropped out.
     """
     _check_capacity(problem)
     models = problem.models
@@ -291,9 +297,15 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                 )
                 if not fill:
                     return _finish(problem, placer, weights, last, reason, polish)
-                # fill: the replicated model drops out; go on from the last feasible counts
+                # fill: the replicated model drops out; go on from the last feasible counts, on spare engines
                 replicas[added] -= 1
-                full[added] = reason if fail.index == added else f"{reason} once {models[added].name} had another replica"
+                if placer.stage_cap is None:
+                    placer.stage_cap = int(last[1].max())
+                if placer.stage_cap is not None and not np.isfinite(fail.best):
+                    full[added] = (f"no spare engine for replica {replicas[added] + 1} (each engine it could use holds "
+                                   f"{placer.stage_cap} stages, as many as the busiest engine when the paper's rule stopped)")
+                else:
+                    full[added] = reason if fail.index == added else f"{reason} once {models[added].name} had another replica"
                 chosen = choose_next(n, stages, replicas, ratios, fill=True, skip=full)
                 if chosen < 0:
                     return _finish(problem, placer, weights, last, _fill_reason(models, stages, replicas, n, full), polish)
@@ -316,6 +328,8 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
         if progress:
             progress(iteration, sum(replicas), float(_levels(cap, cnt).min()))
         chosen = choose_next(n, stages, replicas, ratios, fill=fill, skip=full)
+        if fill and placer.stage_cap is None and choose_next(n, stages, replicas, ratios) < 0:
+            placer.stage_cap = int(cnt.max())  # the paper's rule stops here: the fill phase starts
         if chosen < 0:
             reason = ("Alg. 1: the next replica of the chosen model would not fit in the engines" if not fill
                       else _fill_reason(models, stages, replicas, n, full))

@@ -21,7 +21,12 @@ replica, which leaves engines idle while smaller models could still use them (in
 under balanced popularity llama-2-70b's third replica does not fit, so every model stopped at
 two replicas and two engines held one 43 GiB stage each). With `fill`, a model that cannot get
 another replica (here, or in the placement: `skip`) drops out and the next one by the same
-rule gets it; -1 only when no model can.
+rule gets it; -1 only when no model can. The placement (`placement_optimizer`) then puts these
+extra replicas on spare engines only: none may hold more stages than the busiest engine did
+when the paper's rule stopped. (Filling every engine to the memory limit instead, 8/8/8/2
+replicas in the balanced base case, split each small model's traffic over 8 replicas: decode
+batches of 5-9 instead of 14-16, every engine serving four models, and 15.2 instead of 17.9
+req/s achieved at 32 req/s offered.)
 """
 
 from __future__ import annotations

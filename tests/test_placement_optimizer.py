@@ -112,8 +112,9 @@ def test_demand_proportional_replication():
 
 def test_fill_keeps_replicating_the_others_when_the_chosen_model_is_full():
     """The base case under balanced popularity: a 3-stage model's third replica needs 9 of 8
-    engines. The paper's rule stops every model there (two engines hold one stage each); with
-    fill the one-stage models go on until every engine is used."""
+    engines. The paper's rule stops every model there (four engines hold one stage each, the
+    others two); with fill the one-stage models go on while an engine holds fewer stages than
+    the busiest one then did."""
     big = _model("big", 9, 3, 1.0)
     smalls = tuple(_model(f"s{i}", 2, 1, 1.0) for i in range(3))
     problem = Problem((*smalls, big), 8, 1000, kappa_bytes=10)
@@ -121,8 +122,11 @@ def test_fill_keeps_replicating_the_others_when_the_chosen_model_is_full():
     assert [len(r) for r in paper.replicas] == [2, 2, 2, 2]
     assert "Alg. 1" in paper.stop_reason and "hold no stage" not in paper.stop_reason
     filled = optimize(problem)
-    assert [len(r) for r in filled.replicas] == [8, 8, 8, 2]
+    assert [len(r) for r in filled.replicas] == [4, 3, 3, 2]
+    per_engine = [sum(e in rep for reps in filled.replicas for rep in reps) for e in range(8)]
+    assert per_engine == [2] * 8  # spare engines filled, none above the busiest one's 2
     assert "big: 3 replicas x 3 stages would exceed the 8 engines" in filled.stop_reason
+    assert "s0: no spare engine" in filled.stop_reason
     check(problem, filled)
 
 

@@ -155,7 +155,8 @@ def test_missing_config_is_a_user_error(tmp_path, capsys):
 def test_fill_uses_every_engine_and_paper_replication_is_the_ablation(tmp_path, capsys):
     """The base cluster under balanced popularity: the paper's Alg. 1 stops every model at two
     replicas when llama-2-70b's third does not fit (engines 0 and 3 then hold one 43 GiB stage
-    each); by default the one-stage models go on replicating while any fits."""
+    each); by default the one-stage models go on replicating onto the engines that hold fewer stages than
+    the busiest."""
     text = Path(BASE).read_text().replace("zipf_alpha: 1.01", "")
     cfg = tmp_path / "balanced.yaml"
     cfg.write_text(text)
@@ -163,7 +164,8 @@ def test_fill_uses_every_engine_and_paper_replication_is_the_ablation(tmp_path, 
     main(["plan", str(cfg), "-o", str(tmp_path / "paper.json"), "-q", "--paper-replication"])
     fill, paper = Placement.load(tmp_path / "fill.json"), Placement.load(tmp_path / "paper.json")
     assert [m.num_replicas for m in paper.models.values()] == [2, 2, 2, 2]
-    assert [m.num_replicas for m in fill.models.values()] == [8, 8, 8, 2]
+    assert [m.num_replicas for m in fill.models.values()] == [4, 3, 3, 2]
+    assert [len(e.stages) for e in fill.engines] == [2] * 8
     assert "Alg. 1" in paper.params["stop_reason"]
     assert "no model can get another replica" in fill.params["stop_reason"]
     assert all(e.stages for e in fill.engines)
