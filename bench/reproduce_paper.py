@@ -12,6 +12,15 @@ results, Fig. 8/9-style PNGs) and results.md (the same tables in Markdown) under
 
     python bench/reproduce_paper.py [--rates 16,32,64,96] [--seeds 3] [--duration 60]
         [--trace ../shared/data/traces/splitwise_conv.csv] [--ablations] [--jobs 2]
+        [--popularity balanced,1.01,2.1]
+
+`--popularity` runs the whole sweep once per model popularity (`balanced`: every model at the
+same rate; a number: Zipf with that exponent over the config's list) into --out/<popularity>/
+and ends with one summary table: per popularity each system's peak, paraflex's peak against
+the best other system, and the no-collapse check (paraflex's achieved throughput at the swept
+rates nearest 1.5x and 2x the offered rate of its peak, as a share of the peak). `--ablations`
+adds the paper's rules (`paraflex+unbounded-decode-batches+paper-replication`) and the §8.5
+ablations.
 """
 
 from __future__ import annotations
@@ -32,7 +41,11 @@ SYSTEMS = ["paraflex", "ray-serve", "sarathi", "alpaserve", "vllm-tp"]
 
 
 def _rng(values: list[float], fmt: str = ".1f") -> str:
-    """'mean [min-max]' (just the value for one seed)."""
+    """'mean [min-max]' (just the value for one seed); None values (no request of a model
+    finished in a short window) are left out."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "—"
     m = sum(values) / len(values)
     if len(values) == 1:
         return f"{m:{fmt}}"
@@ -119,6 +132,68 @@ def report_only(args) -> int:
     return 0
 
 
+def with_popularity(config, pop: str):
+    """A copy of `config` whose models get popularity `pop` ('balanced' or a Zipf exponent)."""
+    config = dataclasses.replace(config, models=[dataclasses.replace(m) for m in config.models])
+    if pop == "balanced":
+        config.workload = dataclasses.replace(config.workload, zipf_alpha=None)
+        for m in config.models:
+            m.rate = 1.0
+    else:
+        config.workload = dataclasses.replace(config.workload, zipf_alpha=float(pop))
+        config.workload.write_zipf_rates(config.models)
+    return config
+
+
+def collapse_check(results: list[dict], system: str, rates: list[float], bound: float) -> str:
+    """Achieved throughput at the swept rates nearest 1.5x and 2x the offered rate of `system`'s
+    peak, as a share of the peak (mean over seeds)."""
+    peak, _ = peaks(results, system, rates, bound)
+    if not peak or not max(peak):
+        return "—"
+    at_peak = [r["rate"] for r in results if r["system"] == system and r["throughput_rps"] in peak]
+    sat = min(at_peak) if at_peak else rates[0]
+    cells = []
+    for k in (1.5, 2.0):
+        above = [r for r in rates if r >= k * sat * 0.95]
+        if not above:
+            cells.append(f"{k:g}x: not swept")
+            continue
+        rate = above[0]
+        got = _mean([r["throughput_rps"] for r in results if r["system"] == system and r["rate"] == rate])
+        cells.append(f"{k:g}x ({rate:g}): {got / _mean(peak):.2f}")
+    return f"peak at {sat:g}; " + ", ".join(cells)
+
+
+def by_popularity(args, config, systems: list[str], rates: list[float], common: float) -> int:
+    summary = ["| popularity | " + " | ".join(systems) + " | paraflex / best other | no collapse (achieved / peak) |",
+               "|---|" + "---|" * len(systems) + "---|---|"]
+    t0 = time.perf_counter()
+    for pop in args.popularity.split(","):
+        pop = pop.strip()
+        cfg = with_popularity(config, pop)
+        out = os.path.join(args.out, pop)
+        print(f"\n### popularity {pop}")
+        results = run_sweep(cfg, systems, rates, SimSettings(seed=args.seed), out, jobs=args.jobs, replicates=args.seeds)
+        lines = report(results, systems, rates, common, args.p99_bound)
+        print("\n".join(lines))
+        with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as fh:
+            fh.write("\n".join(lines) + "\n")
+        pk = {s: _mean(peaks(results, s, rates, args.p99_bound)[0]) for s in systems}
+        others = [pk[s] for s in systems if not s.startswith("paraflex")]
+        best = max(others) if others else float("nan")
+        ratio = f"{pk['paraflex'] / best:.2f}" if "paraflex" in pk and others and best else "—"
+        summary.append(f"| {pop} | " + " | ".join(f"{pk[s]:.1f}" for s in systems) + f" | {ratio} | "
+                       f"{collapse_check(results, 'paraflex', rates, args.p99_bound) if 'paraflex' in pk else '—'} |")
+    print(f"\n### summary: peak req/s (P99 E2E <= {args.p99_bound:g} s), mean over {args.seeds} seed(s); "
+          f"{time.perf_counter() - t0:.0f} s wall\n")
+    print("\n".join(summary))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as fh:
+        fh.write("\n".join(summary) + "\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "paper-base.yaml"))
@@ -134,6 +209,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="base seed (replicate k at rate index i uses seed + 1000 k + i)")
     ap.add_argument("--out", default="bench-results/reproduce_paper")
+    ap.add_argument("--popularity", help="comma-separated: balanced and/or Zipf exponents, e.g. balanced,1.01,2.1 "
+                    "(one sweep each, under --out/<popularity>/, then a summary table)")
     ap.add_argument("--report-only", action="store_true",
                     help="simulate nothing: rebuild the tables from --out/points.jsonl (e.g. of an interrupted sweep)")
     args = ap.parse_args()
@@ -149,7 +226,8 @@ def main() -> int:
     rates = [float(x) for x in args.rates.split(",")]
     systems = [s.strip() for s in args.systems.split(",")]
     if args.ablations:
-        systems += ["paraflex+no-sharding", "paraflex+random-placement", "paraflex+prefill-first"]
+        systems += ["paraflex+unbounded-decode-batches+paper-replication", "paraflex+no-sharding",
+                    "paraflex+random-placement", "paraflex+prefill-first"]
     common = args.common_rate or rates[min(1, len(rates) - 1)]
     if common not in rates:
         print(f"--common-rate {common:g} is not among --rates {args.rates}; add it or pick a swept rate", file=sys.stderr)
@@ -159,6 +237,8 @@ def main() -> int:
           f"workload {config.workload.arrival} cv={config.workload.cv} zipf={config.workload.zipf_alpha}, "
           f"trace={config.workload.trace}, window " + (f"{args.duration:g} s" if args.duration else f"{args.num_requests} requests")
           + f" per point, rates {rates}, {args.seeds} seed(s) per rate, {args.jobs} jobs")
+    if args.popularity:
+        return by_popularity(args, config, systems, rates, common)
     t0 = time.perf_counter()
     results = run_sweep(config, systems, rates, SimSettings(seed=args.seed), args.out, jobs=args.jobs, replicates=args.seeds)
     wall = time.perf_counter() - t0

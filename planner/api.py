@@ -42,10 +42,10 @@ def plan(
     problem, facts = build_problem(config, cost_model)
     params = {"device": config.cluster.device, "tp": config.cluster.tp, "devices_per_engine": 1, **facts}
     if solver == "paraflex":
-        laid_out, solution = problem, optimize(problem, progress)
+        laid_out, solution = problem, optimize(problem, progress, fill=config.planner.fill_engines)
     elif solver == "milp":
         params["time_limit_s"] = time_limit
-        laid_out, solution = problem, milp.solve(problem, time_limit, progress)
+        laid_out, solution = problem, milp.solve(problem, time_limit, progress, fill=config.planner.fill_engines)
     else:
         laid_out, solution = BASELINES[solver](problem)
         if solver == "tensor":

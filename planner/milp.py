@@ -39,18 +39,20 @@ def _starts(problem: Problem, s: int) -> range:
     return range(problem.num_engines if problem.ring else problem.num_engines - s + 1)
 
 
-def solve_placement(problem: Problem, replicas: list[int], time_limit: float | None = None):
+def solve_placement(problem: Problem, replicas: list[int], time_limit: float | None = None,
+                    stage_cap: int | None = None):
     """Optimal placement for fixed replica counts: (engine lists per model, Phi* bytes, proven).
+    `stage_cap`: at most that many stages on any engine (the fill phase, as the heuristic's).
 
     Returns None when no placement is feasible, or when the time limit passed with no
     feasible placement found.
     """
     with warnings.catch_warnings():  # PuLP 3.x announces its 4.0 API; the 2.7+ API used here works
         warnings.simplefilter("ignore", DeprecationWarning)
-        return _solve_placement(problem, replicas, time_limit)
+        return _solve_placement(problem, replicas, time_limit, stage_cap)
 
 
-def _solve_placement(problem: Problem, replicas: list[int], time_limit: float | None):
+def _solve_placement(problem: Problem, replicas: list[int], time_limit: float | None, stage_cap: int | None = None):
     try:  # imported here: the rest of ParaFlex (serving in process, the heuristic planner) runs without it
         import pulp
     except ImportError:
@@ -71,6 +73,11 @@ def _solve_placement(problem: Problem, replicas: list[int], time_limit: float | 
         lp += pulp.lpSum(x[i, p] for p in _starts(problem, s)) == replicas[i], f"replicas_{i}"
     lp += t
     grants = {e: [] for e in range(n)}
+    if stage_cap is not None:
+        for e in range(n):
+            on = [v for (i, ee), xs in cover.items() if ee == e for v in xs]
+            if on:
+                lp += pulp.lpSum(on) <= stage_cap, f"stage_cap_{e}"
     for (i, e), xs in cover.items():
         y = pulp.lpSum(xs)
         a = pulp.LpVariable(f"a_{i}_{e}", lowBound=0.0, upBound=1.0)
@@ -104,25 +111,55 @@ def _phi_bytes(problem: Problem, engines: list[list[list[int]]]) -> float:
     return min(c / k for c, k in zip(cap, cnt) if k)
 
 
-def solve(problem: Problem, time_limit: float | None = None, progress: Progress | None = None) -> Solution:
-    """Alg. 1's replication schedule with every step's placement solved exactly."""
+def _max_stages(problem: Problem, engines: list[list[list[int]]]) -> int:
+    cnt = [0] * problem.num_engines
+    for reps in engines:
+        for rep in reps:
+            for e in rep:
+                cnt[e] += 1
+    return max(cnt)
+
+
+def solve(problem: Problem, time_limit: float | None = None, progress: Progress | None = None,
+          fill: bool = True) -> Solution:
+    """Alg. 1's replication schedule with every step's placement solved exactly. With `fill`
+    (as `placement_optimizer.optimize`) a model that cannot get another replica drops out and
+    the others go on."""
     deadline = None if time_limit is None else time.monotonic() + time_limit
     stages, ratios = problem.stage_counts, problem.ratios
     replicas = [1] * len(problem.models)
     last: Solution | None = None
     iteration = 0
+    added = -1
+    full: dict[int, str] = {}
+    cap = None  # fill phase: stages per engine at most the busiest engine's when the paper's rule stopped
     while True:
         iteration += 1
         remaining = None if deadline is None else max(1.0, deadline - time.monotonic())
-        found = solve_placement(problem, replicas, remaining)
+        found = solve_placement(problem, replicas, remaining, cap)
         if found is None:
             if last is None:
                 raise NoFeasiblePlan(
                     "no feasible placement of one replica per model (MILP): lower planner.kappa_gb, "
-                    "add engines or memory, or raise planner.target_stage_time"
+                    "add engines or memory, or lower planner.target_stage_time so models are cut into more, "
+                    "smaller stages that pack together"
                 )
-            last.stop_reason = f"no feasible placement with {sum(replicas)} replicas {replicas}"
-            return last
+            reason = f"no feasible placement with {sum(replicas)} replicas {replicas}"
+            if not fill:
+                last.stop_reason = reason
+                return last
+            replicas[added] -= 1
+            full[added] = reason
+            if cap is None:
+                cap = _max_stages(problem, last.replicas)
+            added = choose_next(problem.num_engines, stages, replicas, ratios, fill=True, skip=full)
+            if added < 0:
+                last.stop_reason = "no model can get another replica (" + "; ".join(
+                    f"{problem.models[i].name}: {why}" for i, why in full.items()) + "; the others need more engines)"
+                return last
+            replicas[added] += 1
+            iteration -= 1
+            continue
         engines, phi, proven = found
         last = Solution(engines, phi, iteration, optimal=proven)
         if progress:
@@ -130,8 +167,12 @@ def solve(problem: Problem, time_limit: float | None = None, progress: Progress 
         if deadline is not None and time.monotonic() >= deadline:
             last.stop_reason = "time limit reached"
             return last
-        chosen = choose_next(problem.num_engines, stages, replicas, ratios)
+        chosen = choose_next(problem.num_engines, stages, replicas, ratios, fill=fill, skip=full)
+        if fill and cap is None and choose_next(problem.num_engines, stages, replicas, ratios) < 0:
+            cap = _max_stages(problem, engines)
         if chosen < 0:
-            last.stop_reason = "Alg. 1: the next replica of the chosen model would not fit in the engines"
+            last.stop_reason = ("Alg. 1: the next replica of the chosen model would not fit in the engines" if not fill
+                                else "no model can get another replica within the engines")
             return last
+        added = chosen
         replicas[chosen] += 1

@@ -42,6 +42,7 @@ import numpy as np
 
 from paraflex.planner.problem import NoFeasiblePlan, Problem, Solution, replica_engines
 from paraflex.planner.replication import choose_next
+from paraflex.planner.sharding import gib
 
 _TIE = 1e-9
 _MAX_PAIRS = 256  # pair moves tried per polish round (bounds the polish on dense engines)
@@ -75,6 +76,7 @@ class _Placer:
         self.ring = problem.ring
         self.kappa = float(problem.kappa_bytes)
         self._windows: dict[int, np.ndarray] = {}
+        self.stage_cap: int | None = None  # fill phase: no engine may hold more stages than this
 
     def windows(self, s: int) -> np.ndarray:
         """Row p = engines of a replica starting at p (all starts, P1)."""
@@ -95,6 +97,8 @@ class _Placer:
         else:
             phi = inside
         phi[taken[idx].any(axis=1)] = -np.inf
+        if self.stage_cap is not None:
+            phi[(cnt[idx] >= self.stage_cap).any(axis=1)] = -np.inf
         return phi
 
     def best_start(self, cap: np.ndarray, cnt: np.ndarray, taken: np.ndarray, weights: np.ndarray) -> tuple[int, float]:
@@ -207,10 +211,16 @@ def _lex_greater(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(len(differ)) and bool(a[differ[0]] > b[differ[0]])
 
 
-def optimize(problem: Problem, progress: Progress | None = None, polish: bool = True) -> Solution:
+def optimize(problem: Problem, progress: Progress | None = None, polish: bool = True, fill: bool = True) -> Solution:
     """Run Alg. 1 + Alg. 2 to completion; raises NoFeasiblePlan if the first step fails.
 
-    With `polish` the final plan goes through `_Placer.polish` (documented addition).
+    With `polish` the final plan goes through `_Placer.polish` (documented addition). With
+    `fill` (default; False is the paper's rule) a model that cannot get another replica, in
+    Alg. 1 or in the placement, drops out and replication goes on with the others while any
+    fits (`replication.choose_next`) on spare engines only: from then on no engine may hold
+    more stages than the busiest one did when the first model dropped out (`_Placer.stage_cap`),
+    so filling uses idle and empty engines without thinning every model's batches on the busy
+    ones; the stop reason lists each model that dropped out.
     """
     _check_capacity(problem)
     models = problem.models
@@ -234,6 +244,8 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
     resume = 0  # the first model of `order` this iteration places (the replicated one)
     kept = 0  # snapshots kept: those before it, and its own when its earlier replicas stand
     iteration = 0
+    added = -1  # the model that got a replica for this iteration (-1: the first iteration)
+    full: dict[int, str] = {}  # fill: models that cannot get another replica -> why
     while True:
         iteration += 1
         del snapshots[kept:]
@@ -283,7 +295,27 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                     f"replica {fail.replica + 1} of {fail.model} would leave a stage below kappa "
                     f"({_gb(max(fail.best, 0.0))} < {_gb(problem.kappa_bytes)}) or overflow memory"
                 )
-                return _finish(problem, placer, weights, last, reason, polish)
+                if not fill:
+                    return _finish(problem, placer, weights, last, reason, polish)
+                # fill: the replicated model drops out; go on from the last feasible counts, on spare engines
+                replicas[added] -= 1
+                if placer.stage_cap is None:
+                    placer.stage_cap = int(last[1].max())
+                if placer.stage_cap is not None and not np.isfinite(fail.best):
+                    full[added] = (f"no spare engine for replica {replicas[added] + 1} (each engine it could use holds "
+                                   f"{placer.stage_cap} stages, as many as the busiest engine when the paper's rule stopped)")
+                else:
+                    full[added] = reason if fail.index == added else f"{reason} once {models[added].name} had another replica"
+                chosen = choose_next(n, stages, replicas, ratios, fill=True, skip=full)
+                if chosen < 0:
+                    return _finish(problem, placer, weights, last, _fill_reason(models, stages, replicas, n, full), polish)
+                replicas[chosen] += 1
+                added = chosen
+                snapshots.clear()
+                resume = kept = 0
+                iteration -= 1
+                retrying = False  # a new step, not a retry of the failed one
+                continue
             snapshots.clear()
             resume = kept = 0
             iteration -= 1
@@ -295,11 +327,15 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
         last = (cap, cnt, [placed[i] for i in range(len(models))], iteration)
         if progress:
             progress(iteration, sum(replicas), float(_levels(cap, cnt).min()))
-        chosen = choose_next(n, stages, replicas, ratios)
+        chosen = choose_next(n, stages, replicas, ratios, fill=fill, skip=full)
+        if fill and placer.stage_cap is None and choose_next(n, stages, replicas, ratios) < 0:
+            placer.stage_cap = int(cnt.max())  # the paper's rule stops here: the fill phase starts
         if chosen < 0:
-            reason = "Alg. 1: the next replica of the chosen model would not fit in the engines"
+            reason = ("Alg. 1: the next replica of the chosen model would not fit in the engines" if not fill
+                      else _fill_reason(models, stages, replicas, n, full))
             return _finish(problem, placer, weights, last, reason, polish)
         replicas[chosen] += 1
+        added = chosen
         # The models before it, and its own replicas so far, are placed as in this iteration
         # (same state, same greedy order, same ties): reuse them and place the new replica.
         resume = min(position[chosen], len(snapshots))
@@ -312,17 +348,35 @@ def _check_capacity(problem: Problem) -> None:
     kv = problem.kappa_bytes * sum(problem.stage_counts)
     total = problem.memory_bytes * problem.num_engines
     if weights + kv > total:
+        # fewer stages need less kappa in all, but only while the weights alone fit
+        fix = ("add engines or memory (the weights alone exceed it)" if weights > total else
+               "lower planner.kappa_gb, add engines or memory, or raise planner.target_stage_time so models have "
+               "fewer stages, each with its kappa")
         raise NoFeasiblePlan(
             f"no feasible placement: one replica of every model needs {_gb(weights)} of weights plus "
-            f"kappa x {sum(problem.stage_counts)} stages = {_gb(kv)} of KV, more than the cluster's {_gb(total)}; "
-            "lower planner.kappa_gb, add engines or memory, or raise planner.target_stage_time"
+            f"kappa x {sum(problem.stage_counts)} stages = {_gb(kv)} of KV, more than the cluster's {_gb(total)}; {fix}"
         )
+
+
+def _fill_reason(models, stages, replicas, n: int, full: dict[int, str]) -> str:
+    """Why replication stopped with `fill`: no model can get another replica; one clause each."""
+    parts = []
+    for i, m in enumerate(models):
+        if i in full:
+            parts.append(f"{m.name}: {full[i]}")
+        else:
+            parts.append(f"{m.name}: {replicas[i] + 1} replicas x {stages[i]} stages would exceed the {n} engines")
+    return "no model can get another replica (" + "; ".join(parts) + ")"
 
 
 def _finish(problem: Problem, placer: _Placer, weights, last, reason: str, polish: bool) -> Solution:
     cap, cnt, starts, iteration = last
     if polish:
         placer.polish(cap, cnt, starts, weights)
+    empty = [e for e in range(problem.num_engines) if cnt[e] == 0]
+    if empty:
+        reason += (f"; engine{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} "
+                   f"hold{'' if len(empty) > 1 else 's'} no stage because of it")
     return Solution(
         replicas=[[replica_engines(p, len(weights[i]), problem.num_engines) for p in sorted(st)] for i, st in enumerate(starts)],
         objective_bytes=float(_levels(cap, cnt).min()),
@@ -332,13 +386,19 @@ def _finish(problem: Problem, placer: _Placer, weights, last, reason: str, polis
 
 
 def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.3g} GB"
+    """Bytes in GiB, the unit of the config's memory_gb and kappa_gb."""
+    return gib(nbytes)
 
 
 def _explain(problem: Problem, fail: _Failed) -> str:
+    # Total memory suffices (_check_capacity passed) and every stage fits an engine alone
+    # (sharding raised S until it does), so what fails is packing the stages together:
+    # smaller stages (a lower T_s) pack better, fewer of them would not.
+    spec = problem.models[fail.index]
     return (
-        f"no feasible placement: {fail.model} (replica {fail.replica + 1}) cannot be placed with at least "
-        f"kappa = {_gb(problem.kappa_bytes)} of KV per stage within {_gb(problem.memory_bytes)} per engine "
-        f"on {problem.num_engines} engines; lower planner.kappa_gb, add engines or memory, or raise "
-        "planner.target_stage_time so models have fewer stages"
+        f"no feasible placement: {fail.model} (replica {fail.replica + 1}, largest stage "
+        f"{_gb(max(spec.stage_weights))} of weights) cannot be placed with at least kappa = {_gb(problem.kappa_bytes)} "
+        f"of KV per stage beside the other models' stages within {_gb(problem.memory_bytes)} per engine on "
+        f"{problem.num_engines} engines; lower planner.kappa_gb, add engines or memory, or lower "
+        "planner.target_stage_time so models are cut into more, smaller stages that pack together"
     )

@@ -7,14 +7,27 @@ at least 1, at most one per layer and at most
 one per engine (a replica's stages need distinct engines; capping is reported as a warning); its L layers are cut floor(L/S) per stage with the
 remainder given one at a time from the first stage (`problem.split_layers`). Stage weights are
 the real bytes of each range (embedding on the first stage, final norm + LM head on the last).
+
+A stage must also fit an engine with its minimum KV: weights of the largest stage + kappa <=
+engine memory. When the time-based S breaks that (two llama-2-70b at TP 1 with `auto`: T_s is
+the model's own time, S = 1, 128 GiB on a 72 GiB engine), S is raised to the smallest count
+whose stages fit (a warning says so); if even one stage per engine or per layer does not fit,
+the error says what to change (more memory per engine, a higher TP, a lower kappa).
 """
 
 from __future__ import annotations
 
 import math
 
-from paraflex.errors import ConfigError
+from paraflex.errors import ConfigError, UserError
 from paraflex.planner.problem import ModelSpec, Problem
+
+GIB = 2**30
+
+
+def gib(nbytes: float) -> str:
+    """Bytes as the GiB the config is written in (`memory_gb`, `kappa_gb` are GiB)."""
+    return f"{nbytes / GIB:.3g} GiB"
 
 
 def stage_count(model_time: float, target_stage_time: float, num_layers: int) -> int:
@@ -41,7 +54,16 @@ def build_problem(config, cost_model=None) -> tuple[Problem, dict]:
                 f"cluster has {n} engines: using {n}; raise planner.target_stage_time to keep stages even"
             )
             s = n
-        specs.append(ModelSpec.from_arch(m.name, m.arch.num_layers, s, m.rate, m.arch))
+        spec = ModelSpec.from_arch(m.name, m.arch.num_layers, s, m.rate, m.arch)
+        fitted = _fit_stages(spec, config.cluster.memory_bytes, config.planner.kappa_bytes, n)
+        if fitted.num_stages != s:
+            warnings.append(
+                f"{m.name}: T_s {target * 1e3:.3g} ms gives {s} stage(s), but its largest stage "
+                f"({gib(max(spec.stage_weights))} of weights) plus kappa ({gib(config.planner.kappa_bytes)}) exceeds an "
+                f"engine's {gib(config.cluster.memory_bytes)}: using {fitted.num_stages} stages of at most "
+                f"{gib(max(fitted.stage_weights))} (a lower planner.target_stage_time cuts every model finer)"
+            )
+        specs.append(fitted)
     problem = Problem(
         models=tuple(specs),
         num_engines=n,
@@ -49,9 +71,28 @@ def build_problem(config, cost_model=None) -> tuple[Problem, dict]:
         kappa_bytes=config.planner.kappa_bytes,
         ring=bool(config.planner.ring),
     )
-    facts = {
+    facts = {  # (specs hold the final stage counts)
         "target_stage_time_ms": target * 1e3,
         "model_time_ms": {m.name: t * 1e3 for m, t in zip(config.models, times)},
         "warnings": warnings,
     }
     return problem, facts
+
+
+def _fit_stages(spec: ModelSpec, memory: int, kappa: int, num_engines: int) -> ModelSpec:
+    """`spec`, or the same model cut into the fewest more stages whose largest stage's
+    weights plus kappa fit one engine; UserError when no count up to min(L, N_e) does."""
+    limit = min(spec.num_layers, num_engines)
+    s = spec.num_stages
+    while max(spec.stage_weights) + kappa > memory:
+        if s >= limit:
+            what = "layer" if limit == spec.num_layers else "engine"
+            raise UserError(
+                f"{spec.name} does not fit the cluster: cut into {s} stages (one per {what}, the most possible) its "
+                f"largest stage holds {gib(max(spec.stage_weights))} of weights, which with kappa = {gib(kappa)} of KV "
+                f"exceeds an engine's {gib(memory)}; give engines more memory (cluster.memory_gb, a higher cluster.tp)"
+                + (", add engines" if what == "engine" else "") + " or lower planner.kappa_gb"
+            )
+        s += 1
+        spec = spec.resplit(s)
+    return spec

@@ -6,12 +6,20 @@ replica placed exactly once, engines listing exactly the stages the models place
 models and layer counts match the config; P1 (a replica's stages on consecutive engines in
 ascending order, wrapping only when the plan was made with `ring`); (4) no two stages of one
 model on one engine; weight bytes as recomputed from the architecture; (5) memory: weights +
-planned KV within the engine's memory; (6) every resident stage planned at least kappa of KV.
+planned KV within the engine's memory; (6) every resident stage planned at least kappa of KV;
+the recorded objective (Phi* as a share of engine memory, and `params.objective_bytes`) equal to
+the one recomputed from the stages' weights (a file edited by hand, or by another tool, cannot
+claim a better plan than it is).
 """
 
 from __future__ import annotations
 
+import math
+
 from paraflex.placement import Placement
+from paraflex.planner.drf import min_level
+
+_OBJECTIVE_RTOL = 1e-6
 
 
 def violations(placement: Placement, config) -> list[str]:
@@ -87,6 +95,27 @@ def violations(placement: Placement, config) -> list[str]:
         for model in eng.kv_bytes:
             if model in placement.models and model not in {r.model for r in eng.stages}:
                 out.append(f"engine {eng.id}: plans KV for {model}, which has no stage there")
+    out += _objective_problems(placement, weights, memory)
+    return out
+
+
+def _objective_problems(placement: Placement, weights: list[int], memory: int) -> list[str]:
+    """The recorded Phi* against the one the stages' weights give (DRF's first water level)."""
+    counts = [0] * placement.num_engines
+    for eng in placement.engines:
+        if 0 <= eng.id < placement.num_engines:
+            counts[eng.id] = len(eng.stages)
+    phi = min_level([memory - w for w in weights], counts)
+    if not math.isfinite(phi):
+        return []
+    out = []
+    share = phi / memory
+    if not math.isclose(placement.objective, share, rel_tol=_OBJECTIVE_RTOL, abs_tol=1e-12):
+        out.append(f"objective: the file records Phi* = {placement.objective:.6g} of engine memory, the placement gives "
+                   f"{share:.6g} ({_gib(phi)} per stage)")
+    recorded = placement.params.get("objective_bytes")
+    if recorded is not None and not math.isclose(float(recorded), phi, rel_tol=_OBJECTIVE_RTOL, abs_tol=1.0):
+        out.append(f"objective: params.objective_bytes records {_gib(float(recorded))}, the placement gives {_gib(phi)}")
     return out
 
 

@@ -42,6 +42,8 @@ class SimSettings:
     no_sharding: bool = False
     random_placement: bool = False
     prefill_first: bool = False
+    unbounded_decode_batches: bool = False  # the paper's rule: no in-flight bound on decode batches
+    paper_replication: bool = False  # the paper's Alg. 1 stop (planner.fill_engines: false)
     host_link_gbps: float = 256.0
     check_invariants: bool = False
     # fast paths with the same results: replay undisturbed decode cycles in closed form

@@ -39,7 +39,8 @@ SEED_STRIDE = 1000  # seed distance between replicates (rate indices stay below 
 AGGREGATED = ("throughput_rps", "e2e_median_s", "e2e_p99_s", "ttft_median_s", "tbt_median_s", "slo_attainment",
               "goodput_rps", "active_gpu_share_mean", "decode_batch_size_mean")
 
-ABLATIONS = {"no-sharding": "no_sharding", "random-placement": "random_placement", "prefill-first": "prefill_first"}
+ABLATIONS = {"no-sharding": "no_sharding", "random-placement": "random_placement", "prefill-first": "prefill_first",
+             "unbounded-decode-batches": "unbounded_decode_batches", "paper-replication": "paper_replication"}
 
 
 def parse_system(spec: str, base: SimSettings) -> SimSettings:

@@ -131,7 +131,7 @@ class BulkAdvance:
                 waiting.append(req)
             else:
                 req.state = BLOCKED
-                st.enter_inflight(req, bid)
+                st.enter_inflight(req, bid, decode=True)
         for req in waiting:
             q.push(req, self.order.decisions)
 

@@ -41,6 +41,8 @@ class ResidentStage:
     decode_q: "Queue" = field(default=None, repr=False)  # first stage: ready decodes; later: under-sized batches
     full_q: "Queue" = field(default=None, repr=False)  # later stages: full decode batches
     inflight: dict[str, int] = field(default_factory=dict, repr=False)  # first stage: batch_id -> requests awaiting a token
+    # first stage: ids of the decode (or mixed) batches among `inflight` (the in-flight bound counts these)
+    decode_inflight: set[str] = field(default_factory=set, repr=False)
     key: tuple[str, int] = field(init=False, repr=False)
     is_first: bool = field(init=False, repr=False)
     is_last: bool = field(init=False, repr=False)
@@ -53,10 +55,13 @@ class ResidentStage:
     def queues(self) -> tuple["Queue", ...]:
         return (self.prefill_q, self.decode_q) if self.is_first else (self.full_q, self.decode_q, self.prefill_q)
 
-    def enter_inflight(self, req: StageRequest, batch_id: str) -> None:
-        """First stage: `req` ran in `batch_id` and now awaits its token."""
+    def enter_inflight(self, req: StageRequest, batch_id: str, decode: bool) -> None:
+        """First stage: `req` ran in `batch_id` (a decode or mixed batch when `decode`; the
+        in-flight bound counts those) and now awaits its token."""
         req.batch_id = batch_id
         self.inflight[batch_id] = self.inflight.get(batch_id, 0) + 1
+        if decode:
+            self.decode_inflight.add(batch_id)
 
     def leave_inflight(self, req: StageRequest) -> None:
         """First stage: `req` no longer awaits the token of the batch it ran in (it came, or
@@ -67,6 +72,7 @@ class ResidentStage:
                 self.inflight[req.batch_id] = n
             else:
                 self.inflight.pop(req.batch_id, None)
+                self.decode_inflight.discard(req.batch_id)
             req.batch_id = None
 
 

@@ -93,6 +93,7 @@ from paraflex.engine.core.kv_planner import KVPlanner
 from paraflex.engine.core.later_stage_batches import LaterStageBatches
 from paraflex.engine.core.messages import PREFILL, BatchMessage, FreeMessage, TokenEntry, TokenMessage
 from paraflex.engine.core.policies import Policy, get_policy
+from paraflex.engine.core.policies.inflight_bound import parse_inflight_limit
 from paraflex.engine.core.queue_order import QueueOrder
 from paraflex.engine.core.queues import PendingBatch, Queue, ResidentStage, ResidentStages
 from paraflex.engine.core.request import (ABORTED, BLOCKED, FINISHED, RUNNING, SWAPPED_DECODE, WAITING_DECODE,
@@ -119,6 +120,7 @@ class EngineScheduler:
         watermark: float = 0.01,
         engine_id: int = 0,
         track_history: bool = False,
+        decode_batches_in_flight: int | str | None = "stages",
     ):
         if max_batch_size < 1:
             raise ConfigError("scheduler.max_batch_size", f"must be >= 1 (got {max_batch_size})")
@@ -134,6 +136,7 @@ class EngineScheduler:
         self.max_batch_size = max_batch_size
         self.prefill_token_budget = prefill_token_budget
         self.engine_id = engine_id
+        self.decode_inflight_limit = parse_inflight_limit(decode_batches_in_flight)
         self.resident = ResidentStages()
         self.stages: list[ResidentStage] = self.resident.all
         self.requests = RequestTable(track_history)
@@ -164,6 +167,7 @@ class EngineScheduler:
             max_batch_size=scheduler_config.max_batch_size,
             policy=scheduler_config.policy,
             engine_id=engine_id,
+            decode_batches_in_flight=getattr(scheduler_config, "decode_batches_in_flight", "stages"),
             # the config leaves the budget unset (None) unless the user gives one
             **({} if scheduler_config.prefill_token_budget is None
                else {"prefill_token_budget": scheduler_config.prefill_token_budget}),
@@ -326,7 +330,7 @@ class EngineScheduler:
             if nxt == WAITING_PREFILL and st.is_first:
                 st.prefill_q.push(req, self.order.decisions)
             elif nxt == BLOCKED and st.is_first:
-                st.enter_inflight(req, batch.batch_id)
+                st.enter_inflight(req, batch.batch_id, decode=batch.kind != PREFILL)
             if st.is_last and sr.samples:
                 req.generated += 1
                 tok = tokens.get(req.req_id) if tokens is not None else None
@@ -358,6 +362,17 @@ class EngineScheduler:
         self.kv.forget(req)
         self.requests.retire(req, final)
         self.later_stage.forget(req.req_id)
+
+    def decode_inflight_full(self, st: ResidentStage) -> bool:
+        """Whether the first stage `st` of a multi-stage model already has as many decode
+        batches in flight as the in-flight bound allows (`decode_batches_in_flight`): then an
+        under-sized decode batch waits and the requests whose tokens come back meanwhile join
+        them (engine/core/policies/inflight_bound.py). Always False for one-stage models and
+        with the bound off (None: the paper's unbounded rule)."""
+        limit = self.decode_inflight_limit
+        if limit is None or st.num_stages == 1:
+            return False
+        return len(st.decode_inflight) >= limit.cap(st.num_stages)
 
     # ------------------------------------------------------------------ queries
     @property

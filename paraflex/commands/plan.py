@@ -36,6 +36,10 @@ def add_arguments(parser) -> None:
                         help="milp only: total solver time budget in seconds (default: %(default)s)")
     parser.add_argument("--validate", metavar="PLACEMENT",
                         help="check PLACEMENT against CONFIG instead of planning; exit 2 on violations")
+    parser.add_argument("--paper-replication", action="store_true",
+                        help="ablation: stop replicating as soon as the model Alg. 1 picks cannot get another replica "
+                             "(the paper's rule; default: go on with the other models while any fits, "
+                             "planner.fill_engines)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no table, no progress")
 
 
@@ -43,6 +47,8 @@ def run(args) -> int:
     if not args.config:
         raise UserError("missing CONFIG: usage `paraflex plan CONFIG -o placement.json`")
     config = load_config(args.config)
+    if getattr(args, "paper_replication", False):
+        config.planner.fill_engines = False
     if args.validate:
         return _validate(args.validate, config)
     require_runnable(config)

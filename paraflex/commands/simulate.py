@@ -45,6 +45,12 @@ def add_arguments(p) -> None:
     a.add_argument("--no-sharding", action="store_true", help="paraflex with one shared sharding plan on every engine")
     a.add_argument("--random-placement", action="store_true", help="paraflex sharding/replication, stages placed at random")
     a.add_argument("--prefill-first", action="store_true", help="prefill-first scheduling instead of the system's policy")
+    a.add_argument("--unbounded-decode-batches", action="store_true",
+                   help="the paper's full-batch-first: no bound on a pipeline's decode batches in flight "
+                        "(scheduler.decode_batches_in_flight: unbounded)")
+    a.add_argument("--paper-replication", action="store_true",
+                   help="paraflex: the paper's Alg. 1 stop, no replicas for the other models once the chosen one is full "
+                        "(planner.fill_engines: false)")
     a.add_argument("--host-link-gbps", type=float, default=256.0, help="host<->GPU bandwidth per GPU for KV swaps")
     a.add_argument("--check-invariants", action="store_true", help="check KV accounting after every stage (slow)")
     a.add_argument("--no-fast-forward", action="store_true",
@@ -108,6 +114,7 @@ def run(args) -> int:
     seed = args.seed if args.seed is not None else config.workload.seed
     base = SimSettings(system=args.system or "paraflex", rate=1.0, seed=seed, no_sharding=args.no_sharding,
                        random_placement=args.random_placement, prefill_first=args.prefill_first,
+                       unbounded_decode_batches=args.unbounded_decode_batches, paper_replication=args.paper_replication,
                        host_link_gbps=args.host_link_gbps, check_invariants=args.check_invariants,
                        fast_forward=not args.no_fast_forward)
     if args.sweep:

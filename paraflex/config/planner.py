@@ -24,6 +24,9 @@ class PlannerConfig:
     target_stage_time: str | float = "auto"  # "auto" | ms | "x2" | "/2"
     kappa_gb: float = 0.1  # minimum KV bytes per stage (GiB)
     ring: bool = False
+    # replicate the other models while any fits when the one Alg. 1 chose cannot get another
+    # replica; False is the paper's rule (stop there). planner/replication.py
+    fill_engines: bool = True
 
     @property
     def kappa_bytes(self) -> int:
@@ -46,6 +49,7 @@ def parse_planner(raw) -> PlannerConfig:
         target_stage_time=_parse_stage_time(s.data.get("target_stage_time", "auto")),
         kappa_gb=s.num("kappa_gb", 0.1, nonneg=True),
         ring=s.bool("ring", False),
+        fill_engines=s.bool("fill_engines", True),
     )
 
 

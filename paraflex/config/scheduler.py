@@ -24,6 +24,9 @@ class SchedulerConfig:
     # None: one request per prefill batch (the paper's setting); a number: pack prompts (and
     # size Sarathi chunks) up to this many tokens per prefill batch.
     prefill_token_budget: int | None = None
+    # decode batches of a multi-stage model in flight at once: "stages" (S; the default), "Nx"
+    # (N x S), a number, or "unbounded" (the paper's rule). engine/core/policies/inflight_bound.py
+    decode_batches_in_flight: str | int = "stages"
 
     def engine_options(self, on_cpu: bool) -> dict:
         """EngineScheduler keyword arguments (minus the policy's engine id), the same for a
@@ -35,7 +38,8 @@ class SchedulerConfig:
         the scheduler's default budget: a CPU matmul over all prompts' rows at once runs ~1.4x
         more FLOP/s than one prompt at a time (M=4096 vs M=128 rows for SmolLM2's shapes), and
         the engine's one forward pass per batch is the unit of work on a CPU."""
-        opts: dict = {"max_batch_size": self.max_batch_size, "policy": self.policy}
+        opts: dict = {"max_batch_size": self.max_batch_size, "policy": self.policy,
+                      "decode_batches_in_flight": self.decode_batches_in_flight}
         if self.prefill_token_budget is not None:
             opts["prefill_token_budget"] = self.prefill_token_budget
         if self.prefill_token_budget is not None or on_cpu:
@@ -53,4 +57,12 @@ def parse_scheduler(raw) -> SchedulerConfig:
         block_bytes=block,
         policy=s.str("policy", "full-batch-first", choices=POLICIES),
         prefill_token_budget=s.int("prefill_token_budget", None, minimum=1),
+        decode_batches_in_flight=_inflight(s),
     )
+
+
+def _inflight(s) -> str | int:
+    from paraflex.engine.core.policies.inflight_bound import config_value, parse_inflight_limit
+
+    raw = s.data.get("decode_batches_in_flight", "stages")
+    return config_value(parse_inflight_limit(raw))

@@ -53,6 +53,8 @@ class Cluster:
         options = {**sc.engine_options(on_cpu=cl.device == "cpu"), "policy": layout.policy}
         if layout.prefill_token_budget:
             options["prefill_token_budget"] = layout.prefill_token_budget
+        if layout.decode_batches_in_flight is not None:
+            options["decode_batches_in_flight"] = layout.decode_batches_in_flight
         self.engines: list[SimEngine] = []
         for ep in placement.engines:
             # One pool per GPU of the TP group, all in lock-step: each GPU holds 1/tp of every

@@ -11,7 +11,9 @@ alone, and step by step every pipeline cycle costs 6 events plus those of the st
 The group is the pipeline's route. When (checked at the moment its first engine formed the
 batch, at time t):
 
-- the policy is `full-batch-first`; every unfinished request of the pipeline replica is in a
+- the policy is `full-batch-first` without the in-flight bound (`scheduler.decode_batches_in_flight:
+  unbounded`, the paper's rule: the replay forms a batch whenever the first stage picks its
+  queue); every unfinished request of the pipeline replica is in a
   decode batch (fewer than `max_batch_size` in all): the one just formed, or one running at a
   later stage, queued there, or in flight as a batch or token message; no engine of the group
   holds swapped KV;
@@ -110,7 +112,8 @@ class JointReplay:
         cluster = self.cluster
         pkey = self.pipe_of[eng.id]
         if (pkey is None or sb.kind != DECODE or sb.swap_in or sb.swap_out
-                or eng.scheduler.policy.name != "full-batch-first" or not cluster.dispatcher.outstanding(pkey[0])[pkey[1]]):
+                or eng.scheduler.policy.name != "full-batch-first" or eng.scheduler.decode_inflight_limit is not None
+                or not cluster.dispatcher.outstanding(pkey[0])[pkey[1]]):
             return False
         route = [cluster.engines[e] for e in cluster.replicas[pkey[0]][pkey[1]]]
         if not self._may_replay(eng, sb, route, pkey[0]):

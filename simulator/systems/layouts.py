@@ -16,11 +16,16 @@ from it. Registered by name:
 Ablations (flags of `paraflex simulate`, applied to `paraflex` only except --prefill-first):
 `no_sharding` (the `shared` layout with ParaFlex's scheduler), `random_placement` (ParaFlex's
 sharding and replication, stages scattered uniformly at random, seeded; random_placement.py),
-`prefill_first` (the prefill-first policy instead of the system's own).
+`prefill_first` (the prefill-first policy instead of the system's own). Departures from the
+paper kept as ablations of `paraflex` (docs/engine-core.md, docs/plan.md):
+`unbounded_decode_batches` (no in-flight bound on a pipeline's decode batches:
+`scheduler.decode_batches_in_flight: unbounded`) and `paper_replication` (Alg. 1 stops when the
+chosen model is full: `planner.fill_engines: false`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from paraflex.errors import UserError
@@ -39,6 +44,7 @@ class SystemLayout:
     gpus_per_engine: int
     memory_bytes: int  # per engine: weights + KV
     prefill_token_budget: int | None = None  # overrides scheduler.prefill_token_budget
+    decode_batches_in_flight: str | int | None = None  # overrides scheduler.decode_batches_in_flight
 
     def describe(self) -> dict:
         return {
@@ -48,6 +54,7 @@ class SystemLayout:
             "engines": self.placement.num_engines,
             "gpus_per_engine": self.gpus_per_engine,
             "prefill_token_budget": self.prefill_token_budget,
+            "decode_batches_in_flight": self.decode_batches_in_flight,
             "memory_bytes_per_engine": self.memory_bytes,
             "models": {name: {"stages": m.num_stages, "replicas": m.num_replicas} for name, m in self.placement.models.items()},
         }
@@ -75,6 +82,8 @@ def _layout(name: str, config, solver: str, policy: str) -> SystemLayout:
 
 @SYSTEMS.register("paraflex")
 def paraflex(config, settings) -> SystemLayout:
+    if settings.paper_replication:
+        config = dataclasses.replace(config, planner=dataclasses.replace(config.planner, fill_engines=False))
     if settings.no_sharding:
         layout = _layout("paraflex", config, "shared", "full-batch-first")
     else:
@@ -113,11 +122,14 @@ def vllm_tp(config, settings) -> SystemLayout:
 
 def build_system(config, settings) -> SystemLayout:
     builder = SYSTEMS.get(settings.system, "--system")
-    if (settings.no_sharding or settings.random_placement) and settings.system != "paraflex":
-        raise UserError("--no-sharding and --random-placement are ablations of --system paraflex; drop them or use paraflex")
+    if (settings.no_sharding or settings.random_placement or settings.paper_replication) and settings.system != "paraflex":
+        raise UserError("--no-sharding, --random-placement and --paper-replication are ablations of --system paraflex; "
+                        "drop them or use paraflex")
     if settings.no_sharding and settings.random_placement:
         raise UserError("--no-sharding and --random-placement are separate ablations; pass one of them")
     layout = builder(config, settings)
     if settings.prefill_first:
         layout.policy = "prefill-first"
+    if settings.unbounded_decode_batches:
+        layout.decode_batches_in_flight = "unbounded"
     return layout

@@ -62,10 +62,13 @@ def test_infeasible_replica_counts_return_none():
 def test_solve_follows_alg1_and_raises_when_nothing_fits():
     with pytest.raises(NoFeasiblePlan):
         milp.solve(Problem((_model("a", 4, 2, 1.0, layer_bytes=60),), 2, 100, kappa_bytes=10))
-    sol = milp.solve(Problem((_model("a", 2, 1, 3.0), _model("b", 2, 1, 1.0)), 4, 200, kappa_bytes=10))
+    problem = Problem((_model("a", 2, 1, 3.0), _model("b", 2, 1, 1.0)), 4, 200, kappa_bytes=10)
+    sol = milp.solve(problem, fill=False)
     assert sol.optimal
     # Alg. 1: 3:1 demand -> (3, 1), tie goes to the larger target -> (4, 1), then b -> (4, 2); a 5th a does not fit
     assert [len(r) for r in sol.replicas] == [4, 2]
+    # fill: b goes on while it fits, as in the heuristic
+    assert [len(r) for r in milp.solve(problem).replicas] == [4, 4]
 
 
 @pytest.mark.parametrize("seed", range(8))

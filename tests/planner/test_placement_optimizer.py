@@ -50,7 +50,7 @@ def test_first_placement_prefers_empty_engines():
     big = _model("big", 8, 4, 1.0)
     small = _model("small", 2, 1, 1e-6)  # negligible demand: never replicated
     problem = Problem((big, small), 6, 100, kappa_bytes=55)
-    sol = optimize(problem)
+    sol = optimize(problem, fill=False)  # the paper's rule: replication stops with big
     # big (4 stages) is placed first at 0-3; small goes to the first empty engine, 4
     assert sol.replicas[0][0] == [0, 1, 2, 3]
     assert sol.replicas[1] == [[4]]
@@ -63,8 +63,11 @@ def test_stops_before_kappa_breaks_and_keeps_last_feasible_plan():
     sol = optimize(problem)
     assert sorted(sol.replicas[0]) == [[0], [1]]  # the chosen model has no more engines
     tight = Problem((_model("a", 4, 2, 1.0), _model("b", 4, 2, 1.0)), 2, 100, kappa_bytes=30)
-    sol = optimize(tight)
+    sol = optimize(tight, fill=False)
     assert "kappa" in sol.stop_reason or "Alg. 1" in sol.stop_reason
+    check(tight, sol)
+    sol = optimize(tight)
+    assert "no model can get another replica" in sol.stop_reason
     check(tight, sol)
 
 
@@ -100,11 +103,69 @@ def test_demand_proportional_replication():
     hot = _model("hot", 2, 1, 3.0)
     cold = _model("cold", 2, 1, 1.0)
     problem = Problem((hot, cold), 8, 1000, kappa_bytes=10)
-    sol = optimize(problem)
+    sol = optimize(problem, fill=False)  # the paper's rule stops both when hot has no engine left
     hot_r, cold_r = len(sol.replicas[0]), len(sol.replicas[1])
     assert hot_r == 8  # Alg. 1 stopped because hot would need a 9th engine
     assert abs(hot_r - 3 * cold_r) <= 3  # 3:1 demand, within one replica of cold
     check(problem, sol)
+
+
+def test_fill_keeps_replicating_the_others_when_the_chosen_model_is_full():
+    """The base case under balanced popularity: a 3-stage model's third replica needs 9 of 8
+    engines. The paper's rule stops every model there (four engines hold one stage each, the
+    others two); with fill the one-stage models go on while an engine holds fewer stages than
+    the busiest one then did."""
+    big = _model("big", 9, 3, 1.0)
+    smalls = tuple(_model(f"s{i}", 2, 1, 1.0) for i in range(3))
+    problem = Problem((*smalls, big), 8, 1000, kappa_bytes=10)
+    paper = optimize(problem, fill=False)
+    assert [len(r) for r in paper.replicas] == [2, 2, 2, 2]
+    assert "Alg. 1" in paper.stop_reason and "hold no stage" not in paper.stop_reason
+    filled = optimize(problem)
+    assert [len(r) for r in filled.replicas] == [4, 3, 3, 2]
+    per_engine = [sum(e in rep for reps in filled.replicas for rep in reps) for e in range(8)]
+    assert per_engine == [2] * 8  # spare engines filled, none above the busiest one's 2
+    assert "big: 3 replicas x 3 stages would exceed the 8 engines" in filled.stop_reason
+    assert "s0: no spare engine" in filled.stop_reason
+    check(problem, filled)
+
+
+def test_fill_goes_on_after_a_model_fails_kappa():
+    """b (2 stages of 40) fills engines 0-1; its second replica would share engine 2 with a and
+    leave 25 < kappa 30 there. The paper's rule stops; with fill, a gets engine 3."""
+    b = _model("b", 4, 2, 5.0, layer_bytes=20)
+    a = _model("a", 2, 1, 1.0, layer_bytes=5)
+    problem = Problem((a, b), 4, 100, kappa_bytes=30)
+    paper = optimize(problem, fill=False)
+    filled = optimize(problem)
+    assert [len(r) for r in paper.replicas] == [1, 1]
+    assert "below kappa" in paper.stop_reason and "engine 3 holds no stage" in paper.stop_reason
+    assert [len(r) for r in filled.replicas] == [2, 1]
+    assert "b: replica" in filled.stop_reason and "below kappa" in filled.stop_reason
+    assert "holds no stage" not in filled.stop_reason
+    check(problem, filled)
+
+
+def test_an_empty_engine_is_explained():
+    """One 3-stage model on 4 engines: engine 3 can hold nothing; the stop reason says so."""
+    problem = Problem((_model("m", 3, 3, 1.0),), 4, 100, kappa_bytes=10)
+    for fill in (True, False):
+        sol = optimize(problem, fill=fill)
+        assert sol.replicas == [[[0, 1, 2]]]
+        assert "engine 3 holds no stage" in sol.stop_reason
+
+
+def test_no_feasible_plan_points_to_smaller_stages_and_gib():
+    """Packing fails (each stage fits an engine alone): the fix is more, smaller stages, and
+    sizes are in GiB as configured."""
+    gib = 2**30
+    models = tuple(_model(name, 1, 1, 1.0, layer_bytes=55 * gib) for name in "abc")
+    problem = Problem(models, 2, 100 * gib, kappa_bytes=6 * gib)  # 183 GiB of 200 in all
+    with pytest.raises(NoFeasiblePlan) as info:
+        optimize(problem)
+    msg = str(info.value)
+    assert "lower planner.target_stage_time" in msg and "raise planner.target_stage_time" not in msg
+    assert "kappa = 6 GiB" in msg and "100 GiB per engine" in msg and " GB" not in msg
 
 
 @st.composite

@@ -84,3 +84,35 @@ def test_more_stages_than_engines_is_capped_with_a_warning():
     problem, facts = build_problem(_config("/4", engines=8))
     assert [m.num_stages for m in problem.models] == [4, 8, 8]
     assert any("big" in w and "16 stages" in w for w in facts["warnings"])
+
+
+def _two_70b(memory_gb=72, kappa_gb=6, engines=8):
+    return Config.from_dict({
+        "cluster": {"num_engines": engines, "device": "a100-80g", "tp": 1, "memory_gb": memory_gb},
+        "models": [{"name": "a", "arch": "llama-2-70b"}, {"name": "b", "arch": "llama-2-70b"}],
+        "planner": {"target_stage_time": "auto", "kappa_gb": kappa_gb},
+    })
+
+
+def test_stage_count_is_raised_until_a_stage_fits_an_engine():
+    """Two llama-2-70b at TP 1: `auto` makes T_s the model's own time (S = 1), but 128 GiB of
+    weights cannot sit on a 72 GiB engine: S rises to the fewest stages that fit with kappa."""
+    problem, facts = build_problem(_two_70b())
+    assert [m.num_stages for m in problem.models] == [2, 2]
+    assert all(max(m.stage_weights) + 6 * 2**30 <= 72 * 2**30 for m in problem.models)
+    assert any("using 2 stages" in w and "GiB" in w for w in facts["warnings"])
+    # a larger kappa needs one more stage
+    problem, _ = build_problem(_two_70b(kappa_gb=10))
+    assert [m.num_stages for m in problem.models] == [3, 3]
+
+
+def test_a_model_too_large_for_any_cut_says_to_add_memory_not_fewer_stages():
+    import pytest
+
+    from paraflex.errors import UserError
+
+    with pytest.raises(UserError) as info:
+        build_problem(_two_70b(memory_gb=40, kappa_gb=10, engines=4))  # 4 stages of 32 GiB + 10 > 40 GiB
+    msg = str(info.value)
+    assert "memory_gb" in msg and "GiB" in msg and " GB" not in msg
+    assert "raise planner.target_stage_time" not in msg

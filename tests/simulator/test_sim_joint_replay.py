@@ -32,11 +32,13 @@ MODELS = [("p", "tiny-8l", [[0, 1, 2]]), ("a", "tiny-2l", [[0], [2], [3]]), ("b"
           ("d", "tiny-2l", [[1]]), ("e", "tiny-2l", [[3]])]
 
 
-def ring_config(memory_gb: float, max_batch: int, policy: str = "full-batch-first", workload=None) -> Config:
+def _config(memory_gb: float, max_batch: int, policy: str = "full-batch-first", workload=None) -> Config:
     d = {
         "cluster": {"num_engines": 4, "device": "cpu", "memory_gb": memory_gb, "host_memory_gb": 0.01},
         "models": [{"name": n, "arch": a} for n, a, _ in MODELS],
-        "scheduler": {"max_batch_size": max_batch, "policy": policy, "block_bytes": 4096},
+        # the joint replay serves the paper's unbounded rule (the in-flight bound turns it off)
+        "scheduler": {"max_batch_size": max_batch, "policy": policy, "block_bytes": 4096,
+                      "decode_batches_in_flight": "unbounded"},
     }
     if workload is not None:
         d["workload"] = dataclasses.asdict(workload)
@@ -109,7 +111,7 @@ def test_random_workloads_identical_with_and_without_fast_paths(seed, memory_gb,
     """`starvation`: a starvation limit of that many decisions instead of the default 64
     (promotions then happen inside most replays)."""
     w = WorkloadConfig(arrival="lognormal", cv=cv, num_requests=30, seed=seed, output_scale=1.0)
-    cfg = ring_config(memory_gb, max_batch, policy, w)
+    cfg = _config(memory_gb, max_batch, policy, w)
     with pytest.MonkeyPatch.context() as mp:
         if starvation is not None:
             mp.setattr(QueueOrder, "effective_starvation_limit", property(lambda self: starvation))
@@ -126,7 +128,7 @@ def test_pipeline_among_one_stage_replicas_is_replayed_exactly(monkeypatch):
     """p's requests come first (its batches win every engine's order), a, b and d decode
     beside it on all three of its engines; KV grows by many blocks on the way."""
     spy = _Spy(monkeypatch)
-    cfg = ring_config(0.1, 8)
+    cfg = _config(0.1, 8)
     reqs = _long_requests([("p", 0.0, 7, 200), ("a", 0.01, 5, 150), ("b", 0.011, 9, 180), ("d", 0.012, 3, 160),
                            ("b", 0.013, 4, 170), ("a", 0.014, 6, 140), ("p", 0.5, 5, 100), ("a", 0.8, 3, 80)])
     fast, plain = _both(cfg, _layout(cfg), requests=reqs)
@@ -135,11 +137,25 @@ def test_pipeline_among_one_stage_replicas_is_replayed_exactly(monkeypatch):
     assert fast.summary["events"] < plain.summary["events"] / 3
 
 
+def test_the_in_flight_bound_turns_the_replay_off_with_identical_results(monkeypatch):
+    """With `decode_batches_in_flight: stages` (the default) a first stage holds under-sized
+    decode batches back while the pipeline is full, which the replay does not model: it must
+    decline, and the fast paths left still give the step-by-step results."""
+    spy = _Spy(monkeypatch)
+    cfg = _config(0.1, 8)
+    cfg.scheduler.decode_batches_in_flight = "stages"
+    reqs = _long_requests([("p", 0.0, 7, 200), ("a", 0.01, 5, 150), ("p", 0.02, 5, 120), ("b", 0.011, 9, 180),
+                           ("p", 0.05, 3, 90), ("d", 0.012, 3, 160), ("p", 0.5, 5, 100), ("a", 0.8, 3, 80)])
+    fast, plain = _both(cfg, _layout(cfg), requests=reqs)
+    _assert_identical(fast, plain)
+    assert spy.decisions == 0
+
+
 def test_starvation_promotions_inside_the_replay(monkeypatch):
     """b and d share engine 1 with p's middle stage; b is older, so d waits for its starvation
     promotion every limit decisions, inside the replayed cycles (same promotions)."""
     spy = _Spy(monkeypatch)
-    cfg = ring_config(0.1, 8)
+    cfg = _config(0.1, 8)
     reqs = _long_requests([("p", 0.0, 4, 400), ("b", 0.001, 4, 500), ("d", 0.002, 4, 400)])
     fast, plain = _both(cfg, _layout(cfg), requests=reqs)
     _assert_identical(fast, plain)
@@ -152,7 +168,7 @@ def test_one_stage_batches_older_than_the_pipeline(monkeypatch):
     """a and b arrive before p: they win their engines' order, p's stages wait for the
     one-stage steps (and for promotions) in the replayed cycles."""
     spy = _Spy(monkeypatch)
-    cfg = ring_config(0.1, 4)
+    cfg = _config(0.1, 4)
     reqs = _long_requests([("a", 0.0, 4, 300), ("b", 0.0005, 4, 300), ("p", 0.001, 4, 250), ("d", 0.002, 4, 200)])
     fast, plain = _both(cfg, _layout(cfg), requests=reqs)
     _assert_identical(fast, plain)
@@ -201,6 +217,7 @@ def test_paper_base_case_pipeline_is_replayed(monkeypatch):
     spy = _Spy(monkeypatch)
     cfg = load_config(str(CONFIGS / "paper-base.yaml"))
     cfg.cluster.num_engines = 8
+    cfg.scheduler.decode_batches_in_flight = "unbounded"  # the paper's rule, which the replay serves
     cfg.workload = dataclasses.replace(cfg.workload, duration_s=None, num_requests=150)
     layout = build_system(cfg, SimSettings(system="paraflex"))
     res = simulate(cfg, SimSettings(system="paraflex", rate=4.0, seed=0), layout=layout)
@@ -261,7 +278,7 @@ def _outside_race(arrival: float | None, output: int = 60):
 def test_replay_goes_on_past_a_request_dispatched_outside(monkeypatch):
     """The replay waits at the new request of a (it may come into the group: replica 2 is
     busy when the replay starts); the request goes outside, and the replay goes on."""
-    cfg = ring_config(0.1, 8)
+    cfg = _config(0.1, 8)
     done = _finish_of(cfg, _outside_race(None), 3)
     spy, arrivals = _Spy(monkeypatch), _Arrivals(monkeypatch)
     fast, plain = _both(cfg, _layout(cfg), requests=_outside_race(done + 0.05))
@@ -274,7 +291,7 @@ def test_replay_admits_a_request_dispatched_inside(monkeypatch):
     """Same, with the new request while replica 2 still holds its request: it comes into the
     group (replica 0, beside its decoding request on engine 0); the replay admits it (its
     prompt formed in the replay, then it joins the batch a step later than the other member)."""
-    cfg = ring_config(0.1, 8)
+    cfg = _config(0.1, 8)
     done = _finish_of(cfg, _outside_race(None), 3)
     arrivals = _Arrivals(monkeypatch)
     fast, plain = _both(cfg, _layout(cfg), requests=_outside_race(done / 2), check=True)
@@ -286,7 +303,7 @@ def test_replay_admits_a_request_dispatched_inside(monkeypatch):
 def test_replay_is_cut_at_a_request_it_cannot_admit(monkeypatch):
     """Same with a request of one token (its first token is its last: finished at its prompt's
     end, which the replay does not model): the replay is cut at its arrival."""
-    cfg = ring_config(0.1, 8)
+    cfg = _config(0.1, 8)
     done = _finish_of(cfg, _outside_race(None), 3)
     arrivals = _Arrivals(monkeypatch)
     fast, plain = _both(cfg, _layout(cfg), requests=_outside_race(done / 2, output=1))
@@ -304,7 +321,7 @@ def _race_at_finish(monkeypatch, race, rid: int, shift: int):
     """`race(at)` with its new request just before (shift -1), at (0) or just after (1) the
     instant request `rid` finishes step by step, with and without the fast paths (asserted
     identical): (the step-by-step result, what the replays did at new requests)."""
-    cfg = ring_config(0.1, 8)
+    cfg = _config(0.1, 8)
     at = _around(_finish_of(cfg, race(None), rid), shift)
     arrivals = _Arrivals(monkeypatch)
     fast, plain = _both(cfg, _layout(cfg), requests=race(at))
@@ -328,7 +345,7 @@ def test_a_request_of_a_model_off_the_group_at_the_same_instant_leaves_the_repla
     as the request of a the replay waits for, and is dispatched first; a's goes into the group
     (replica 2 is still busy): the replay must not go on past it on e's word, but admit it (or
     be cut there), as step by step."""
-    cfg = ring_config(0.1, 8)
+    cfg = _config(0.1, 8)
     at = share * _finish_of(cfg, _outside_race(None), 3)
     spec = [(r.model, r.arrival, r.prompt_len, r.output_len) for r in _outside_race(None)]
     reqs = _long_requests(spec + [("e", at, 3, 20), ("a", at, 4, 60)])
@@ -342,7 +359,7 @@ def test_a_request_of_a_model_off_the_group_at_the_same_instant_leaves_the_repla
 def test_two_requests_at_one_instant_cut_the_waiting_replay(monkeypatch):
     """Two new requests of the group's models at the same instant (the first goes outside):
     the replay is cut there, not resumed past the second."""
-    cfg = ring_config(0.1, 8)
+    cfg = _config(0.1, 8)
     done = _finish_of(cfg, _outside_race(None), 3)
     reqs = _outside_race(done + 0.05) + [SimRequest(6, "b", done + 0.05, 3, 40)]
     arrivals = _Arrivals(monkeypatch)
@@ -362,7 +379,7 @@ def test_random_requests_around_waiting_replays(spec, outputs, max_batch):
     and a's long requests (a's first two hold its replicas in the group): the replays wait at
     many new requests, go on past those dispatched outside and are cut at those dispatched
     inside; identical to step by step."""
-    cfg = ring_config(0.1, max_batch)
+    cfg = _config(0.1, max_batch)
     reqs = _long_requests([("p", 0.0, 6, outputs[0]), ("a", 0.001, 5, outputs[2]), ("a", 0.002, 5, outputs[2]),
                            ("p", 0.2, 3, outputs[1])] + sorted(spec, key=lambda r: r[1]))
     fast, plain = _both(cfg, _layout(cfg), requests=reqs)
@@ -441,7 +458,7 @@ def _specs(models: str, earliest: float, prompt: int, output: int):
 def _identical_on(spec, memory_gb: float, max_batch: int, requests=_long_requests) -> None:
     """`requests(spec in arrival order)` with the fast paths (invariants checked) and step by
     step: identical."""
-    cfg = ring_config(memory_gb, max_batch)
+    cfg = _config(memory_gb, max_batch)
     fast, plain = _both(cfg, _layout(cfg), requests=requests(sorted(spec, key=lambda r: r[1])), check=True)
     _assert_identical(fast, plain)
 
@@ -449,7 +466,7 @@ def _identical_on(spec, memory_gb: float, max_batch: int, requests=_long_request
 def _joins_identical(monkeypatch, prompts) -> _Joins:
     """Run `_prompts_during(prompts)` with the fast paths (invariants checked) and step by
     step; assert identical; return what the replays did with the prompts."""
-    cfg = ring_config(0.1, 8)
+    cfg = _config(0.1, 8)
     joins = _Joins(monkeypatch)
     fast, plain = _both(cfg, _layout(cfg), requests=_prompts_during(prompts), check=True)
     _assert_identical(fast, plain)
@@ -502,7 +519,7 @@ def test_admitted_prompt_refused_above_the_kv_watermark(monkeypatch):
             raise
 
     monkeypatch.setattr(GroupSim, "_serve_prompt", serve_prompt)
-    cfg = ring_config(0.012, 16)
+    cfg = _config(0.012, 16)
     spec = [("p", 0.0, 104, 400), ("a", 0.001, 288, 500), ("a", 0.002, 273, 500), ("b", 0.003, 128, 400),
             ("d", 0.004, 212, 400), ("b", 0.0334, 105, 55), ("d", 0.0455, 104, 38), ("d", 0.1028, 42, 41),
             ("b", 0.1175, 38, 58), ("a", 0.1246, 48, 58), ("a", 0.1599, 109, 8), ("d", 0.2267, 127, 20),
@@ -529,7 +546,7 @@ def test_requests_admitted_one_after_another_on_one_engine(monkeypatch):
 
     monkeypatch.setattr(GroupSim, "apply", apply)
     arrivals = _Arrivals(monkeypatch)
-    cfg = ring_config(0.1, 8)
+    cfg = _config(0.1, 8)
     reqs = _prompts_during([("d", 0.05, 20, 60), ("d", 0.07, 9, 80), ("d", 0.09, 14, 40), ("d", 0.11, 30, 70)])
     fast, plain = _both(cfg, _layout(cfg), requests=reqs, check=True)
     _assert_identical(fast, plain)
@@ -597,7 +614,7 @@ def test_pipeline_finish_while_a_last_token_step_runs_at_a_cut(monkeypatch):
     formed for real at the cut, its replayed growth dropped): the frees must stay (a review's
     reproducer: they were dropped with it, leaving the finished requests' blocks in the pool)."""
     monkeypatch.setattr(QueueOrder, "effective_starvation_limit", property(lambda self: 3))
-    cfg = ring_config(0.012, 16)
+    cfg = _config(0.012, 16)
     spec = [("p", 0.0024131619913530422, 14, 8), ("p", 0.002795803965364128, 34, 2), ("b", 0.003390591923069348, 17, 12),
             ("d", 0.0098072886371421, 35, 200), ("a", 0.010138440152618717, 28, 123), ("p", 0.01224550185437809, 19, 19),
             ("d", 0.01355406294419674, 1, 84), ("d", 0.026782841519972143, 11, 168), ("p", 0.03017276503355571, 26, 49)]

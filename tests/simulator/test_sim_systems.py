@@ -115,3 +115,22 @@ def test_simulated_engines_batch_prompts_as_served_engines_do(config):
     gpu_res = simulate(config, SimSettings(system="paraflex", rate=1.0), layout=gpu,
                        requests=[])
     assert all(e.scheduler.prefill_max_requests == 1 for e in gpu_res.engines)
+
+
+def test_departures_from_the_paper_are_the_default_and_their_ablations_restore_it(config):
+    """The in-flight bound on decode batches and Alg. 1's fill are on by default; the ablation
+    flags give the paper's rules (unbounded, stop with the chosen model)."""
+    from paraflex.simulator.runner import simulate
+
+    pf = _layout(config, "paraflex")
+    res = simulate(config, SimSettings(system="paraflex", rate=1.0), layout=pf, requests=[])
+    assert all(str(e.scheduler.decode_inflight_limit) == "stages" for e in res.engines)
+    unb = _layout(config, "paraflex", unbounded_decode_batches=True)
+    assert unb.describe()["decode_batches_in_flight"] == "unbounded"
+    res = simulate(config, SimSettings(system="paraflex", rate=1.0, unbounded_decode_batches=True), layout=unb, requests=[])
+    assert all(e.scheduler.decode_inflight_limit is None for e in res.engines)
+    paper = _layout(config, "paraflex", paper_replication=True).placement
+    assert "Alg. 1" in paper.params["stop_reason"]
+    assert config.planner.fill_engines  # the ablation planned from a copy
+    with pytest.raises(UserError, match="ablations of --system paraflex"):
+        _layout(config, "sarathi", paper_replication=True)

@@ -6,6 +6,11 @@ Place in the data flow: chosen by `scheduler.policy` in the config; called by
 `EngineScheduler.schedule`. A first stage's decode queue is "full" when it holds at least
 `max_batch_size` ready requests; on a later stage a "full" batch is one the first stage formed
 with `max_batch_size` requests.
+
+Departure from the paper (the default; `scheduler.decode_batches_in_flight: unbounded` is the
+paper's rule): a first stage of a multi-stage model forms an under-sized decode batch only
+while fewer than its bound of decode batches are in flight (engine/core/policies/inflight_bound.py);
+otherwise its ready requests wait for the batches in flight to return and leave with them.
 """
 
 from __future__ import annotations
@@ -27,3 +32,8 @@ class FullBatchFirst(Policy):
         if q is st.decode_q:
             return FULL_DECODE if st.is_first and len(q.items) >= sched.max_batch_size else SMALL_DECODE
         return FULL_DECODE  # a later stage's full-batch queue
+
+    def first_decode(self, sched, st, now):
+        if len(st.decode_q.items) < sched.max_batch_size and sched.decode_inflight_full(st):
+            return None  # under-sized while the pipeline is full: wait for the batches in flight
+        return sched.first_stage.decode(st, sched.max_batch_size, now)

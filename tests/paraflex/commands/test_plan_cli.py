@@ -114,6 +114,14 @@ def _plant_weights(d):
     d["engines"][0]["weight_bytes"] += 12345
 
 
+def _plant_objective(d):
+    d["objective"] *= 1.1  # a better plan than the stages give
+
+
+def _plant_objective_bytes(d):
+    d["params"]["objective_bytes"] *= 1.1
+
+
 @pytest.mark.parametrize(
     "plant, expected",
     [
@@ -123,8 +131,10 @@ def _plant_weights(d):
         (_plant_memory, "(5):"),
         (_plant_layer_gap, "covers layers"),
         (_plant_weights, "records"),
+        (_plant_objective, "objective: the file records Phi*"),
+        (_plant_objective_bytes, "objective: params.objective_bytes"),
     ],
-    ids=["p1", "overlap", "kappa", "memory", "layer-gap", "weights"],
+    ids=["p1", "overlap", "kappa", "memory", "layer-gap", "weights", "objective", "objective-bytes"],
 )
 def test_validate_catches_planted_violation(base_plan, plant, expected, tmp_path, capsys):
     d = json.loads(json.dumps(base_plan))
@@ -141,3 +151,22 @@ def test_missing_config_is_a_user_error(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "nope.yaml")]) == 2
     assert main(["plan"]) == 2
     assert "CONFIG" in capsys.readouterr().err
+
+
+def test_fill_uses_every_engine_and_paper_replication_is_the_ablation(tmp_path, capsys):
+    """The base cluster under balanced popularity: the paper's Alg. 1 stops every model at two
+    replicas when llama-2-70b's third does not fit (engines 0 and 3 then hold one 43 GiB stage
+    each); by default the one-stage models go on replicating onto the engines that hold fewer stages than
+    the busiest."""
+    text = Path(BASE).read_text().replace("zipf_alpha: 1.01", "")
+    cfg = tmp_path / "balanced.yaml"
+    cfg.write_text(text)
+    main(["plan", str(cfg), "-o", str(tmp_path / "fill.json"), "-q"])
+    main(["plan", str(cfg), "-o", str(tmp_path / "paper.json"), "-q", "--paper-replication"])
+    fill, paper = Placement.load(tmp_path / "fill.json"), Placement.load(tmp_path / "paper.json")
+    assert [m.num_replicas for m in paper.models.values()] == [2, 2, 2, 2]
+    assert [m.num_replicas for m in fill.models.values()] == [4, 3, 3, 2]
+    assert [len(e.stages) for e in fill.engines] == [2] * 8
+    assert "Alg. 1" in paper.params["stop_reason"]
+    assert "no model can get another replica" in fill.params["stop_reason"]
+    assert all(e.stages for e in fill.engines)
