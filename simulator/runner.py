@@ -135,9 +135,9 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
     summary = metrics.summary()
     summary.update({
         "system": layout.name, "rate": settings.rate, "seed": settings.seed, "workload": info,
-        "simulated_s": max(loop.now, cluster.joint.until) if cluster.joint else loop.now, "events": loop.processed,
+        "simulated_s": max(loop.now, cluster.fast_path.until) if cluster.fast_path else loop.now, "events": loop.processed,
         # decode cycles the fast-forward replayed, plus decisions the joint replay replayed
-        "fast_forward_cycles": cluster.fast_forward.cycles + cluster.joint.decisions if cluster.fast_forward else 0,
+        "fast_forward_cycles": cluster.fast_path.cycles if cluster.fast_path else 0,
         "wall_s": wall, "setup_wall_s": setup,
         "sim_requests_per_wall_s": len(requests) / wall if wall > 0 else None,
     })

@@ -14,8 +14,8 @@ from __future__ import annotations
 from paraflex.engine.core.block_pool import BlockPool
 from paraflex.engine.core.kv_planner import KVPlanner
 from paraflex.engine.core.messages import DECODE, PREFILL, BatchMessage
-from paraflex.engine.core.queue_order import QueueOrder
-from paraflex.engine.core.queues import PendingBatch, Queue, ResidentStage
+from paraflex.engine.core.queue_order import Queue, QueueOrder
+from paraflex.engine.core.queues import PendingBatch, ResidentStage
 from paraflex.engine.core.request import BLOCKED, RUNNING, SWAPPED_DECODE, WAITING_DECODE, WAITING_PREFILL, StageRequest
 from paraflex.engine.core.request_table import RequestTable
 from paraflex.engine.core.scheduled import BatchNeverFits, ProtocolError, ScheduledBatch, ScheduledRequest

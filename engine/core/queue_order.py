@@ -1,13 +1,14 @@
-"""Which queue an engine serves next: the policy's class heaps and the starvation promotion.
+"""Which queue an engine serves next: the queues, the policy's class heaps, the starvation promotion.
 
 Place in the data flow: one `QueueOrder` per `EngineScheduler` (engine/core/scheduler.py). It
-makes every queue of the engine's resident stages (`attach`) and counts the engine's decisions.
+makes every queue of the engine's resident stages (`attach`; a `Queue` keeps its items sorted by
+arrival key and reports to it) and counts the engine's decisions.
 Each policy class keeps its non-empty queues in a heap ordered by head key (`requeue`
 re-registers a queue when its head or size changes; `pick_from_class` tries them oldest head
 first); `serve_starving` promotes queues not served for more than the starvation limit (the
 guarantee below); `repeatable_decisions` tells the
-simulator's fast-forward how long a decision would repeat. The policy is consulted through two
-callables (`follow`): `classify(queue) -> class` and `attempt(queue, now) -> batch or None`.
+simulator's fast-forward how long a decision would repeat. The policy is consulted through its
+`class_of` (a queue's class) and an `attempt(queue, now) -> batch or None` callable (`follow`).
 
 No model starves (guarantee)
 ----------------------------
@@ -26,19 +27,67 @@ under-sized decode batches for ever (tests/engine/core/test_scheduler_starvation
 
 from __future__ import annotations
 
+from bisect import insort
 from collections.abc import Callable
 from heapq import heapify, heappop, heappush
 from itertools import count
 from typing import TYPE_CHECKING
 
-from paraflex.engine.core.queues import Queue, ResidentStage
+from paraflex.engine.core.queues import ResidentStage, arrival_key
 
 if TYPE_CHECKING:
+    from paraflex.engine.core.policies.base import Policy
     from paraflex.engine.core.scheduled import ScheduledBatch
 
     Attempt = Callable[[Queue, float], "ScheduledBatch | None"]
 
 UNBOUNDED = 1 << 62  # repeatable_decisions: no other queue can interrupt
+
+
+class Queue:
+    """Items sorted by arrival key, plus the decision index it last was served/became non-empty.
+
+    Every change of `since` also goes on its order's ages heap, so that finding starving
+    queues costs O(1) per decision while none starves; a change of its head or size
+    re-registers it in its class heap (`QueueOrder.requeue`).
+    """
+
+    __slots__ = ("items", "since", "stage", "name", "order", "reg")
+
+    def __init__(self, stage: ResidentStage, name: str, order: QueueOrder):
+        self.items: list = []
+        self.since = 0
+        self.stage = stage
+        self.name = name
+        self.order = order
+        self.reg: tuple | None = None  # (class, head key, tick) of its live entry in a class heap
+
+    def touch(self, decision: int) -> None:
+        """Mark the queue served (or newly non-empty) at `decision`."""
+        self.since = decision
+        order = self.order
+        heappush(order._ages, (decision, next(order._tick), self))
+
+    def push(self, item, decision: int) -> None:
+        if not self.items:
+            self.touch(decision)
+        insort(self.items, item, key=arrival_key)
+        if self.items[0] is item or self.order.classify_on_len:
+            self.order.requeue(self)
+
+    def pop_front(self, n: int) -> None:
+        del self.items[:n]
+        self.order.requeue(self)
+
+    def remove(self, item) -> None:
+        self.items.remove(item)
+        self.order.requeue(self)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __repr__(self) -> str:
+        return f"Queue({self.stage.model}/{self.stage.stage}.{self.name}, {len(self.items)})"
 
 
 class QueueOrder:
@@ -51,20 +100,24 @@ class QueueOrder:
         self.promotions = 0  # batches served by a starvation promotion
         self.queues: list[Queue] = []
         self.num_stages = 0
+        self._auto_limit = 64  # the starvation limit when `starvation_limit` is None
         self.last_pick: tuple | None = None  # (class, head key, queue) of the last policy pick; None if promoted
         self._ages: list = []  # heap of (since, tick, queue): see Queue
         self._heaps: list[list] = []  # per policy class: (head key, tick, queue)
         self._tick = count()  # unique tie-break and registration stamp for both heaps
-        self.classify: Callable[[Queue], int] = None
+        self.class_of: Callable[[str, bool, int, int], int] = None
         self.attempt: Attempt = None
         self.classify_on_len = False
+        self.max_batch_size = 0
 
-    def follow(self, num_classes: int, classify: Callable[[Queue], int], attempt: Attempt, classify_on_len: bool) -> None:
-        """Order the queues by a policy: `classify` gives a non-empty queue's class (0 is tried
-        first; `classify_on_len`: it may change with the queue's length, not only its head),
-        `attempt` serves a queue (a batch, or None if it cannot run now)."""
-        self.classify, self.attempt, self.classify_on_len = classify, attempt, classify_on_len
-        self._heaps = [[] for _ in range(num_classes)]
+    def follow(self, policy: Policy, attempt: Attempt, max_batch_size: int) -> None:
+        """Order the queues by `policy`: its `class_of` gives a non-empty queue's class (0 is
+        tried first; with `classify_on_len` it may change with the queue's length, not only
+        its head); `attempt` serves a queue as the policy does (a batch, or None if it cannot
+        run now)."""
+        self.class_of, self.attempt, self.classify_on_len = policy.class_of, attempt, policy.classify_on_len
+        self.max_batch_size = max_batch_size
+        self._heaps = [[] for _ in range(policy.num_classes)]
         for q in self.queues:
             q.reg = None
             self.requeue(q)
@@ -78,18 +131,15 @@ class QueueOrder:
             st.full_q, st.decode_q, st.prefill_q = Queue(st, "full", self), Queue(st, "decode", self), Queue(st, "prefill", self)
         self.queues.extend(st.queues())
         self.num_stages += 1
+        self._auto_limit = max(64, 4 * len(self.queues))
 
     # --- what a Queue reports -------------------------------------------------------------
-    def aged(self, q: Queue, decision: int) -> None:
-        """`q` was served or became non-empty at `decision` (its `since`)."""
-        heappush(self._ages, (decision, next(self._tick), q))
-
     def requeue(self, q: Queue) -> None:
         """Re-register `q` in its policy class heap after its head or size changed."""
         if not q.items:
             q.reg = None
             return
-        cls = self.classify(q)
+        cls = self.class_of(q.name, q.stage.is_first, len(q.items), self.max_batch_size)
         key = q.items[0].key
         reg = q.reg
         if reg is not None and reg[0] == cls and reg[1] == key:
@@ -129,7 +179,7 @@ class QueueOrder:
         """`starvation_limit`, or when it is None: max(64, 4 x the number of queues)."""
         if self.starvation_limit is not None:
             return self.starvation_limit
-        return max(64, 4 * len(self.queues))
+        return self._auto_limit
 
     def serve_starving(self, now: float) -> ScheduledBatch | None:
         """A batch from the queue with the oldest head among those not served for more than

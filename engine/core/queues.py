@@ -1,16 +1,14 @@
-"""The engine scheduler's queues: resident stages, arrival-ordered queues, received batches.
+"""What the engine scheduler queues: resident stages and the batches a later stage receives.
 
 Place in the data flow: `EngineScheduler` (engine/core/scheduler.py) keeps, per resident (model,
 stage), a `ResidentStage` with its queues (a first stage: waiting prompts and ready decodes;
-a later stage: received batches, `PendingBatch`, by kind). A `Queue` keeps its items sorted by
-arrival key (`arrival_key`) and tells its `QueueOrder` (engine/core/queue_order.py, which makes
-the queues and keeps the policy class heaps and the starvation ages) when it was served or its
-head or size changed. Pure Python.
+a later stage: received batches, `PendingBatch`, by kind), found through `ResidentStages`. The
+queues themselves (`Queue`, sorted by `arrival_key`) and their order across stages are
+engine/core/queue_order.py's. Pure Python.
 """
 
 from __future__ import annotations
 
-from bisect import insort
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,7 +16,7 @@ from paraflex.engine.core.messages import BatchMessage, DecodeEntry, PrefillEntr
 from paraflex.engine.core.request import BLOCKED, SWAPPED_BLOCKED, StageRequest
 
 if TYPE_CHECKING:
-    from paraflex.engine.core.queue_order import QueueOrder
+    from paraflex.engine.core.queue_order import Queue
 
 
 def arrival_key(item):
@@ -100,50 +98,6 @@ class ResidentStages:
         """`model`'s first stage, if it is the stage resident here."""
         st = self._by_model.get(model)
         return st if st is not None and st.is_first else None
-
-
-class Queue:
-    """Items sorted by arrival key, plus the decision index it last was served/became non-empty.
-
-    Every change of `since` also goes on its order's ages heap, so that finding starving
-    queues costs O(1) per decision while none starves.
-    """
-
-    __slots__ = ("items", "since", "stage", "name", "order", "reg")
-
-    def __init__(self, stage: ResidentStage, name: str, order: "QueueOrder"):
-        self.items: list = []
-        self.since = 0
-        self.stage = stage
-        self.name = name
-        self.order = order
-        self.reg: tuple | None = None  # (class, head key, tick) of its live entry in a class heap
-
-    def touch(self, decision: int) -> None:
-        """Mark the queue served (or newly non-empty) at `decision`."""
-        self.since = decision
-        self.order.aged(self, decision)
-
-    def push(self, item, decision: int) -> None:
-        if not self.items:
-            self.touch(decision)
-        insort(self.items, item, key=arrival_key)
-        if self.items[0] is item or self.order.classify_on_len:
-            self.order.requeue(self)
-
-    def pop_front(self, n: int) -> None:
-        del self.items[:n]
-        self.order.requeue(self)
-
-    def remove(self, item) -> None:
-        self.items.remove(item)
-        self.order.requeue(self)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __repr__(self) -> str:
-        return f"Queue({self.stage.model}/{self.stage.stage}.{self.name}, {len(self.items)})"
 
 
 class PendingBatch:

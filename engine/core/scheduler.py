@@ -94,8 +94,8 @@ from paraflex.engine.core.later_stage_batches import LaterStageBatches
 from paraflex.engine.core.messages import PREFILL, BatchMessage, FreeMessage, TokenEntry, TokenMessage
 from paraflex.engine.core.policies import Policy, get_policy
 from paraflex.engine.core.policies.inflight_bound import parse_inflight_limit
-from paraflex.engine.core.queue_order import QueueOrder
-from paraflex.engine.core.queues import PendingBatch, Queue, ResidentStage, ResidentStages
+from paraflex.engine.core.queue_order import Queue, QueueOrder
+from paraflex.engine.core.queues import PendingBatch, ResidentStage, ResidentStages
 from paraflex.engine.core.request import (ABORTED, BLOCKED, FINISHED, RUNNING, SWAPPED_DECODE, WAITING_DECODE,
                                           WAITING_PREFILL, StageRequest)
 from paraflex.engine.core.request_table import RequestTable
@@ -156,8 +156,7 @@ class EngineScheduler:
     @policy.setter
     def policy(self, policy: Policy) -> None:
         self._policy = policy
-        self.order.follow(policy.num_classes, partial(policy.classify, self), partial(policy.attempt, self),
-                          policy.classify_on_len)
+        self.order.follow(policy, partial(policy.attempt, self), self.max_batch_size)
 
     @classmethod
     def from_config(cls, pool: BlockPool, scheduler_config, engine_id: int = 0) -> "EngineScheduler":

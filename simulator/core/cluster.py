@@ -1,11 +1,11 @@
 """The simulated cluster: engines wired by the placement, a gateway dispatcher, and the
 handlers the events call.
 
-The fast paths (same results): the decode fast-forward (fast_forward.py) and the joint replay
-of a pipeline with the one-stage replicas on its engines (joint_replay.py), offered each decode
-batch an engine forms (`wakeup`); the joint replay takes over stage-end and message events of
-its group (`take_over`, `take_message`), hands back what runs at its cut (`hold`,
-`send_batch`, `send_tokens`), and hears of each new request while it waits at one (`admit`).
+The fast path (same results, simulator/fastpath/) sits behind one hook, a `FastPath`: offered
+each batch an engine forms (`wakeup`) and told of each new request (`admit`), it replays what
+the engines' policy allows in closed form. Its joint replay takes over stage-end and message
+events of its group (`take_over`, `take_message`), hands back what runs at its cut (`hold`,
+`send_batch`, `send_tokens`), and ends the stages it held (`replay_done`).
 
 Built by runner.py from a `SystemLayout` (systems.py). Request flow, as in the real system
 (paper §3, §5, §6): the gateway sends a request to the replica with the fewest outstanding
@@ -22,12 +22,10 @@ from __future__ import annotations
 from paraflex.costs.costmodel import CostModel
 from paraflex.engine.core.block_pool import BlockPool
 from paraflex.engine.core.dispatcher import Dispatcher
-from paraflex.engine.core.messages import DECODE
 from paraflex.engine.core.scheduler import EngineScheduler
 from paraflex.simulator.core.events import BatchArrivalEvent, EngineWakeupEvent, ReplayEndEvent, StageEndEvent, TokenArrivalEvent
-from paraflex.simulator.fastpath.fast_forward import DecodeFastForward
-from paraflex.simulator.fastpath.joint_replay import JointReplay
 from paraflex.simulator.core.sim_engine import SimEngine, StageInfo
+from paraflex.simulator.fastpath.hook import FastPath
 
 
 class Cluster:
@@ -83,14 +81,12 @@ class Cluster:
         # the batch and token messages in flight of each (model, replica): the joint replay takes them over
         self.messages: dict[tuple[str, int], list] = {key: [] for key in self.route_pending}
         self.woken: list[SimEngine] = []
-        self.fast_forward: DecodeFastForward | None = None
-        self.joint: JointReplay | None = None
+        self.fast_path: FastPath | None = None
 
     def enable_fast_forward(self, requests) -> None:
-        """Replay undisturbed decode cycles in closed form (fast_forward.py); `requests` are
-        all the run's requests, whose arrival times bound each replay."""
-        self.fast_forward = DecodeFastForward(self, requests)
-        self.joint = JointReplay(self.fast_forward)
+        """Replay in closed form what the engines' policy allows (simulator/fastpath/hook.py);
+        `requests` are all the run's requests, whose arrival times bound each replay."""
+        self.fast_path = FastPath(self, requests)
 
     # --- helpers ------------------------------------------------------------------------
     def _wake(self, eng: SimEngine, t: float) -> None:
@@ -120,7 +116,7 @@ class Cluster:
         replica = self.dispatcher.pick(req.model)
         rec.replica = replica
         route = self.replicas[req.model][replica]
-        if self.joint is not None and self.joint.suspended and self.joint.arrival(req, replica, route, t):
+        if self.fast_path is not None and self.fast_path.arrival(req, replica, route, t):
             return  # admitted by a replay waiting for it (added to its engine's scheduler at the cut)
         eng = self.engines[route[0]]
         eng.scheduler.add_request(rid, req.model, req.prompt_len, req.output_len, t)
@@ -133,16 +129,11 @@ class Cluster:
         sb = eng.scheduler.schedule(t)
         if sb is None:
             return
-        ff = self.fast_forward
-        if ff is not None and sb.kind == DECODE and not sb.swap_in and not sb.swap_out:
-            if self.joint.advance(eng, sb, t):
-                return  # replayed with the other batches on its pipeline's engines, which run on from the cut
-            t_next = ff.advance(eng, sb, t) if sb.is_first else None
-            if t_next is not None:  # the batch's requests are back in the decode queue at t_next
-                t = t_next
-                sb = eng.scheduler.schedule(t)
-                if sb is None:  # (as step by step: nothing fits at t_next, the engine waits)
-                    return
+        if self.fast_path is not None:
+            now = self.fast_path.offer(eng, sb, t)
+            if now is None:  # replayed: the engines run on from the replay's end
+                return
+            sb, t = now
         swapped = len(sb.swap_out) + len(sb.swap_in)
         if swapped:
             self.metrics.swap(len(sb.swap_out) * eng.block_bytes, len(sb.swap_in) * eng.block_bytes)
@@ -184,7 +175,7 @@ class Cluster:
         if finished:
             for rid in finished:
                 eng.scheduler.free(rid)
-            self._finish_requests(key, finished, t)
+            self.finish_requests(key, finished, t)
         eng.busy = False
         eng.running = None
         eng.pending.remove(t)
@@ -222,7 +213,7 @@ class Cluster:
         records = self.records
         self.metrics.tokens([records[entry.req_id] for entry in done.token_message.entries], t)
         if done.finished:
-            self._finish_requests((info.model, info.replica), done.finished, t)
+            self.finish_requests((info.model, info.replica), done.finished, t)
         first = self.engines[info.first_engine]
         if first is eng and self.local_tokens_direct:
             # A one-stage replica: the tokens are back at this instant. Step by step they would
@@ -236,7 +227,7 @@ class Cluster:
         delay = 0.0 if first is eng else self.interconnect.latency_s
         self.send_tokens(first, (info.model, info.replica), done.token_message, t + delay)
 
-    def _finish_requests(self, key: tuple[str, int], req_ids: list[str], t: float) -> None:
+    def finish_requests(self, key: tuple[str, int], req_ids: list[str], t: float) -> None:
         """Requests of replica `key` produced their last token at t on its last stage: records,
         the dispatcher's counts, and their KV freed on the middle stages (the last stage freed
         it in `complete`, the first frees it when the token message arrives)."""

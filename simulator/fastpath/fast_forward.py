@@ -1,10 +1,10 @@
 """Decode fast-forward: run many cycles of one decode batch in closed form, same results.
 
-Place in the data flow: `Cluster.wakeup` (cluster.py) offers every first-stage decode batch the
-engine core's scheduler forms to `DecodeFastForward.advance` (on a multi-stage replica's engines
-it first offers every decode batch to the joint replay, joint_replay.py, which replays the
-pipeline's batches together with the one-stage batches sharing its engines). Step by step, one cycle of that
-batch is: the stage runs on each engine of its route (a `StageEndEvent` each, a hop and a
+Place in the data flow: the fast path's hook (hook.py) offers `DecodeFastForward.advance` every
+first-stage decode batch an engine's scheduler forms when the engines' policy names
+`ExactReplay.decode_cycles` (on a multi-stage replica's engines the joint replay,
+joint_replay.py, which replays the pipeline's batches together with the one-stage batches
+sharing its engines, is offered it first). Step by step, one cycle of that batch is: the stage runs on each engine of its route (a `StageEndEvent` each, a hop and a
 `BatchArrivalEvent` between stages), the last stage emits one token per request and sends them
 back (`TokenArrivalEvent`), and the first engine schedules the same requests again: 3 to 4
 events and a `schedule`/`complete` per stage, for one token per request. At low and moderate
@@ -28,7 +28,7 @@ When (all checked at the moment the first engine formed the batch, at time t):
   away from them (`_skip_arrivals`);
 - no request of the batch produces its last token in a replayed cycle (finishing frees KV and
   wakes other engines: that cycle runs through the ordinary events);
-- each engine's pool has free blocks for the KV the cycles add (so no eviction is considered).
+- each engine's pool has free blocks for the KV the cycles add (kv_growth.py: no eviction is considered).
 
 Then the outcome of each cycle is known: the scheduler would pick these requests again, and
 each stage starts when its input arrives. The replay records the same metrics at the same times (stage
@@ -45,8 +45,8 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 
 from paraflex.costs.costmodel import CostModel
-
-_UNBOUNDED = 1 << 62
+from paraflex.engine.core.queue_order import UNBOUNDED
+from paraflex.simulator.fastpath.kv_growth import MemberKV, first_crossing, fit_step
 
 
 class DecodeFastForward:
@@ -69,11 +69,12 @@ class DecodeFastForward:
                     self.routes_on[eid].append((model, rho))
         self.cycles = 0  # cycles replayed (for the summary)
 
-    def _replay_one_stage(self, eng, info, n, base, kv, free, kv_next, k_max, horizon, recs, t):
+    def _replay_one_stage(self, eng, info, n, kv, free, k_max, horizon, recs, t):
         """Cycles of a one-stage replica: back to back on one engine, the tokens return at
         once (`Cluster._emit_tokens`: no delay to the same engine). Returns (cycles, end)."""
         step = eng.decode_time_fn(info, n)
-        ctx = sum(base)
+        ctx = sum(m.context for m in kv[0])
+        kv_next = first_crossing(kv)
         ends = []
         s = t
         k = 0
@@ -82,9 +83,9 @@ class DecodeFastForward:
             if not end < horizon:
                 break
             if k >= kv_next:
-                if not _kv_fits(kv, free, base, k):
+                if not fit_step(kv, free, k):
                     break
-                kv_next = _next_crossing(kv, base)
+                kv_next = first_crossing(kv)
             ends.append(end)
             s = end
             ctx += n
@@ -95,7 +96,7 @@ class DecodeFastForward:
             metrics.token_steps(recs, ends)
         return k, s
 
-    def _replay_pipeline(self, route, infos, n, base, kv, free, kv_next, k_max, horizon, recs, t):
+    def _replay_pipeline(self, route, infos, n, kv, free, k_max, horizon, recs, t):
         """Cycles through several stages: hop between stages, token latency back to the first."""
         cluster = self.cluster
         metrics = cluster.metrics
@@ -103,7 +104,8 @@ class DecodeFastForward:
         hop = cluster.interconnect.transfer_time(nbytes)
         back = cluster.interconnect.latency_s
         stages = [(eng.id, eng.decode_time_fn(inf, n)) for eng, inf in zip(route, infos)]
-        ctx = sum(base)
+        ctx = sum(m.context for m in kv[0])
+        kv_next = first_crossing(kv)
         s = t
         k = 0
         while k < k_max:
@@ -119,9 +121,9 @@ class DecodeFastForward:
             if not nxt < horizon:
                 break
             if k >= kv_next:
-                if not _kv_fits(kv, free, base, k):
+                if not fit_step(kv, free, k):
                     break
-                kv_next = _next_crossing(kv, base)
+                kv_next = first_crossing(kv)
             for eid, a, b in times:
                 metrics.batch(eid, a, b, False, n, n)
             for _ in range(len(stages) - 1):
@@ -151,7 +153,7 @@ class DecodeFastForward:
         elif any(eng.scheduler.has_ready_work() for eng in route):
             return 0, t  # an idle stage would run that work between two of this batch's steps
         else:
-            budget = _UNBOUNDED
+            budget = UNBOUNDED
         horizon = self._horizon(route, ours, t, first_end)
         return (budget, horizon) if horizon > first_end else (0, t)
 
@@ -284,18 +286,15 @@ class DecodeFastForward:
         if k_max < 1:
             return None
         infos = [eng.stages[sb.model] for eng in route]
-        # KV: per engine, blocks still free and each member's (token capacity, tokens per block, layers)
+        # KV: per engine, blocks still free and each member's KV, from its context after the first cycle
         free = [eng.pool.num_free for eng in route]
-        kv = [[(a.blocks_per_layer * a.tokens_per_block, a.tokens_per_block, a.num_layers)
-               for a in (eng.scheduler.request(rid).alloc for rid in rids)] for eng in route]
-        base = [sr.context_len for sr in sb.requests]  # each member's context after the first cycle
-        kv_next = _next_crossing(kv, base)
+        kv = [[MemberKV(eng.scheduler.request(sr.req_id).alloc, sr.context_len) for sr in sb.requests] for eng in route]
         records = cluster.records
         recs = [records[rid] for rid in rids]
         if len(route) == 1:
-            k, s = self._replay_one_stage(first, info, n, base, kv, free, kv_next, k_max, horizon, recs, t)
+            k, s = self._replay_one_stage(first, info, n, kv, free, k_max, horizon, recs, t)
         else:
-            k, s = self._replay_pipeline(route, infos, n, base, kv, free, kv_next, k_max, horizon, recs, t)
+            k, s = self._replay_pipeline(route, infos, n, kv, free, k_max, horizon, recs, t)
         if not k:
             return None
         first.scheduler.bulk.advance_first_decode(sb, k)
@@ -316,28 +315,3 @@ def skippable(others: list[int], floor: int, ts: list[float], i: int, horizon: f
     room = sum(floor - c for c in others if c < floor)
     return bisect_left(ts, horizon, i, min(len(ts), i + room)) - i if room else 0
 
-
-def _next_crossing(kv, base) -> int:
-    """The first cycle at which some member outgrows its blocks on some engine."""
-    return min(cap - base[i] + 1 for members in kv for i, (cap, _, _) in enumerate(members))
-
-
-def _kv_fits(kv, free, base, k: int) -> bool:
-    """Cycle k takes each member to context base + k on every engine of the route (the first
-    engine's batch of cycle 0 already holds it): reserve the new blocks, or say no."""
-    for j, members in enumerate(kv):
-        need = 0
-        for i, (cap, tpb, layers) in enumerate(members):
-            target = base[i] + k
-            if target > cap:
-                need += (-(-target // tpb) - cap // tpb) * layers
-        if need > free[j]:
-            return False
-    for j, members in enumerate(kv):
-        for i, (cap, tpb, layers) in enumerate(members):
-            target = base[i] + k
-            if target > cap:
-                blocks = -(-target // tpb)
-                free[j] -= (blocks - cap // tpb) * layers
-                members[i] = (blocks * tpb, tpb, layers)
-    return True

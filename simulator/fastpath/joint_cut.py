@@ -16,97 +16,124 @@ from paraflex.simulator.fastpath.joint_state import ARRIVE, END, Admitted, PipeB
 def apply_cut(sim) -> None:
     """Apply `sim`'s replayed decisions in bulk (after `GroupSim.take`) and hand what is
     still under way to real events."""
-    cluster = sim.cluster
-    metrics = cluster.metrics
-    records = cluster.records
-    model = sim.pkey[0]
-    group = sim.group
-    for es in group:
+    for es in sim.group:
         es.eng.busy = False  # (a suspended replay kept them busy; `hold` below)
         if es.started is not None:  # a one-stage batch ran: its tokens are back at once
             s = es.eng.scheduler
             s.receive_tokens(s.complete(es.started).token_message)
-        for r in es.replicas:
-            if r.fin is not None:  # its step with last tokens runs: formed for real below, not replayed
-                # (its growth goes; frees of pipeline requests that finished while it ran stay)
-                es.grows[r.fin[1]:] = [g for g in es.grows[r.fin[1]:] if g[0] is None]
-                es.busy.pop()
-                r.times.pop()
-                r.formed -= 1
-                es.formed -= 1
-                es.d -= 1
-    for es in group:
-        eng = es.eng
-        s = eng.scheduler
-        grows = es.grows
-        busy = es.busy
-        g = b = 0  # growth and busy intervals applied so far
-        prompts = es.prompts if es.joiner is None else [es.joiner, *es.prompts]
-        for jn in prompts:
-            adm = jn.adm
-            if adm is not None:  # added as at its arrival; its prompt formed as at its formation
-                _replay_admit(s, adm)
-                s.bulk.replay_grows(grows[g:adm.mark])
-                jn.sb = s.bulk.replay_form_prefill(adm.key[0], jn.start, adm.d, es.batch_seq + adm.batch_seq)
-                metrics.decode_steps(eng.id, busy[b:adm.busy_mark])
-                g, b = adm.mark, adm.busy_mark
-            metrics.batch(eng.id, jn.start, jn.end, True, 1, jn.tokens)  # its prompt, then its first
-            metrics.tokens([jn.rec], jn.end)  # token (as `stage_done` records them)
-            if jn.joined:
-                _prefill_done(s, jn.sb)
-        adm = es.admitted
-        if adm is not None:  # admitted, its prompt still waiting
+        _drop_last_steps(es)
+    for es in sim.group:
+        _apply_engine(sim, es)
+    _apply_pipeline_tokens(sim)
+    _hand_over(sim)
+    if sim.cluster.check:
+        for es in sim.group:
+            es.eng.scheduler.check()
+
+
+def _drop_last_steps(es) -> None:
+    """The one-stage steps with last tokens running at the cut are formed for real at their
+    start (`_hand_over`), not replayed: their growth goes (frees of pipeline requests that
+    finished while they ran stay), with their busy interval, token time and decision."""
+    for r in es.replicas:
+        if r.fin is not None:
+            mark = r.fin.grows_mark
+            es.grows[mark:] = [g for g in es.grows[mark:] if g[0] is None]
+            es.busy.pop()
+            r.times.pop()
+            r.formed -= 1
+            es.formed -= 1
+            es.d -= 1
+
+
+def _apply_engine(sim, es) -> None:
+    """One engine's replayed decisions: its prompts, metrics, replicas' and the pipeline's
+    requests, KV growth in order, counters and queue ages."""
+    metrics = sim.cluster.metrics
+    model = sim.pkey[0]
+    eng = es.eng
+    s = eng.scheduler
+    grows = es.grows
+    busy = es.busy
+    g = b = 0  # growth and busy intervals applied so far
+    prompts = es.prompts if es.joiner is None else [es.joiner, *es.prompts]
+    for jn in prompts:
+        adm = jn.adm
+        if adm is not None:  # added as at its arrival; its prompt formed as at its formation
             _replay_admit(s, adm)
-        metrics.decode_steps(eng.id, busy[b:] if b else busy)
-        for r in es.replicas:
-            for rids, recs, steps in r.done:
-                s.bulk.replay_finish(r.key[0], rids)
-                _token_steps(metrics, r, rids, recs, r.times[:steps])
-            if r.formed and r.rids:
-                late = r.late
-                cycles = r.formed if late is None else [r.formed - late[rid][1] if rid in late else r.formed
-                                                       for rid in r.rids]
-                if late is None or any(cycles):
-                    s.bulk.replay_first_decode(r.key[0], r.rids, cycles, r.since, False)
-            if r.times and r.rids:
-                _token_steps(metrics, r, r.rids, r.recs, r.times)
-        if es.j == 0:
-            members = [(rid, kv[3], sim.gen0[rid], es.bid_of.get(rid)) for rid, kv in es.pkv.items()]
-            s.bulk.replay_pipeline_first(model, members)
-            if es.gone:
-                s.bulk.replay_pipeline_gone(model, 0, es.gone)
-        else:
-            waiting = {rid for b in es.queue if id(b) in es.queued for rid in b.rids}
-            members = [(rid, kv[3], es.pgen[rid]) for rid, kv in es.pkv.items() if rid not in waiting]
-            s.bulk.replay_pipeline_later(model, es.j, members, es.served_queued)
-            if es.gone:
-                s.bulk.replay_pipeline_gone(model, es.j, es.gone)
-            for b, d, i in es.arrivals:  # received in the replay, still waiting: received for real
-                if any(b is q for q in es.queue):
-                    s.bulk.restore_counters(d, es.seq + i - 1)  # received as at its arrival
-                    s.receive_batch(_message(sim, b, es.j))
-        s.bulk.replay_grows(grows[g:] if g else grows)
-        s.bulk.replay_counters(es.d, es.seq + es.received, es.formed, es.promotions)
-        s.bulk.replay_ages(model, es.since, [(r.key[0], r.since) for r in es.replicas])
-        if prompts and not prompts[-1].joined:  # still running at the cut: done when the engine is free
-            _prefill_done(s, prompts[-1].sb)
+            s.bulk.replay_grows(grows[g:adm.mark])
+            jn.sb = s.bulk.replay_form_prefill(adm.key[0], jn.start, adm.d, es.batch_seq + adm.batch_seq)
+            metrics.decode_steps(eng.id, busy[b:adm.busy_mark])
+            g, b = adm.mark, adm.busy_mark
+        metrics.batch(eng.id, jn.start, jn.end, True, 1, jn.tokens)  # its prompt, then its first
+        metrics.tokens([jn.rec], jn.end)  # token (as `stage_done` records them)
+        if jn.joined:
+            _prefill_done(s, jn.sb)
+    adm = es.admitted
+    if adm is not None:  # admitted, its prompt still waiting
+        _replay_admit(s, adm)
+    metrics.decode_steps(eng.id, busy[b:] if b else busy)
+    for r in es.replicas:
+        for rids, recs, steps in r.done:
+            s.bulk.replay_finish(r.key[0], rids)
+            _token_steps(metrics, r, rids, recs, r.times[:steps])
+        if r.formed and r.rids:
+            late = r.late
+            cycles = r.formed if late is None else [r.formed - late[rid].formed_before if rid in late else r.formed
+                                                   for rid in r.rids]
+            if late is None or any(cycles):
+                s.bulk.replay_first_decode(r.key[0], r.rids, cycles, r.since, False)
+        if r.times and r.rids:
+            _token_steps(metrics, r, r.rids, r.recs, r.times)
+    if es.j == 0:
+        members = [(rid, kv.context, sim.gen0[rid], es.bid_of.get(rid)) for rid, kv in es.pkv.items()]
+        s.bulk.replay_pipeline_first(model, members)
+        if es.gone:
+            s.bulk.replay_pipeline_gone(model, 0, es.gone)
+    else:
+        waiting = {rid for b in es.queue if id(b) in es.queued for rid in b.rids}
+        members = [(rid, kv.context, es.pgen[rid]) for rid, kv in es.pkv.items() if rid not in waiting]
+        s.bulk.replay_pipeline_later(model, es.j, members, es.served_queued)
+        if es.gone:
+            s.bulk.replay_pipeline_gone(model, es.j, es.gone)
+        for b, d, i in es.arrivals:  # received in the replay, still waiting: received for real
+            if any(b is q for q in es.queue):
+                s.bulk.restore_counters(d, es.seq + i - 1)  # received as at its arrival
+                s.receive_batch(_message(sim, b, es.j))
+    s.bulk.replay_grows(grows[g:] if g else grows)
+    s.bulk.replay_counters(es.d, es.seq + es.received, es.formed, es.promotions)
+    s.bulk.replay_ages(model, es.since, [(r.key[0], r.since) for r in es.replicas])
+    if prompts and not prompts[-1].joined:  # still running at the cut: done when the engine is free
+        _prefill_done(s, prompts[-1].sb)
+
+
+def _apply_pipeline_tokens(sim) -> None:
+    """The pipeline's hops and tokens in the replay (records of requests that finished in it
+    kept in `sim.gone`)."""
+    metrics, records = sim.cluster.metrics, sim.cluster.records
     metrics.hops += len(sim.hops)  # (`metrics.hop` for each)
     metrics.hop_bytes += sum(sim.hops)
     gone = sim.gone
     record = records.__getitem__ if not gone else lambda rid: gone.get(rid) or records[rid]
     for b, time in sim.tokens:
         metrics.tokens([record(rid) for rid in b.rids], time)
-    # what is under way at the cut
-    pkey = sim.pkey
+
+
+def _hand_over(sim) -> None:
+    """What is under way at the cut becomes real events: stages running end with a
+    `ReplayEndEvent` (`Cluster.hold`; a one-stage step with last tokens is formed for real and
+    ends with its `StageEndEvent`), their hops and tokens and the messages in flight are sent,
+    and the engines that decide at the cut instant are held until then."""
+    cluster, group, pkey = sim.cluster, sim.group, sim.pkey
+    metrics, records = cluster.metrics, cluster.records
     for time, kind, _, j, what in sorted(sim.heap):
         es = group[j]
         if kind == END and isinstance(what, ReplicaBatch) and what.fin is not None:
             eng = es.eng  # the step with last tokens, as `schedule` forms it at its start
-            start = what.fin[0]
+            start = what.fin.start
             cluster.start_batch(eng, eng.scheduler.bulk.replay_form(what.key[0], what.n, start), start, time, what.n, what.n)
         elif kind == END:
-            cluster.hold(es.eng, what if isinstance(what, tuple) else pkey if isinstance(what, PipeBatch) else what.key,
-                         time)
+            cluster.hold(es.eng, pkey if isinstance(what, PipeBatch) else what.key, time)  # (a replica, prompt or held stage)
             if isinstance(what, PipeBatch):
                 if j < sim.last:
                     nbytes, dt = sim.hop(what.n)
@@ -123,9 +150,6 @@ def apply_cut(sim) -> None:
             cluster.send_tokens(es.eng, pkey, _tokens(sim, what, sim.last_tokens(what)), time)
     for es in sim.held:
         cluster.hold(es.eng, pkey, sim.cut)
-    if cluster.check:
-        for es in group:
-            es.eng.scheduler.check()
 
 
 def _message(sim, b: PipeBatch, stage: int) -> BatchMessage:
@@ -163,5 +187,5 @@ def _token_steps(metrics, r: ReplicaBatch, rids, recs, times) -> None:
         return
     metrics.token_steps([rec for rid, rec in zip(rids, recs) if rid not in late], times)
     for rid, rec in zip(rids, recs):
-        if rid in late and late[rid][0] < len(times):
-            metrics.token_steps([rec], times[late[rid][0]:])
+        if rid in late and late[rid].first_step < len(times):
+            metrics.token_steps([rec], times[late[rid].first_step:])

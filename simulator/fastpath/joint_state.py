@@ -1,16 +1,50 @@
-"""The joint replay's state of a pipeline's engines: what `JointReplay._state` (joint_replay.py)
-captures at the start and `GroupSim` (joint_sim.py) moves forward decision by decision.
+"""The joint replay's state of a pipeline's engines: what joint_capture.py captures at the start
+and `GroupSim` (joint_sim.py) moves forward decision by decision.
 
 Place in the data flow: per engine of the group a `GroupEngine` (its counters, queues, KV
 headroom, the growth and busy intervals the replay records); the pipeline's decode batches
-(`PipeBatch`), each one-stage replica's decode batch (`ReplicaBatch`) and a one-stage prompt
-running at the start (`Joiner`). `GroupSim.apply` hands them back to the engines at the cut.
+(`PipeBatch`), each one-stage replica's decode batch (`ReplicaBatch`), a one-stage prompt
+running at the start (`Joiner`), a request the replay admitted (`Admitted`), a stage an earlier
+replay accounted for (`HeldStage`); each request's KV on an engine is a `MemberKV` (kv_growth.py). The cut
+(joint_cut.py) hands them back to the engines.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+from paraflex.simulator.fastpath.kv_growth import MemberKV
+
 END, ARRIVE, TOKENS = 10, 20, 30  # the group simulation's local events, in the event loop's order at one instant
-FULL, PREFILL, SMALL = 0, 1, 2  # full-batch-first's classes: full decode batches, prompts, the other decode batches
+
+
+class HeldStage(NamedTuple):
+    """A stage an earlier replay accounted for, still running at the start (`ReplayEndEvent`)."""
+
+    key: tuple[str, int]  # (model, replica)
+
+
+class Finished(NamedTuple):
+    """Members of a one-stage batch that produced their last token in its `steps`-th step."""
+
+    rids: list[str]
+    records: list
+    steps: int
+
+
+class LateJoin(NamedTuple):
+    """A member that joined a one-stage batch after the replay's first step of it."""
+
+    first_step: int  # the batch's step at which it joined (its first token time is that step's)
+    formed_before: int  # batches the replay formed before it joined
+
+
+class LastStep(NamedTuple):
+    """A one-stage step with last tokens, running: formed at `start`, its KV growth from
+    `grows_mark` in its engine's growth list (dropped if the cut forms it for real)."""
+
+    start: float
+    grows_mark: int
 
 
 class PipeBatch:
@@ -30,18 +64,19 @@ class PipeBatch:
 
 
 class ReplicaBatch:
-    """A one-stage replica's decode batch on its engine."""
+    """A one-stage replica's decode batch on its engine; `order` is its queue's place in the
+    policy's order, (class, head key)."""
 
     __slots__ = ("key", "rids", "recs", "order", "head", "since", "ready", "csum", "n", "fn", "left", "kv",
                  "formed", "times", "rems", "keys", "info", "fin", "done", "late")
 
-    def __init__(self, key, reqs, cls, fn, recs, info):
+    def __init__(self, key, reqs, cls: int, fn, recs, info):
         self.key = key
         self.rids = [r.req_id for r in reqs]
         self.recs = recs
         self.keys = [r.key for r in reqs]
         self.head = min(self.keys) if reqs else None
-        self.order = (cls, self.head)  # its place in the policy's order
+        self.order = (cls, self.head)
         self.since = 0
         self.ready = False
         self.n = len(reqs)
@@ -50,27 +85,27 @@ class ReplicaBatch:
         self.rems = [r.max_new_tokens - r.generated for r in reqs]  # each member's tokens to come at the start
         # (plus, for a member that joined late, the steps before it joined)
         self.left = min(self.rems) if reqs else 0  # steps to its first last token (a step with left == 1 finishes requests)
-        self.kv = [kv_of(r) for r in reqs]
+        self.kv = [MemberKV(r.alloc, r.context_len) for r in reqs]
         self.info = info  # its StageInfo (a new step time function when members leave)
         self.formed = 0  # batches formed by replayed decisions
         self.times: list[float] = []  # its token times (every step since the start)
-        self.fin = None  # (formation time, index in the engine's grows) of its step with last tokens, running
-        self.done: list = []  # (request ids, records, steps) of the members that finished, in order
-        self.late = None  # {request id: (its first step, batches formed before it)} of members that joined after a step
+        self.fin: LastStep | None = None  # its step with last tokens, running
+        self.done: list[Finished] = []  # the members that finished, in order
+        self.late: dict[str, LateJoin] | None = None  # members that joined after a step
 
-    def resize(self, eng) -> None:
-        """After members finished or one joined: its size, step time function, head and
-        policy class (full once it holds max_batch_size)."""
-        self.n = n = len(self.rids)
-        self.fn = eng.decode_time_fn(self.info, n)
+    def resize(self, eng, cls: int) -> None:
+        """After members finished or one joined: its size, step time function, head, and its
+        policy class `cls` at its new size."""
+        self.n = len(self.rids)
+        self.fn = eng.decode_time_fn(self.info, self.n)
         self.head = min(self.keys)
-        self.order = (FULL if n >= eng.scheduler.max_batch_size else SMALL, self.head)
+        self.order = (cls, self.head)
 
 
 class Joiner:
     """A one-stage replica's prompt running (its prefill formed for real) on a group engine
     when the replay starts: at its end the request has its first token and joins its replica's
-    decode batch (`GroupSim._join`); the cut completes its prefill (`replay_prefill_done`)."""
+    decode batch (`GroupSim.join`); the cut completes its prefill (`complete` and the token)."""
 
     __slots__ = ("key", "sb", "start", "end", "tokens", "rid", "req_key", "rem", "kv", "rec", "joined", "adm")
 
@@ -81,8 +116,7 @@ class Joiner:
         self.rid = req.req_id
         self.req_key = req.key
         self.rem = req.max_new_tokens - 1  # tokens to come after the first
-        a = req.alloc
-        self.kv = [a.blocks_per_layer * a.tokens_per_block, a.tokens_per_block, a.num_layers, req.prompt_len, a]
+        self.kv = MemberKV(req.alloc, req.prompt_len)
         self.rec = rec
         self.joined = False  # its end replayed: the request is in its replica's batch
         self.adm = None  # the `Admitted` request whose prompt it is, if the replay admitted it
@@ -94,26 +128,28 @@ class Joiner:
         jn = cls.__new__(cls)
         jn.key, jn.sb, jn.start, jn.end, jn.tokens = adm.key, None, start, end, adm.prompt_len
         jn.rid, jn.req_key, jn.rem, jn.rec, jn.joined = adm.rid, (adm.arrival, adm.seq), adm.max_new - 1, adm.rec, False
-        jn.kv = [adm.blocks // adm.layers * adm.tpb, adm.tpb, adm.layers, adm.prompt_len, adm.rid]
+        jn.kv = MemberKV.planned(adm.rid, adm.blocks, adm.tpb, adm.layers, adm.prompt_len)
         jn.adm = adm
         return jn
 
 
 class Admitted:
     """A one-stage request the replay admitted at its arrival (`GroupSim.admit`): waiting in its
-    engine's prefill queue, then its prompt formed in the replay (`GroupSim._serve_prompt`; its
-    end is a `Joiner`'s). The cut adds it to the scheduler as at its arrival and, if formed,
-    forms its prompt batch there as at its formation."""
+    engine's prefill queue, then its prompt formed in the replay (`GroupDecisions.serve_prompt`;
+    its end is a `Joiner`'s). The cut adds it to the scheduler as at its arrival and, if formed,
+    forms its prompt batch there as at its formation. `order` is its prefill queue's place in
+    the policy's order, (class, its key)."""
 
     __slots__ = ("key", "rid", "prompt_len", "max_new", "arrival", "rec", "info", "since", "seq", "order", "blocks",
                  "tpb", "layers", "formed", "d", "mark", "busy_mark", "batch_seq")
 
-    def __init__(self, key, rid: str, prompt_len: int, max_new: int, arrival: float, rec, info, st, since: int, seq: int):
+    def __init__(self, key, rid: str, prompt_len: int, max_new: int, arrival: float, rec, info, st, since: int, seq: int,
+                 cls: int):
         self.key = key  # (model, replica)
         self.rid, self.prompt_len, self.max_new, self.arrival, self.rec, self.info = rid, prompt_len, max_new, arrival, rec, info
         self.since = since  # the decision count at its arrival (its prefill queue's age)
         self.seq = seq  # its sequence number: its key is (arrival, seq)
-        self.order = (PREFILL, (arrival, seq))  # its place in the policy's order
+        self.order = (cls, (arrival, seq))
         self.tpb, self.layers = st.tokens_per_block, st.num_layers
         self.blocks = -(-prompt_len // self.tpb) * self.layers  # the KV its prompt takes
         self.formed = False
@@ -121,18 +157,13 @@ class Admitted:
         # the engine's KV growth and busy intervals, batches formed on the engine before it
 
 
-def kv_of(req) -> list:
-    """[token capacity, tokens per block, layers, context, allocation] of a request's KV here."""
-    a = req.alloc
-    return [a.blocks_per_layer * a.tokens_per_block, a.tokens_per_block, a.num_layers, req.context_len, a]
-
-
 class GroupEngine:
     """One engine of the group during the replay."""
 
-    __slots__ = ("eng", "j", "info", "d", "running", "blocks", "replicas", "queue", "since", "pkv", "pgen", "grows",
-                 "busy", "received", "formed", "promotions", "limit", "taken", "messages", "batch_seq", "seq",
-                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready", "fns", "joiner", "gone", "admitted", "prompts")
+    __slots__ = ("eng", "j", "info", "d", "running", "blocks", "reserve", "replicas", "queue", "since", "pkv", "pgen",
+                 "grows", "busy", "received", "formed", "promotions", "limit", "taken", "messages", "batch_seq", "seq",
+                 "arrivals", "queued", "served_queued", "bid_of", "started", "nready", "fns", "joiner", "gone",
+                 "admitted", "prompts")
 
     def __init__(self, eng, j: int, info, limit: int):
         self.eng = eng
@@ -142,25 +173,25 @@ class GroupEngine:
         self.d = s.decisions
         self.batch_seq = s.first_stage.batch_seq
         self.seq = s.requests.seq
-        self.running = None  # at the start (end, what): a ReplicaBatch, a PipeBatch, or the key of a held stage;
-        # in the simulation what runs (only whether it is None matters)
+        self.running = None  # what runs: a ReplicaBatch, a PipeBatch, a Joiner or a HeldStage
         self.blocks = eng.pool.num_free
+        self.reserve = s.kv.admission_reserve()  # free blocks a new prompt must leave
         self.replicas: list[ReplicaBatch] = []
         self.nready = 0  # replicas waiting in their decode queue
-        self.queue: list = []  # the pipeline's queue here: waiting request ids (first stage) or _Batches
+        self.queue: list = []  # the pipeline's queue here: waiting request ids (first stage) or PipeBatches
         self.since = 0  # its age
-        self.pkv: dict = {}  # the pipeline's requests' KV here
+        self.pkv: dict[str, MemberKV] = {}  # the pipeline's requests' KV here
         self.pgen: dict = {}  # later stages: each pipeline request's tokens counted here (the last stage's count)
         self.bid_of: dict = {}  # first stage: the batch each of its requests is in
-        self.grows: list = []
-        self.busy: list[tuple[float, float, int]] = []
+        self.grows: list = []  # KV growth (allocation, target tokens) and frees (None, request id), in order
+        self.busy: list[tuple[float, float, int]] = []  # replayed steps: (start, end, batch size)
         self.received = 0
         self.formed = 0
         self.promotions = 0
-        self.limit = limit
+        self.limit = limit  # the starvation limit (0: none)
         self.taken = None  # the StageEndEvent (or an earlier replay's ReplayEndEvent) it takes over
         self.messages: list = []  # the pipeline's message events to it, taken over
-        self.arrivals: list = []  # later stages: (batch, decision count, receive index) of each received batch
+        self.arrivals: list[tuple] = []  # later stages: (batch, decisions before it, its receive index) of each received
         self.started = None  # the one-stage batch this engine formed at the start (no event yet)
         self.queued: set = set()  # later stages: ids of the batches queued at the start
         self.served_queued = 0  # later stages: how many of them ran

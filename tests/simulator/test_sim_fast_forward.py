@@ -68,6 +68,20 @@ def test_paper_base_identical(system, engines, rate):
     assert fast.summary["fast_forward_cycles"] > 0
 
 
+def test_a_policy_naming_no_exact_replay_runs_step_by_step(monkeypatch):
+    """The fast path's one hook is the policy's `replay`: a policy that names none is simulated
+    decision by decision (nothing replayed), with the same results."""
+    from paraflex.engine.core.policies.full_batch_first import FullBatchFirst
+
+    w = WorkloadConfig(arrival="lognormal", cv=2.0, num_requests=30, seed=5, output_scale=1.0)
+    cfg = ring_config(0.05, "full-batch-first", 8, w)
+    layout = ring_layout(cfg, "full-batch-first")
+    monkeypatch.setattr(FullBatchFirst, "replay", None)
+    fast, plain = _both(cfg, layout, "ring", 4.0, 5)
+    assert_same_results(fast, plain)
+    assert fast.summary["fast_forward_cycles"] == 0
+
+
 # --- the bulk scheduler calls against the driving protocol ---------------------------------
 def _pipeline(num_blocks=400):
     """Model m in two stages on two schedulers (engines 0 and 1), tokens_per_block 4."""

@@ -20,7 +20,8 @@ from paraflex.engine.core.scheduler import EngineScheduler
 from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
 from paraflex.simulator.core.cluster import Cluster
 from paraflex.simulator.fastpath.joint_replay import JointReplay
-from paraflex.simulator.fastpath.joint_sim import GroupSim, Stop
+from paraflex.simulator.fastpath.joint_decide import GroupDecisions, Stop
+from paraflex.simulator.fastpath.joint_sim import GroupSim
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.systems.layouts import SystemLayout
 from paraflex.simulator.workload import SimRequest
@@ -423,7 +424,7 @@ class _Joins:
 
     def __init__(self, monkeypatch):
         self.joined = self.running = 0
-        real_join, real_apply = GroupSim._join, GroupSim.apply
+        real_join, real_apply = GroupSim.join, GroupSim.apply
 
         def join(sim, es, jn):
             self.joined += 1
@@ -433,7 +434,7 @@ class _Joins:
             self.running += sum(not jn.joined for es in sim.group for jn in [es.joiner, *es.prompts] if jn is not None)
             real_apply(sim)
 
-        monkeypatch.setattr(GroupSim, "_join", join)
+        monkeypatch.setattr(GroupSim, "join", join)
         monkeypatch.setattr(GroupSim, "apply", apply)
 
 
@@ -509,16 +510,16 @@ def test_admitted_prompt_refused_above_the_kv_watermark(monkeypatch):
 
     monkeypatch.setattr(EngineScheduler, "__init__", init)
     refused = []
-    real_serve = GroupSim._serve_prompt
+    real_serve = GroupDecisions.serve_prompt
 
-    def serve_prompt(sim, es, adm, x):
+    def serve_prompt(decisions, sim, es, adm, x):
         try:
-            real_serve(sim, es, adm, x)
+            real_serve(decisions, sim, es, adm, x)
         except Stop:
             refused.append(adm.rid)
             raise
 
-    monkeypatch.setattr(GroupSim, "_serve_prompt", serve_prompt)
+    monkeypatch.setattr(GroupDecisions, "serve_prompt", serve_prompt)
     cfg = _config(0.012, 16)
     spec = [("p", 0.0, 104, 400), ("a", 0.001, 288, 500), ("a", 0.002, 273, 500), ("b", 0.003, 128, 400),
             ("d", 0.004, 212, 400), ("b", 0.0334, 105, 55), ("d", 0.0455, 104, 38), ("d", 0.1028, 42, 41),
@@ -578,12 +579,12 @@ def test_requests_with_equal_arrival_times(spec, max_batch):
 
 class _PipeFinishes:
     """Counts the pipeline's requests that produce their last token in a replay: finished
-    inside it (`GroupSim._pipe_finish`), or in a last stage running at a cut (finished at
+    inside it (`GroupSim.pipe_finish`), or in a last stage running at a cut (finished at
     its end by `Cluster.replay_done`)."""
 
     def __init__(self, monkeypatch):
         self.inside = self.at_cut = 0
-        real_finish, real_done = GroupSim._pipe_finish, Cluster.replay_done
+        real_finish, real_done = GroupSim.pipe_finish, Cluster.replay_done
 
         def pipe_finish(sim, b):
             self.inside += len(sim.last_tokens(b))
@@ -593,7 +594,7 @@ class _PipeFinishes:
             self.at_cut += len(finished)
             real_done(cluster, eng, key, t, finished)
 
-        monkeypatch.setattr(GroupSim, "_pipe_finish", pipe_finish)
+        monkeypatch.setattr(GroupSim, "pipe_finish", pipe_finish)
         monkeypatch.setattr(Cluster, "replay_done", replay_done)
 
 

@@ -10,7 +10,7 @@ the same KV rules. One file per policy; `get_policy(name)` and `POLICIES` are th
 from __future__ import annotations
 
 from paraflex.errors import ConfigError
-from paraflex.engine.core.policies.base import Policy
+from paraflex.engine.core.policies.base import ExactReplay, Policy
 from paraflex.engine.core.policies.full_batch_first import FullBatchFirst
 from paraflex.engine.core.policies.prefill_first import PrefillFirst
 from paraflex.engine.core.policies.sarathi import Sarathi
@@ -26,4 +26,4 @@ def get_policy(name: str) -> Policy:
     return cls()
 
 
-__all__ = ["POLICIES", "Policy", "get_policy"]
+__all__ = ["POLICIES", "ExactReplay", "Policy", "get_policy"]

@@ -8,14 +8,40 @@ size changes, so a decision looks at class heads only: O(log queues), not a scan
 resident stage), the batch formers `sched.first_stage` (engine/core/first_stage_batches.py) and
 `sched.later_stage` (engine/core/later_stage_batches.py), and the settings `max_batch_size`,
 `prefill_token_budget`, `prefill_max_requests`.
+
+A policy also says which of the simulator's closed-form replays follow its decisions exactly
+(`Policy.replay`, an `ExactReplay`): the ONE hook between a policy and the simulator's fast path
+(simulator/fastpath/hook.py). A policy that names none is simulated step by step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from paraflex.engine.core.scheduler import EngineScheduler, Queue, ResidentStage, ScheduledBatch
+
+
+@dataclass(frozen=True)
+class ExactReplay:
+    """The simulator's closed-form replays (simulator/fastpath/) that follow a policy's decisions
+    exactly; each is pinned by an equivalence test comparing whole runs with the step-by-step
+    path, for every policy that names it.
+
+    `decode_cycles`: the decode fast-forward (simulator/fastpath/fast_forward.py): a first-stage
+    decode batch is formed again from the same requests while `QueueOrder.repeatable_decisions`
+    says the policy's order picks its queue (tests/simulator/test_sim_fast_forward.py).
+    `pipeline_group`: the joint replay of a pipeline's engines with the one-stage replicas on
+    them (simulator/fastpath/joint_replay.py). It orders the queues by the policy's `class_of`
+    (then head, after the starvation promotion) and serves them as `Policy.attempt` does: a
+    first stage's whole decode queue (up to `max_batch_size`), a whole prompt, a received
+    batch whole; so a policy naming it keeps `pick`, `attempt`, `first_decode` and
+    `first_prefill` as they are here (tests/simulator/test_sim_joint_replay.py).
+    """
+
+    decode_cycles: bool = False
+    pipeline_group: bool = False
 
 
 class Policy:
@@ -23,10 +49,15 @@ class Policy:
 
     name = ""
     num_classes = 1
-    classify_on_len = False  # True if `classify` depends on a queue's length, not just its head
+    classify_on_len = False  # True if `class_of` depends on a queue's length, not just its head
+    replay: ExactReplay | None = None  # the simulator's exact replays of this policy; None: step by step
 
-    def classify(self, sched: "EngineScheduler", q: "Queue") -> int:
-        """Class index (0 = first tried) of a non-empty queue."""
+    def class_of(self, queue: str, first_stage: bool, length: int, max_batch_size: int) -> int:
+        """Class index (0 = first tried) of a non-empty queue: `queue` is its kind ("prefill",
+        "decode", or "full": a later stage's full decode batches; `Queue.name`), `first_stage`
+        whether it is a first stage's, `length` how many requests (first stage) or batches
+        (later) it holds. The scheduler's `QueueOrder` and the simulator's joint replay both
+        order queues by it."""
         raise NotImplementedError
 
     def pick(self, sched: "EngineScheduler", now: float) -> "ScheduledBatch | None":

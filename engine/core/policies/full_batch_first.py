@@ -5,7 +5,8 @@ stages of the engine.
 Place in the data flow: chosen by `scheduler.policy` in the config; called by
 `EngineScheduler.schedule`. A first stage's decode queue is "full" when it holds at least
 `max_batch_size` ready requests; on a later stage a "full" batch is one the first stage formed
-with `max_batch_size` requests.
+with `max_batch_size` requests. The simulator replays it in closed form with the decode
+fast-forward and the joint replay of a pipeline's engines (`replay`).
 
 Departure from the paper (the default; `scheduler.decode_batches_in_flight: unbounded` is the
 paper's rule): a first stage of a multi-stage model forms an under-sized decode batch only
@@ -15,7 +16,7 @@ otherwise its ready requests wait for the batches in flight to return and leave 
 
 from __future__ import annotations
 
-from paraflex.engine.core.policies.base import Policy
+from paraflex.engine.core.policies.base import ExactReplay, Policy
 
 FULL_DECODE, PREFILL, SMALL_DECODE = 0, 1, 2
 
@@ -24,13 +25,13 @@ class FullBatchFirst(Policy):
     name = "full-batch-first"
     num_classes = 3
     classify_on_len = True
+    replay = ExactReplay(decode_cycles=True, pipeline_group=True)
 
-    def classify(self, sched, q):
-        st = q.stage
-        if q is st.prefill_q:
+    def class_of(self, queue, first_stage, length, max_batch_size):
+        if queue == "prefill":
             return PREFILL
-        if q is st.decode_q:
-            return FULL_DECODE if st.is_first and len(q.items) >= sched.max_batch_size else SMALL_DECODE
+        if queue == "decode":
+            return FULL_DECODE if first_stage and length >= max_batch_size else SMALL_DECODE
         return FULL_DECODE  # a later stage's full-batch queue
 
     def first_decode(self, sched, st, now):

@@ -5,19 +5,20 @@ fills the rest of `prefill_token_budget` with prompt chunks of the oldest waitin
 ("stall-free" mixed batches), while fewer than `num_stages` micro-batches of the model are in
 flight (formed here and still awaiting their tokens). Later stages run received batches in
 arrival order. Place in the data flow: chosen by `scheduler.policy: sarathi`; called by
-`EngineScheduler.schedule`.
+`EngineScheduler.schedule`. The simulator replays its pure decode cycles in closed form (`replay`).
 """
 
 from __future__ import annotations
 
-from paraflex.engine.core.policies.base import Policy
+from paraflex.engine.core.policies.base import ExactReplay, Policy
 
 
 class Sarathi(Policy):
     name = "sarathi"
     num_classes = 1
+    replay = ExactReplay(decode_cycles=True)
 
-    def classify(self, sched, q):
+    def class_of(self, queue, first_stage, length, max_batch_size):
         return 0
 
     def first_prefill(self, sched, st, now):

@@ -13,11 +13,12 @@ from paraflex.simulator.core.events.base import Event
 
 class ReplayFinishEvent(Event):
     PRIORITY = 10
-    __slots__ = ("replay",)
+    __slots__ = ("replay", "group")
 
-    def __init__(self, time: float, replay):
+    def __init__(self, time: float, replay, group):
         super().__init__(time)
-        self.replay = replay  # the paused GroupSim
+        self.replay = replay  # the cluster's JointReplay
+        self.group = group  # its paused GroupSim
 
     def handle(self, sim) -> None:
-        sim.cluster.joint.finished(self.replay, self.time)
+        self.replay.finished(self.group, self.time)
