@@ -15,6 +15,7 @@ from paraflex.config.schema import load_config
 from paraflex.models.engine_support import require_runnable
 from paraflex.errors import UserError
 from paraflex.placement import Placement
+from paraflex.shipped import demo_config_path
 from paraflex.planner import SOLVERS, plan
 from paraflex.planner.render import png, table
 from paraflex.planner.validate import violations
@@ -26,7 +27,8 @@ HELP = "Shard, replicate and place the models of a config onto engines; write pl
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("config", nargs="?", help="cluster/model config (YAML or JSON)")
+    parser.add_argument("config", nargs="?",
+                        help="cluster/model config (YAML or JSON; default: the demo config shipped in the package)")
     parser.add_argument("-o", "--output", default="placement.json", help="placement file to write (default: %(default)s)")
     parser.add_argument("--solver", choices=SOLVERS, default="paraflex",
                         help="paraflex = paper Alg. 1+2 (default); milp = exact (small clusters); "
@@ -44,9 +46,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    if not args.config:
-        raise UserError("missing CONFIG: usage `paraflex plan CONFIG -o placement.json`")
-    config = load_config(args.config)
+    config = load_config(args.config or demo_config_path())
     if getattr(args, "paper_replication", False):
         config.planner.fill_engines = False
     if args.validate:

@@ -1,6 +1,6 @@
 """`paraflex serve`: plan (or load) a placement, start the engines, serve the OpenAI API.
 
-Data flow: CONFIG (default: the repo's configs/demo.yaml) -> placement (--placement FILE, or
+Data flow: CONFIG (default: the shipped demo, paraflex.shipped) -> placement (--placement FILE, or
 planned on the fly with the paraflex planner) -> a Backend: one Ray actor per engine
 (paraflex.serving.ray_startup.start_cluster; joins --ray-address or starts a local Ray instance) or,
 with --in-process, every engine in this process (paraflex.serving.in_process_backend) ->
@@ -22,7 +22,7 @@ HELP = "Serve the models of a config over an OpenAI-compatible HTTP API."
 
 def add_arguments(parser) -> None:
     parser.add_argument("config", nargs="?", default=None,
-                        help="cluster + models config (default: configs/demo.yaml of this checkout)")
+                        help="cluster + models config (default: the demo config shipped in the package)")
     parser.add_argument("--placement", metavar="FILE",
                         help="placement file from `paraflex plan` (default: plan the config now)")
     parser.add_argument("--host", default="127.0.0.1",
@@ -49,17 +49,6 @@ def add_arguments(parser) -> None:
                         help="join this Ray cluster (default: start a local Ray instance)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="Ray restarts of a dead engine actor before its replicas stay down (default 0)")
-
-
-def default_config_path() -> str:
-    import paraflex
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(paraflex.__file__))),
-                        "configs", "demo.yaml")
-    if not os.path.isfile(path):
-        raise UserError(f"CONFIG: no config given and the demo config {path} is missing; "
-                        "pass a config file, e.g. `paraflex serve my-cluster.yaml`")
-    return path
 
 
 def load_placement(config, path: str | None):
@@ -90,6 +79,7 @@ def start_backend(config, placement, args):
 
 def run(args) -> int:
     from paraflex.config.schema import load_config
+    from paraflex.shipped import demo_config_path
 
     try:
         from paraflex.gateway.app import build_app
@@ -120,7 +110,7 @@ def run(args) -> int:
         raise UserError(f"--port: {args.port} is not a TCP port (0-65535)")
     sock = bind(args.host, args.port)  # a bad --host or a taken --port fails before any planning or engine
     try:
-        config_path = args.config or default_config_path()
+        config_path = args.config or demo_config_path()
         config = load_config(config_path)
         require_runnable(config)
         placement = load_placement(config, args.placement)

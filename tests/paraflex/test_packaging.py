@@ -1,0 +1,29 @@
+"""A non-editable install carries what a first run needs: the wheel built from this tree,
+installed into an empty folder, plans the shipped demo config from another working directory."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from repo_paths import REPO
+
+
+@pytest.mark.slow
+def test_wheel_install_plans_the_shipped_demo(tmp_path):
+    wheels, target, cwd = tmp_path / "wheels", tmp_path / "target", tmp_path / "cwd"
+    cwd.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(wheels), str(REPO)], check=True, cwd=tmp_path, capture_output=True)
+    (wheel,) = wheels.glob("paraflex-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True)
+    assert (target / "paraflex" / "configs" / "demo.yaml").is_file()
+    env = {**os.environ, "PYTHONPATH": str(target), "PYTHONNOUSERSITE": "1"}
+    run = subprocess.run([sys.executable, "-s", "-m", "paraflex", "plan", "-q"], cwd=cwd, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert (cwd / "placement.json").is_file()
+    check = subprocess.run([sys.executable, "-c", "import paraflex; print(paraflex.__file__)"], cwd=cwd, env=env,
+                           capture_output=True, text=True)
+    assert check.stdout.startswith(str(target))
