@@ -33,7 +33,8 @@ def add_arguments(p) -> None:
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="worker processes for --sweep")
     p.add_argument("--seeds", type=int, default=1, help="--sweep: independent draws per rate (default 1); curves show their mean")
     w = p.add_argument_group("workload overrides")
-    w.add_argument("--trace", help="replay this arrived_at,num_prefill_tokens,num_decode_tokens CSV")
+    w.add_argument("--trace", help="replay a shipped trace (splitwise-conv, splitwise-code) or this "
+                   "arrived_at,num_prefill_tokens,num_decode_tokens CSV")
     w.add_argument("--arrival", choices=("poisson", "lognormal", "trace"))
     w.add_argument("--cv", type=float, help="log-normal inter-arrival coefficient of variation")
     w.add_argument("--zipf-alpha", type=float, help="Zipf popularity exponent over the listed models")
@@ -59,14 +60,17 @@ def add_arguments(p) -> None:
 
 def _workload(args, config):
     from paraflex.config.schema import WorkloadConfig
+    from paraflex.shipped import TRACES, trace_path
     from paraflex.simulator.workload.trace import load_trace
 
     w = config.workload or WorkloadConfig()
     changes = {}
     if args.trace is not None:
-        if not os.path.isfile(args.trace):
-            raise UserError(f"--trace {args.trace}: file not found; pass an arrived_at,num_prefill_tokens,num_decode_tokens CSV")
-        changes["trace"] = os.path.abspath(args.trace)
+        trace = trace_path(args.trace)
+        if not os.path.isfile(trace):
+            raise UserError(f"--trace {args.trace}: file not found; pass {' or '.join(TRACES)}, or an "
+                            "arrived_at,num_prefill_tokens,num_decode_tokens CSV")
+        changes["trace"] = os.path.abspath(trace)
         changes["arrival"] = "trace"
     if args.arrival is not None:  # (argparse checked the choice)
         changes["arrival"] = args.arrival

@@ -178,3 +178,11 @@ def test_sweep_writes_curves(cfg, tmp_path, capsys):
     # the same requests at a given rate for every system; different draws across rates
     assert by[("paraflex", 5.0)]["requests"] == by[("sarathi", 5.0)]["requests"]
     assert by[("paraflex", 5.0)]["seed"] != by[("paraflex", 20.0)]["seed"]
+
+
+@pytest.mark.parametrize("name, csv", [("splitwise-conv", "splitwise_conv.csv"), ("splitwise-code", "splitwise_code.csv")])
+def test_trace_flag_takes_a_shipped_trace_by_name(cfg, tmp_path, name, csv):
+    out = tmp_path / "out"
+    assert main(["simulate", str(cfg), "--rate", "10", "-o", str(out), "--trace", name, "--num-requests", "10"]) == 0
+    w = json.loads((out / "config.json").read_text())["config"]["workload"]
+    assert w["arrival"] == "trace" and w["trace"].endswith(csv)
