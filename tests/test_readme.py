@@ -31,3 +31,15 @@ def test_readme_config_example_loads_and_plans(tmp_path):
     placement = plan(config)
     assert set(placement.models) == {"chat-70b", "small"}
     assert placement.objective > 0
+
+
+def test_readme_python_snippets_import_only_main_dependencies():
+    """The set-up command installs the main dependencies: every package a README Python block
+    imports (outside paraflex itself) is one of them."""
+    import tomllib
+
+    project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
+    main = {re.split(r"[<>=\[ ;]", d, 1)[0].lower() for d in project["dependencies"]}
+    for block in re.findall(r"```python\n(.*?)```", _text(), re.S):
+        for name in re.findall(r"^(?:from|import) (\w+)", block, re.M):
+            assert name == "paraflex" or name in main, f"README imports {name}, not a main dependency"
