@@ -29,7 +29,8 @@ HELP = "Shard, replicate and place the models of a config onto engines; write pl
 def add_arguments(parser) -> None:
     parser.add_argument("config", nargs="?",
                         help="cluster/model config (YAML or JSON; default: the demo config shipped in the package)")
-    parser.add_argument("-o", "--output", default="placement.json", help="placement file to write (default: %(default)s)")
+    parser.add_argument("-o", "--output", help="placement file to write (default: placement.json, or "
+                        "placement-SOLVER.json for another --solver, so runs of different solvers keep their files)")
     parser.add_argument("--solver", choices=SOLVERS, default="paraflex",
                         help="paraflex = paper Alg. 1+2 (default); milp = exact (small clusters); "
                              "dedicated, shared, grouped, tensor = baseline layouts")
@@ -54,7 +55,8 @@ def run(args) -> int:
     require_runnable(config)
     if args.time_limit is not None and not 0 < args.time_limit < float("inf"):
         raise UserError(f"--time-limit must be a finite number > 0 seconds, got {args.time_limit:g}")
-    _check_output("-o", args.output, "placement.json")
+    output = args.output if args.output is not None else default_output(args.solver)
+    _check_output("-o", output, "placement.json")
     png_path = _png_output(args.png) if args.png is not None else None
     if args.solver == "milp" and config.cluster.num_engines > _MILP_ENGINES:
         print(f"warning: milp proves optimality up to about {_MILP_ENGINES} engines; this cluster has "
@@ -67,14 +69,20 @@ def run(args) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     for problem in violations(placement, config):
         print(f"warning: {args.solver} layout: {problem}", file=sys.stderr)
-    _write("-o", args.output, placement.save)
+    _write("-o", output, placement.save)
     if png_path:
         _write("--png", png_path, lambda path: png(placement, path))
     if not args.quiet:
         print(table(placement))
-        print(f"wrote {args.output}" + (f" and {png_path}" if png_path else "")
+        print(f"wrote {output}" + (f" and {png_path}" if png_path else "")
               + f" in {time.monotonic() - started:.2f} s")
     return 0
+
+
+def default_output(solver: str) -> str:
+    """The placement file a run of `solver` writes without -o: placement.json for the default
+    solver, placement-SOLVER.json for the others."""
+    return "placement.json" if solver == "paraflex" else f"placement-{solver}.json"
 
 
 def _check_output(flag: str, path: str, example: str) -> None:

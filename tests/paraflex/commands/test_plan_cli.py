@@ -149,8 +149,14 @@ def test_validate_catches_planted_violation(base_plan, plant, expected, tmp_path
 
 def test_missing_config_is_a_user_error(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "nope.yaml")]) == 2
-    assert main(["plan"]) == 2
-    assert "CONFIG" in capsys.readouterr().err
+    assert "nope.yaml does not exist" in capsys.readouterr().err
+
+
+def test_no_config_plans_the_shipped_demo(tmp_path, monkeypatch):
+    """Issue 24: `paraflex plan` with no CONFIG plans the demo shipped in the package (it was exit 2)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "-q"]) == 0
+    assert Placement.load(tmp_path / "placement.json").planner == "paraflex"
 
 
 def test_fill_uses_every_engine_and_paper_replication_is_the_ablation(tmp_path, capsys):
@@ -170,3 +176,13 @@ def test_fill_uses_every_engine_and_paper_replication_is_the_ablation(tmp_path, 
     assert "Alg. 1" in paper.params["stop_reason"]
     assert "no model can get another replica" in fill.params["stop_reason"]
     assert all(e.stages for e in fill.engines)
+
+
+def test_other_solvers_default_to_their_own_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", BASE]) == 0
+    first = (tmp_path / "placement.json").read_text()
+    assert main(["plan", BASE, "--solver", "grouped"]) == 0
+    assert "wrote placement-grouped.json" in capsys.readouterr().out
+    assert Placement.load(tmp_path / "placement-grouped.json").planner == "grouped"
+    assert (tmp_path / "placement.json").read_text() == first
