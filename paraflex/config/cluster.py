@@ -66,9 +66,11 @@ def parse_cluster(raw, base_dir: str) -> ClusterConfig:
         )
     profile_dir = s.str("profile_dir")
     if profile_dir is not None:
-        profile_dir = resolve_path(profile_dir, base_dir)
+        given, profile_dir = profile_dir, resolve_path(profile_dir, base_dir)
         if not os.path.isdir(profile_dir):
-            raise ConfigError("cluster.profile_dir", f"{profile_dir} is not a directory")
+            where = "" if given == profile_dir else (
+                f" (looked up at {profile_dir}: a relative path is taken from the config's folder {base_dir})")
+            raise ConfigError("cluster.profile_dir", f"{given} is not a directory{where}")
     return ClusterConfig(
         num_engines=s.int("num_engines", required=True, minimum=1),
         device=device,

@@ -271,3 +271,14 @@ def test_profile_dir_reaches_the_cost_model(tmp_path):
     assert cfg.cluster.profile_dir == str(tmp_path / "profiles")
     cm = cfg.cluster.cost_model()
     assert cm.linear_time(cfg.models[0].arch, 10) == pytest.approx(10 * 10e-6)
+
+
+def test_missing_profile_dir_says_where_it_was_looked_up(tmp_path):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "profiles").mkdir()  # beside the config's folder, as `paraflex profile -o profiles` leaves it
+    (tmp_path / "configs" / "c.yaml").write_text(
+        "cluster: {num_engines: 1, memory_gb: 1, profile_dir: profiles}\nmodels: [{arch: tiny-2l}]\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(tmp_path / "configs" / "c.yaml"))
+    assert str(tmp_path / "configs" / "profiles") in str(err.value)
+    assert "taken from the config's folder" in str(err.value)
