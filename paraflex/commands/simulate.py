@@ -112,6 +112,7 @@ def run(args) -> int:
     from paraflex.config.schema import load_config
     from paraflex.simulator.runner import SimSettings
     from paraflex.simulator.systems.layouts import SYSTEMS
+    from paraflex.simulator.workload.generator import check_request_count
 
     config = load_config(args.config)
     config.workload = _workload(args, config)
@@ -136,6 +137,8 @@ def run(args) -> int:
             raise UserError("--systems: give at least one system, e.g. --systems paraflex,ray-serve (or leave it out: all five)")
         for s in systems:
             SYSTEMS.get(s.split("+")[0], "--systems")
+        for rate in rates:
+            check_request_count(config.workload, rate)
         out = _output_dir(args.output or os.path.join("sim-results", "sweep"))
         results = run_sweep(config, systems, rates, base, out, jobs=max(1, args.jobs), replicates=args.seeds)
         print(f"{'system':<10} {'rate':>6} {'seed':>6} {'tput req/s':>10} {'E2E med s':>10} {'E2E P99 s':>10} {'SLO att.':>8}")
@@ -159,13 +162,29 @@ SYSTEMS_ORDER = ("paraflex", "ray-serve", "sarathi", "alpaserve", "vllm-tp")
 
 
 def _output_dir(path: str) -> str:
-    """The results directory, made now: a path that cannot be one fails before the run."""
+    """The results directory, made now."""
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
-        raise UserError(f"-o {path}: cannot make the results directory ({exc.strerror or exc}); "
-                        "pass a directory path you can write") from None
+        _cannot_make(path, exc.strerror or str(exc))
     return path
+
+
+def _check_output_dir(path: str) -> None:
+    """Fail now, making nothing, when `path` cannot become the results directory: it, or the
+    nearest folder above it that exists, is not a directory one can write into."""
+    existing = path
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    existing = existing or "."
+    if not os.path.isdir(existing):
+        _cannot_make(path, "File exists" if existing == path else f"{existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        _cannot_make(path, "Permission denied")
+
+
+def _cannot_make(path: str, reason: str):
+    raise UserError(f"-o {path}: cannot make the results directory ({reason}); pass a directory path you can write")
 
 
 def _num(v, width: int) -> str:
@@ -179,13 +198,14 @@ def _run_one(config, settings, output) -> int:
     from paraflex.simulator.runner import simulate
 
     settings.validate()
-    out = _output_dir(output or os.path.join("sim-results", f"{settings.system}-r{settings.rate:g}"))
+    out = output or os.path.join("sim-results", f"{settings.system}-r{settings.rate:g}")
+    _check_output_dir(out)
     progress = RunProgress(settings.system)
     try:
         result = simulate(config, settings, progress=progress)
     finally:
         progress.close()
-    write_run(out, result)
+    write_run(_output_dir(out), result)  # made only now: a run that fails leaves no empty folder
     s = result.summary
     if not s["finished"]:
         print(f"{s['system']}: the workload drew {s['requests']} requests (rate x window too small, or a very bursty CV): "

@@ -50,6 +50,17 @@ def horizon_s(workload, total_rate: float) -> float:
     return (getattr(workload, "num_requests", None) or DEFAULT_NUM_REQUESTS) / total_rate
 
 
+def check_request_count(workload, total_rate: float) -> float:
+    """The arrival window, a UserError when `total_rate` over it draws more than MAX_REQUESTS
+    (checked by `generate`, and by `paraflex simulate` before it makes a results folder)."""
+    horizon = horizon_s(workload, total_rate)
+    expected = total_rate * horizon
+    if not expected <= MAX_REQUESTS:  # (inf and nan too)
+        raise UserError(f"the workload would draw ~{expected:.3g} requests (rate {total_rate:g} req/s x {horizon:g} s); "
+                        f"at most {MAX_REQUESTS:,} per run: lower duration_s / num_requests or the rate")
+    return horizon
+
+
 def generate(models: list[WorkloadModel], workload, total_rate: float, seed: int):
     """Return (requests sorted by arrival with ids 0..n-1, info dict).
 
@@ -60,11 +71,7 @@ def generate(models: list[WorkloadModel], workload, total_rate: float, seed: int
     trace = load_trace(workload.trace) if workload.trace else None
     if workload.arrival == "trace" and trace is None:
         raise UserError("workload.arrival is trace but no trace CSV is given; set workload.trace or pass --trace")
-    horizon = horizon_s(workload, total_rate)
-    expected = total_rate * horizon
-    if not expected <= MAX_REQUESTS:  # (inf and nan too)
-        raise UserError(f"the workload would draw ~{expected:.3g} requests (rate {total_rate:g} req/s x {horizon:g} s); "
-                        f"at most {MAX_REQUESTS:,} per run: lower duration_s / num_requests or the rate")
+    horizon = check_request_count(workload, total_rate)
     arrive = ARRIVAL_PROCESSES.get(workload.arrival, "workload.arrival")
     lengths = LENGTH_SOURCES.get("trace" if trace is not None else "builtin")
     rows: list[tuple[float, int, int, int]] = []

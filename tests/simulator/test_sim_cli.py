@@ -186,3 +186,13 @@ def test_trace_flag_takes_a_shipped_trace_by_name(cfg, tmp_path, name, csv):
     assert main(["simulate", str(cfg), "--rate", "10", "-o", str(out), "--trace", name, "--num-requests", "10"]) == 0
     w = json.loads((out / "config.json").read_text())["config"]["workload"]
     assert w["arrival"] == "trace" and w["trace"].endswith(csv)
+
+
+@pytest.mark.parametrize("flags", [["--rate", "1", "--num-requests", "100000000000"], ["--rate", "1", "--zipf-alpha", "-1"],
+                                   ["--sweep", "--rates", "1", "--num-requests", "100000000000"]],
+                         ids=["too-many-requests", "bad-zipf", "sweep-too-many-requests"])
+def test_a_failed_run_leaves_no_results_folder(cfg, tmp_path, monkeypatch, capsys, flags):
+    monkeypatch.chdir(tmp_path)
+    code, _ = _err(["simulate", str(cfg), *flags], capsys)
+    assert code == 2
+    assert not (tmp_path / "sim-results").exists()
