@@ -7,6 +7,7 @@ line (set PARAFLEX_DEBUG=1 for the traceback); Ctrl-C exits 130.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import pkgutil
@@ -34,13 +35,25 @@ def build_parser() -> argparse.ArgumentParser:
     for module in _command_modules():
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _parser=p)
     return parser
+
+
+def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's 'unrecognized arguments' line, with the closest flag of `parser` to the first
+    unknown one (`--sovler` -> did you mean --solver?)."""
+    flags = [f for action in parser._actions for f in action.option_strings]
+    unknown = next((e.split("=", 1)[0] for e in extras if e.startswith("-")), None)
+    close = difflib.get_close_matches(unknown, flags, n=1) if unknown else []
+    return f"unrecognized arguments: {' '.join(extras)}" + (f" (did you mean {close[0]}?)" if close else "")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # the subcommand's usage, not the top level's
+        command_parser = getattr(args, "_parser", parser)
+        command_parser.error(unrecognized(command_parser, extras))
     if not hasattr(args, "_run"):
         parser.print_help()
         return 2
