@@ -51,6 +51,17 @@ def add_arguments(parser) -> None:
                         help="Ray restarts of a dead engine actor before its replicas stay down (default 0)")
 
 
+def require_device_at_hand(device: str) -> None:
+    """A UserError when the config's `cluster.device` is a GPU and this machine shows none (the
+    engines would size their KV pools for it in host memory)."""
+    import torch
+
+    if device != "cpu" and not torch.cuda.is_available():
+        raise UserError(f"cluster.device is {device!r} but no CUDA device is present here (CPU only): serve a "
+                        "config with device: cpu (e.g. the shipped demo), or run on a machine with that GPU "
+                        "(or join its Ray cluster with --ray-address)")
+
+
 def load_placement(config, path: str | None):
     from paraflex.placement import Placement
 
@@ -112,6 +123,8 @@ def run(args) -> int:
     try:
         config_path = args.config or demo_config_path()
         config = load_config(config_path)
+        if args.ray_address is None:  # engines on this machine; a cluster's GPUs are the cluster's to check
+            require_device_at_hand(config.cluster.device)
         require_runnable(config)
         placement = load_placement(config, args.placement)
         print(f"starting {len(placement.engines)} engines ({'in-process' if args.in_process else 'Ray'}) ...",

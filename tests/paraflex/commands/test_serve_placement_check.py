@@ -1,6 +1,6 @@
 """`paraflex serve` (and `generate`) refuse, before any engine starts, a --placement that is a
-directory or was planned for another config (models or layer counts differ), and an
-unbindable --host."""
+directory or was planned for another config (models or layer counts differ), an
+unbindable --host, and a GPU config on a machine that shows no GPU."""
 
 import pytest
 import yaml
@@ -64,3 +64,17 @@ def test_generate_checks_its_placement_too(tmp_path, placement, capsys):
     cfg = _config(tmp_path, tiny_4l="tiny-8l")
     assert main(["generate", cfg, "--model", "tiny-2l", "--prompt", "hi", "--placement", placement]) == 2
     assert "model tiny-4l: stages cover layers 0-0, 1-3" in capsys.readouterr().err
+
+
+def test_a_gpu_config_on_a_machine_without_that_gpu_is_refused(tmp_path, monkeypatch, capsys):
+    """Issue 24: a100-80g on a CPU machine tried to allocate ~592 GB of KV in host memory."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    d = config_dict()
+    d["cluster"] = {**d["cluster"], "device": "a100-80g"}
+    d["cluster"].pop("memory_gb", None)
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(d))
+    assert main(["serve", str(path), "--port", "0", "--in-process"]) == 2
+    assert error_line(capsys, "serve").startswith("cluster.device is 'a100-80g' but no CUDA device is present here")
