@@ -25,6 +25,7 @@ from paraflex.engine.ray_engine import FAILED, READY, engine_actor_class
 from paraflex.engine.ray_output import OutputRouter
 from paraflex.engine.transport.ray import start_store
 from paraflex.errors import ParaflexError, UserError
+from paraflex.planner.validate import require_valid_layout
 from paraflex.serving.ray_backend import RayBackend
 from paraflex.serving.ray_engines import RayEngines
 
@@ -64,6 +65,9 @@ def start_cluster(config, placement=None, ray_address: str | None = None,
 
         progress(f"paraflex: planning {len(config.models)} model(s) on {config.cluster.num_engines} engine(s)")
         placement = plan(config)
+    else:
+        for problem in require_valid_layout(placement, config, required=[]):  # serves what it places
+            progress(f"paraflex: warning: placement: {problem}")
     ray_dir = _init_ray(ray_address, progress)
     actors: dict = {}
     router = None
