@@ -88,7 +88,8 @@ def start_backend(config, placement, args):
     except ImportError as exc:
         raise UserError(f"the Ray backend is not available in this installation ({exc}); "
                         "serve with --in-process") from None
-    return start_cluster(config, placement, args.ray_address, max_restarts=args.max_restarts)
+    return start_cluster(config, placement, args.ray_address, max_restarts=args.max_restarts,
+                         gateway_host=args.host)
 
 
 def run(args) -> int:
