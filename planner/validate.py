@@ -1,7 +1,8 @@
 """Check a placement against its config: every constraint of §4.2, one line per violation.
 
 Used by `paraflex plan --validate placement.json CONFIG` and by `api.plan` on every plan it
-writes. Checks: the file's structure (`Placement.structural_problems`: every layer of every
+writes; `require_valid_layout` is the check every entry point that runs a given placement makes
+(`LLMCluster`, the Ray backend, `serve`/`generate --placement`). Checks: the file's structure (`Placement.structural_problems`: every layer of every
 replica placed exactly once, engines listing exactly the stages the models place there);
 models and layer counts match the config; P1 (a replica's stages on consecutive engines in
 ascending order, wrapping only when the plan was made with `ring`); (4) no two stages of one
