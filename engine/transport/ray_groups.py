@@ -21,6 +21,7 @@ communicator (created lazily per rank pair).
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -62,10 +63,21 @@ class GroupSpec:
 
 
 def start_store(host: str) -> tuple[dist.TCPStore, int]:
-    """The rendezvous store every process group is built from (held by the controller)."""
-    store = dist.TCPStore(host, 0, None, True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    return store, store.port
+    """The rendezvous store every process group is built from (held by the controller),
+    listening on `host` only (torch's own server would listen on every interface, and any
+    client that reaches it can read and write keys)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(host, port, None, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60), master_listen_fd=listener.detach())
+    return store, port
 
 
 class ReplicaGroup:

@@ -36,6 +36,7 @@ def run(args) -> int:
     from paraflex.config.schema import load_config
     from paraflex.engine.core.sampling_params import SamplingParams
     from paraflex.placement import Placement
+    from paraflex.planner.validate import require_valid_layout
     from paraflex.serving.in_process import LLMCluster
 
     config = load_config(args.config)
@@ -45,6 +46,8 @@ def run(args) -> int:
         seed=args.seed, stop=list(args.stop), ignore_eos=args.ignore_eos,
     ).validate()
     placement = Placement.load_for(args.placement, config) if args.placement else None
+    if placement is not None:
+        require_valid_layout(placement, config, source=args.placement, required=[args.model])
 
     def progress(line: str) -> None:
         if not args.quiet:

@@ -64,11 +64,14 @@ def require_device_at_hand(device: str) -> None:
 
 def load_placement(config, path: str | None):
     from paraflex.placement import Placement
+    from paraflex.planner.validate import require_valid_layout
 
     if path is not None:
         if not os.path.exists(path):
             raise UserError(f"--placement: {path} does not exist; create it with `paraflex plan CONFIG -o {path}`")
-        return Placement.load_for(path, config)
+        placement = Placement.load_for(path, config)
+        require_valid_layout(placement, config, source=path)
+        return placement
     from paraflex.planner import plan
 
     print(f"planning {len(config.models)} models on {config.cluster.num_engines} engines ...", flush=True)
@@ -85,7 +88,8 @@ def start_backend(config, placement, args):
     except ImportError as exc:
         raise UserError(f"the Ray backend is not available in this installation ({exc}); "
                         "serve with --in-process") from None
-    return start_cluster(config, placement, args.ray_address, max_restarts=args.max_restarts)
+    return start_cluster(config, placement, args.ray_address, max_restarts=args.max_restarts,
+                         gateway_host=args.host)
 
 
 def run(args) -> int:

@@ -37,6 +37,7 @@ from paraflex.engine.transport.in_process import LocalTransport
 from paraflex.engine.worker.tokenizer import Tokenizer, load_tokenizer
 from paraflex.errors import ParaflexError, UserError
 from paraflex.models.engine_support import require_runnable
+from paraflex.planner.validate import require_valid_layout
 from paraflex.serving.admission import kv_limits_by_model
 from paraflex.serving.frontend import Frontend, end_quietly
 from paraflex.serving.in_process_engines import InProcessEngines
@@ -92,6 +93,9 @@ class LLMCluster:
             if progress:
                 progress(f"planning {len(config.models)} model(s) on {config.cluster.num_engines} engine(s)")
             placement = plan(config, solver=solver)
+        else:
+            for problem in require_valid_layout(placement, config, required=models or []):  # serves what it places
+                log.warning("placement: %s", problem)
         if models is not None:
             unknown = [m for m in models if m not in placement.models]
             if unknown:

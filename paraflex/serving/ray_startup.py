@@ -11,6 +11,7 @@ start-up progress, then builds one torch.distributed process group per model rep
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import shutil
@@ -25,6 +26,7 @@ from paraflex.engine.ray_engine import FAILED, READY, engine_actor_class
 from paraflex.engine.ray_output import OutputRouter
 from paraflex.engine.transport.ray import start_store
 from paraflex.errors import ParaflexError, UserError
+from paraflex.planner.validate import require_valid_layout
 from paraflex.serving.ray_backend import RayBackend
 from paraflex.serving.ray_engines import RayEngines
 
@@ -33,30 +35,58 @@ def _print(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _init_ray(ray_address: str | None, progress) -> str | None:
-    """Connect to Ray; returns the temp dir when this call started a local instance."""
+LOOPBACK = "127.0.0.1"
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether the gateway's --host reaches this machine only (127.x, ::1, localhost)."""
+    if host is None:
+        return False
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_host(gateway_host: str | None, starts_local_ray: bool) -> str | None:
+    """The address what `paraflex serve` starts listens on: loopback when it starts its own Ray
+    and the gateway is on loopback (nothing else reaches the engines then); None otherwise (the
+    node's cluster address, as Ray picks it)."""
+    return LOOPBACK if starts_local_ray and is_loopback(gateway_host) else None
+
+
+def _init_ray(ray_address: str | None, progress, gateway_host: str | None) -> tuple[str | None, str | None]:
+    """Connect to Ray; returns the temp dir when this call started a local instance (else None)
+    and the bind host (`bind_host`)."""
     os.environ.setdefault("RAY_DISABLE_IMPORT_WARNING", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
-        return None
+        return None, None
     if ray_address:
         progress(f"paraflex: joining Ray at {ray_address}")
         ray.init(address=ray_address, log_to_driver=False, configure_logging=False)
-        return None
+        return None, None
+    host = bind_host(gateway_host, starts_local_ray=True)
     ray_dir = tempfile.mkdtemp(prefix="paraflex-ray-")
-    progress(f"paraflex: starting a local Ray instance (temp dir {ray_dir})")
+    progress(f"paraflex: starting a local Ray instance (temp dir {ray_dir}"
+             + (f", on {host} only)" if host else ")"))
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-             configure_logging=False, _temp_dir=ray_dir)
-    return ray_dir
+             configure_logging=False, _temp_dir=ray_dir, _node_ip_address=host)
+    return ray_dir, host
 
 
 def start_cluster(config, placement=None, ray_address: str | None = None,
                   progress: Callable[[str], None] = _print, *, device: str = "auto",
                   dtype: str = "auto", kv_bytes: int | None = None, max_restarts: int = 0,
-                  seed: int = 0, startup_timeout_s: float = 900.0) -> RayBackend:
+                  seed: int = 0, startup_timeout_s: float = 900.0,
+                  gateway_host: str | None = None) -> RayBackend:
     """Start (or join) Ray, one engine actor per placement engine, the process groups and the
     output router; returns the gateway `Backend`. `placement=None` plans with the paraflex
-    planner. `max_restarts`: how often Ray may restart a dead engine actor (0: never)."""
+    planner. `max_restarts`: how often Ray may restart a dead engine actor (0: never).
+    `gateway_host`: the gateway's --host; on loopback, a local Ray instance this call starts and
+    the process groups' store listen on 127.0.0.1 only (`bind_host`)."""
     if max_restarts < 0:
         raise UserError(f"max_restarts: {max_restarts} is negative; use 0 (never) or more")
     if placement is None:
@@ -64,7 +94,10 @@ def start_cluster(config, placement=None, ray_address: str | None = None,
 
         progress(f"paraflex: planning {len(config.models)} model(s) on {config.cluster.num_engines} engine(s)")
         placement = plan(config)
-    ray_dir = _init_ray(ray_address, progress)
+    else:
+        for problem in require_valid_layout(placement, config, required=[]):  # serves what it places
+            progress(f"paraflex: warning: placement: {problem}")
+    ray_dir, host = _init_ray(ray_address, progress, gateway_host)
     actors: dict = {}
     router = None
     try:
@@ -84,7 +117,7 @@ def start_cluster(config, placement=None, ray_address: str | None = None,
                                          kv_bytes=kv_bytes, seed=seed, num_threads=max(1, int(cpus)))
         progress(f"paraflex: {n} engine actor(s) on {'one GPU each' if use_gpu else f'{num_cpus:g} CPU each'}")
         statuses = _wait_ready(actors, progress, startup_timeout_s)
-        host = ray.util.get_node_ip_address()
+        host = host or ray.util.get_node_ip_address()
         store, port = start_store(host)
         engines = RayEngines(placement, actors, router, store, host, port)
         backend = RayBackend(config, placement, engines, ray_dir, progress)

@@ -423,3 +423,21 @@ def test_a_batch_arriving_after_all_its_requests_ended_leaves_no_hidden_states_b
     assert e0.step()  # the prompt ran at stage 0; its batch is on its way to stage 1
     e1.handle(Envelope(1, 1, "tiny-4l", "free", FreeMessage("tiny-4l", ["p"], "aborted").to_dict()))
     assert not e1.step() and not e1._parked
+
+
+def test_a_hand_placement_that_validation_rejects_is_refused_before_any_engine_loads(caplog):
+    """Two stages of one replica on one engine ((4)), and a placement for another engine count:
+    `LLMCluster` refuses each in one line naming the violation and the fix, as `paraflex plan
+    --validate` would. A route out of consecutive order (P1) runs (the engines follow any
+    route) with a warning naming it."""
+    doubled = make_placement({"tiny-4l": (4, [(0, 1), (1, 4)], [[0, 0]]), "tiny-2l": (2, [(0, 2)], [[1]])}, 2)
+    with pytest.raises(UserError, match=r"placement: invalid placement for <dict>: \(4\): model tiny-4l has two "
+                                        r"stages on engine 0 .*paraflex plan --validate"):
+        LLMCluster(_demo_config(), doubled, kv_bytes=1 << 20)
+    small = make_placement({"tiny-4l": (4, [(0, 4)], [[0]]), "tiny-2l": (2, [(0, 2)], [[0]])}, 1)
+    with pytest.raises(UserError, match=r"placement has 1 engines x 1 devices but the config has cluster.num_engines = 2"):
+        LLMCluster(_demo_config(), small, kv_bytes=1 << 20)
+    wrapped = make_placement({"tiny-4l": (4, [(0, 1), (1, 4)], [[1, 0]]), "tiny-2l": (2, [(0, 2)], [[1]])}, 2)
+    with caplog.at_level("WARNING", logger="paraflex.serving.in_process"):
+        LLMCluster(_demo_config(), wrapped, kv_bytes=1 << 20)
+    assert "P1: model tiny-4l replica 0: stage 1 on engine 0 does not follow stage 0 on engine 1" in caplog.text
