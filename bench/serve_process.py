@@ -1,0 +1,52 @@
+"""`paraflex serve` in a subprocess, for the benchmarks that load a running server
+(bench/serve_load.py, bench/soak.py): started on a free port, its URL read from its stdout,
+stopped the way Ctrl-C stops it.
+
+bench/ is no package: the scripts put their own folder on sys.path to import this module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+
+class ServeProcess:
+    """`paraflex serve CONFIG --port 0` (in-process engines, or Ray engine actors). `threads`
+    sets the in-process engines' torch threads (Ray gives each engine actor the threads of its
+    CPU share instead); `echo` prints the server's start-up lines."""
+
+    def __init__(self, config: str, *, backend: str = "in-process", threads: int | None = None,
+                 max_outstanding: int = 4096, echo: bool = False, who: str = "bench") -> None:
+        env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+        cmd = [sys.executable, "-m", "paraflex", "serve", config, "--port", "0",
+               "--max-outstanding", str(max_outstanding)] + (["--in-process"] if backend == "in-process" else [])
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.url = None
+        deadline = time.monotonic() + 600
+        for line in self.proc.stdout:
+            if echo:
+                print(f"  [serve] {line.rstrip()}", flush=True)
+            match = re.search(r"(http://\S+)/v1", line)
+            if match:
+                self.url = match.group(1)
+                break
+            if time.monotonic() > deadline:
+                break
+        if self.url is None:
+            self.stop()
+            raise SystemExit(f"{who}: the server did not print its URL" + ("; see its output above" if echo else ""))
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # a full pipe would block it
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(2)  # SIGINT: the same clean shutdown as Ctrl-C
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
