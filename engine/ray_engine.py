@@ -111,7 +111,8 @@ class EngineActor:
             if r.state == WAITING_PREFILL and r.stage == 0:
                 waiting[r.model] = waiting.get(r.model, 0) + 1
         self._stats = {"kv_usage": sched.pool.num_used / cap if cap else 0.0,
-                       "live": live, "waiting": waiting}
+                       "live": live, "waiting": waiting,
+                       "swaps": sched.kv.swap_totals(), "swapped": sched.kv.swapped_ids()}
 
     def connect(self, peers: dict, groups: list, store_host: str, store_port: int) -> dict:
         """Peer handles and this engine's process groups (all members call at once)."""

@@ -90,6 +90,20 @@ class KVPlanner:
                 f"(or give the engine more KV memory: cluster.memory_gb, or fewer stages per engine)"
             )
 
+    def swap_totals(self) -> dict[str, int]:
+        """Swaps on this engine so far: requests swapped out and in, and the bytes each way
+        (whole blocks of the pool's `block_bytes`, as the worker copies them)."""
+        block_bytes = self.pool.block_bytes
+        return {"swap_outs": self.swap_outs, "swap_ins": self.swap_ins,
+                "swap_out_bytes": self.swap_out_blocks * block_bytes, "swap_in_bytes": self.swap_in_blocks * block_bytes}
+
+    def swapped_ids(self) -> dict[str, list[str]]:
+        """Model -> ids of the requests whose KV on this engine is in the host pool now."""
+        out: dict[str, list[str]] = {}
+        for req in list(self.swapped):  # one atomic copy: /metrics may read from another thread
+            out.setdefault(req.model, []).append(req.req_id)
+        return out
+
     def forget(self, req: StageRequest) -> None:
         """`req` ended (its KV released): no longer swapped."""
         self.swapped.discard(req)

@@ -2,9 +2,9 @@
 
 Data flow: app.py records each request's timings here as its tokens stream out (TTFT,
 inter-token latency, time per output token, end-to-end latency, token counts, finish
-reasons); `render` adds the backend's scheduler state (running / waiting requests per
-model, KV-cache usage per engine, preemptions) and writes the Prometheus text exposition
-format (0.0.4, `CONTENT_TYPE`) served at /metrics. Names follow vLLM's V1 engine so existing
+reasons); `render` adds the backend's scheduler state (running / waiting / swapped requests
+per model, KV-cache usage and swaps per engine, preemptions) and writes the Prometheus text
+exposition format (0.0.4, `CONTENT_TYPE`) served at /metrics. Names follow vLLM's V1 engine so existing
 dashboards work. Counters, histograms and the exposition are prometheus-client's, in one
 `CollectorRegistry` per gateway (several gateways may live in one process).
 """
@@ -30,11 +30,20 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+# Per-engine swap counters: (key in `BackendMetrics.swaps[engine]`, metric name, help).
+SWAP_COUNTERS = (
+    ("swap_outs", "paraflex:swap_outs", "Cumulative number of requests whose KV was swapped out to host memory."),
+    ("swap_ins", "paraflex:swap_ins", "Cumulative number of requests whose KV was swapped back in from host memory."),
+    ("swap_out_bytes", "paraflex:swap_out_bytes", "Cumulative bytes of KV copied from device to host memory."),
+    ("swap_in_bytes", "paraflex:swap_in_bytes", "Cumulative bytes of KV copied from host to device memory."),
+)
+
 
 class BackendStateCollector:
     """The backend's scheduler state as metric families, read when /metrics is scraped
-    (`render` hands it the state of that scrape): gauges of running and waiting requests per
-    model and of KV-cache usage per engine, and the backend's cumulative preemption count."""
+    (`render` hands it the state of that scrape): gauges of running, waiting and swapped
+    requests per model and of KV-cache usage per engine, the backend's cumulative preemption
+    count per model, and swap counters (requests and bytes each way) per engine."""
 
     def __init__(self, model_names: list[str]):
         self.model_names = model_names
@@ -55,6 +64,13 @@ class BackendStateCollector:
         yield self._per_model(CounterMetricFamily, "vllm:num_preemptions",
                               "Cumulative number of preemptions (requests stopped to free KV, restarted by recompute).",
                               state.preemptions)
+        yield self._per_model(GaugeMetricFamily, "vllm:num_requests_swapped",
+                              "Number of requests whose KV cache is swapped out to host memory.", state.swapped)
+        for key, name, doc in SWAP_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["engine"])
+            for engine, totals in sorted(state.swaps.items()):
+                family.add_metric([str(engine)], float(totals.get(key, 0)))
+            yield family
 
     def _per_model(self, family_type, name: str, doc: str, values: dict):
         family = family_type(name, doc, labels=["model_name"])

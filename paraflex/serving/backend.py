@@ -28,7 +28,7 @@ Contract details an implementation must honour:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Iterable, Protocol, runtime_checkable
 
 from paraflex.errors import ParaflexError
 
@@ -72,13 +72,29 @@ class BackendMetrics:
     num_requests_running / num_requests_waiting). kv_cache_usage: engine id -> fraction of
     that engine's KV block pool in use, 0..1 (vLLM's kv_cache_usage_perc, per engine).
     preemptions: model name -> requests stopped to free KV and restarted by recompute so far
-    (vLLM's num_preemptions; paraflex/serving/recompute.py).
+    (vLLM's num_preemptions; paraflex/serving/recompute.py). swapped: model name -> requests
+    whose KV is (on some stage) in host memory now (vLLM v0's num_requests_swapped). swaps:
+    engine id -> that engine's swap counters so far (`KVPlanner.swap_totals`,
+    paraflex/engine/core/kv_planner.py): "swap_outs" / "swap_ins" count requests moved,
+    "swap_out_bytes" / "swap_in_bytes" the bytes copied each way.
     """
 
     running: dict[str, int] = field(default_factory=dict)
     waiting: dict[str, int] = field(default_factory=dict)
     kv_cache_usage: dict[int, float] = field(default_factory=dict)
     preemptions: dict[str, int] = field(default_factory=dict)
+    swapped: dict[str, int] = field(default_factory=dict)
+    swaps: dict[int, dict[str, int]] = field(default_factory=dict)
+
+
+def count_swapped(per_engine: Iterable[dict[str, list[str]]]) -> dict[str, int]:
+    """Model -> distinct swapped requests, from each engine's `KVPlanner.swapped_ids` (a request
+    swapped on several stages of its pipeline counts once)."""
+    ids: dict[str, set[str]] = {}
+    for swapped in per_engine:
+        for model, rids in swapped.items():
+            ids.setdefault(model, set()).update(rids)
+    return {model: len(rids) for model, rids in ids.items()}
 
 
 @runtime_checkable

@@ -18,7 +18,7 @@ import sys
 import threading
 from typing import AsyncIterator
 
-from paraflex.serving.backend import BackendMetrics, ModelCard, Output
+from paraflex.serving.backend import BackendMetrics, ModelCard, Output, count_swapped
 from paraflex.serving.stream_sink import StreamSink
 
 
@@ -84,10 +84,12 @@ class InProcessBackend:
         with self._lock:
             live = list(self._live.values())
         waiting = {m: 0 for m in self.cluster.models()}
-        usage = {}
+        usage, swaps, swapped = {}, {}, []
         for engine in self.cluster.engines:
             sched = engine.scheduler
             usage[engine.engine_id] = sched.pool.num_used / sched.pool.capacity if sched.pool.capacity else 0.0
+            swaps[engine.engine_id] = sched.kv.swap_totals()
+            swapped.append(sched.kv.swapped_ids())
             for stage in sched.stages:
                 if stage.is_first:
                     waiting[stage.model] += len(stage.prefill_q)
@@ -96,7 +98,8 @@ class InProcessBackend:
             running[m] = max(0, running[m] - n)
             waiting[m] += n
         return BackendMetrics(running=running, waiting=waiting, kv_cache_usage=usage,
-                              preemptions=self.cluster.frontend.preemptions())
+                              preemptions=self.cluster.frontend.preemptions(),
+                              swapped=count_swapped(swapped), swaps=swaps)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.cluster.shutdown)

@@ -25,7 +25,7 @@ import ray
 from paraflex.engine.ray_output import unpack_records
 from paraflex.engine.worker.tokenizer import load_tokenizer
 from paraflex.serving.admission import kv_limits_by_model
-from paraflex.serving.backend import BackendMetrics, ModelCard, Output
+from paraflex.serving.backend import BackendMetrics, ModelCard, Output, count_swapped
 from paraflex.serving.frontend import Frontend
 from paraflex.serving.ray_engines import RayEngines
 from paraflex.serving.ray_monitor import MONITOR_EVERY_S, EngineMonitor
@@ -103,16 +103,20 @@ class RayBackend:
         live = self.frontend.running_by_model()
         held = self.frontend.held()  # waiting for a restart
         queued = {m: 0 for m in self.placement.models}  # waiting in the engines
-        usage = {}
+        usage, swaps, swapped = {}, {}, []
         for e, st in self.monitor.statuses().items():
             if "kv_usage" in st:
                 usage[e] = float(st["kv_usage"])
+            if "swaps" in st:
+                swaps[e] = dict(st["swaps"])
+            swapped.append(st.get("swapped", {}))
             for m, n in st.get("waiting", {}).items():
                 queued[m] = queued.get(m, 0) + n
         running = {m: max(0, live.get(m, 0) - n) for m, n in queued.items()}
         waiting = {m: n + held.get(m, 0) for m, n in queued.items()}
         return BackendMetrics(running=running, waiting=waiting, kv_cache_usage=usage,
-                              preemptions=self.frontend.preemptions())
+                              preemptions=self.frontend.preemptions(),
+                              swapped=count_swapped(swapped), swaps=swaps)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.shutdown)

@@ -72,6 +72,24 @@ def test_request_is_counted_under_vllm_names():
     assert s['vllm:e2e_request_latency_seconds_count{model_name="a"}'] == 1
 
 
+def test_swaps_are_counted_per_engine_and_swapped_requests_per_model():
+    m = GatewayMetrics(["a", "b"])
+    text = m.render(BackendMetrics(
+        swapped={"a": 2},
+        swaps={0: {"swap_outs": 3, "swap_ins": 1, "swap_out_bytes": 3 * 4096, "swap_in_bytes": 4096},
+               1: {"swap_outs": 0, "swap_ins": 0, "swap_out_bytes": 0, "swap_in_bytes": 0}}))
+    s = parse(text)
+    assert s['vllm:num_requests_swapped{model_name="a"}'] == 2
+    assert s['vllm:num_requests_swapped{model_name="b"}'] == 0
+    assert s['paraflex:swap_outs_total{engine="0"}'] == 3
+    assert s['paraflex:swap_ins_total{engine="0"}'] == 1
+    assert s['paraflex:swap_out_bytes_total{engine="0"}'] == 3 * 4096
+    assert s['paraflex:swap_in_bytes_total{engine="0"}'] == 4096
+    assert s['paraflex:swap_outs_total{engine="1"}'] == 0
+    assert re.search(r"^# TYPE paraflex:swap_out_bytes_total counter$", text, re.M)
+    assert re.search(r"^# TYPE vllm:num_requests_swapped gauge$", text, re.M)
+
+
 def test_every_family_has_help_and_type():
     text = GatewayMetrics(["m"]).render(BackendMetrics())
     families = re.findall(r"^# TYPE (\S+) (\w+)$", text, re.M)

@@ -107,6 +107,19 @@ def test_abort_and_disconnect_free_kv_on_every_engine(backend):
     assert backend.metrics().running == {m: 0 for m in MODELS}
 
 
+def test_metrics_carry_every_engines_swap_counters(backend):
+    """Each engine's status() carries its swap totals to RayBackend.metrics() (no swapping in
+    this pool: all zero, nothing swapped now)."""
+    _engines_idle(backend)
+    deadline = time.monotonic() + 10.0
+    while set(backend.metrics().swaps) != {0, 1, 2} and time.monotonic() < deadline:
+        time.sleep(0.1)  # the monitor polls status() every MONITOR_EVERY_S
+    m = backend.metrics()
+    zero = {"swap_outs": 0, "swap_ins": 0, "swap_out_bytes": 0, "swap_in_bytes": 0}
+    assert m.swaps == {0: zero, 1: zero, 2: zero}
+    assert m.swapped == {}
+
+
 def test_bad_requests_are_user_errors(backend):
     async def first(model, prompt, params):
         return await backend.stream(model, prompt, params, "bad").__anext__()
