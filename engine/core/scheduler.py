@@ -362,17 +362,6 @@ class EngineScheduler:
         self.requests.retire(req, final)
         self.later_stage.forget(req.req_id)
 
-    def decode_inflight_full(self, st: ResidentStage) -> bool:
-        """Whether the first stage `st` of a multi-stage model already has as many decode
-        batches in flight as the in-flight bound allows (`decode_batches_in_flight`): then an
-        under-sized decode batch waits and the requests whose tokens come back meanwhile join
-        them (engine/core/policies/inflight_bound.py). Always False for one-stage models and
-        with the bound off (None: the paper's unbounded rule)."""
-        limit = self.decode_inflight_limit
-        if limit is None or st.num_stages == 1:
-            return False
-        return len(st.decode_inflight) >= limit.cap(st.num_stages)
-
     # ------------------------------------------------------------------ queries
     @property
     def decisions(self) -> int:

@@ -17,6 +17,7 @@ otherwise its ready requests wait for the batches in flight to return and leave 
 from __future__ import annotations
 
 from paraflex.engine.core.policies.base import ExactReplay, Policy
+from paraflex.engine.core.policies.inflight_bound import holds_back
 
 FULL_DECODE, PREFILL, SMALL_DECODE = 0, 1, 2
 
@@ -35,6 +36,6 @@ class FullBatchFirst(Policy):
         return FULL_DECODE  # a later stage's full-batch queue
 
     def first_decode(self, sched, st, now):
-        if len(st.decode_q.items) < sched.max_batch_size and sched.decode_inflight_full(st):
+        if len(st.decode_q.items) < sched.max_batch_size and holds_back(sched.decode_inflight_limit, st):
             return None  # under-sized while the pipeline is full: wait for the batches in flight
         return sched.first_stage.decode(st, sched.max_batch_size, now)

@@ -1,9 +1,9 @@
 """The in-flight bound on a pipeline's decode batches (`scheduler.decode_batches_in_flight`).
 
-Place in the data flow: `EngineScheduler` parses the setting once (`parse_inflight_limit`) and
-asks `decode_inflight_full(st)` before a first stage forms an under-sized decode batch
-(engine/core/policies/full_batch_first.py); full batches (`max_batch_size` ready requests) are
-never held back, and one-stage models are never bounded.
+Place in the data flow: `EngineScheduler` parses the setting once (`parse_inflight_limit`);
+the full-batch-first policy (engine/core/policies/full_batch_first.py) asks `holds_back(limit,
+st)` before a first stage forms an under-sized decode batch; full batches (`max_batch_size`
+ready requests) are never held back, and one-stage models are never bounded.
 
 Why (measured, docs/engine-core.md "Decode batches in flight"): the paper's full-batch-first
 rule runs an under-sized decode batch whenever nothing else is runnable, and a later stage runs
@@ -70,6 +70,16 @@ def parse_inflight_limit(value) -> InflightLimit | None:
         if v.isdigit() and int(v) >= 1:
             return InflightLimit(absolute=int(v))
     raise ConfigError(FIELD, f"must be 'stages', 'Nx' (N x the stage count), a positive integer or 'unbounded' (got {value!r})")
+
+
+def holds_back(limit: InflightLimit | None, stage) -> bool:
+    """Whether the first stage `stage` (a ResidentStage) of a multi-stage model already has as
+    many decode batches in flight as `limit` allows: then an under-sized decode batch waits and
+    the requests whose tokens come back meanwhile join it. Always False for one-stage models
+    and with the bound off (None: the paper's unbounded rule)."""
+    if limit is None or stage.num_stages == 1:
+        return False
+    return len(stage.decode_inflight) >= limit.cap(stage.num_stages)
 
 
 def config_value(limit: InflightLimit | None) -> str | int:

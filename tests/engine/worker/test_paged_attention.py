@@ -1,5 +1,6 @@
 """Paged attention over the shared byte pool vs plain causal attention on contiguous tensors."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -76,8 +77,13 @@ def test_models_of_different_shapes_share_one_pool_without_overlap():
     assert a[1].abs().sum() == 0 and b[4].abs().sum() == 0
 
 
-def test_swap_plans_copy_blocks_to_host_and_back():
-    cache = KVCache(num_blocks=4, block_bytes=256, host_num_blocks=3)
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_swap_plans_copy_blocks_to_host_and_back(device):
+    cache = KVCache(num_blocks=4, block_bytes=256, host_num_blocks=3, device=device)
+    assert cache.host_blocks.is_pinned() == (device == "cuda")  # CUDA copies from pinned host memory
     view = cache.model_view(1, 4, torch.float32)
     view[1].fill_(3.0)
     view[2].fill_(4.0)

@@ -3,6 +3,7 @@ OpenAI client, and stops cleanly on Ctrl-C (SIGINT); bad flags exit 2 with one l
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import signal
 import socket
@@ -29,12 +30,20 @@ def files(tmp_path):
     return str(cfg), str(pl)
 
 
-def start(args: list[str]) -> tuple[subprocess.Popen, "queue.Queue[str]"]:
+@contextlib.contextmanager
+def serving(args: list[str]):
+    """`paraflex serve ARGS` in a subprocess: (process, queue of its output lines); killed on
+    the way out if the test left it running."""
     proc = subprocess.Popen([sys.executable, "-m", "paraflex", "serve", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    return proc, lines
+    try:
+        yield proc, lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def read_until(lines: "queue.Queue[str]", needle: str, timeout: float) -> list[str]:
@@ -52,8 +61,7 @@ def read_until(lines: "queue.Queue[str]", needle: str, timeout: float) -> list[s
 @pytest.mark.slow
 def test_serve_prints_url_answers_and_stops_on_ctrl_c(files):
     cfg, pl = files
-    proc, lines = start([cfg, "--placement", pl, "--in-process", "--port", "0", "--api-key", "k1"])
-    try:
+    with serving([cfg, "--placement", pl, "--in-process", "--port", "0", "--api-key", "k1"]) as (proc, lines):
         out = read_until(lines, "/v1", timeout=120)
         url = next(line for line in out if "/v1" in line).split()[0]
         assert url.startswith("http://127.0.0.1:")  # loopback unless told otherwise
@@ -67,10 +75,6 @@ def test_serve_prints_url_answers_and_stops_on_ctrl_c(files):
         with socket.socket() as s:  # nothing listens there any more (TIME_WAIT aside)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.slow
@@ -78,16 +82,11 @@ def test_serve_stops_its_engines_on_sigterm(files):
     """SIGTERM (what a process manager sends) drains and stops the engines like Ctrl-C, and
     exits 143 (uvicorn's re-raised SIGTERM would otherwise kill the process before clean-up)."""
     cfg, pl = files
-    proc, lines = start([cfg, "--placement", pl, "--in-process", "--port", "0"])
-    try:
+    with serving([cfg, "--placement", pl, "--in-process", "--port", "0"]) as (proc, lines):
         read_until(lines, "/v1", timeout=120)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 143
         read_until(lines, "stopping engines", timeout=5)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.slow
@@ -97,8 +96,7 @@ def test_sigterm_answers_503_during_the_drain_window_then_a_second_one_stops(fil
     import httpx
 
     cfg, pl = files
-    proc, lines = start([cfg, "--placement", pl, "--in-process", "--port", "0", "--drain-seconds", "600"])
-    try:
+    with serving([cfg, "--placement", pl, "--in-process", "--port", "0", "--drain-seconds", "600"]) as (proc, lines):
         out = read_until(lines, "/v1", timeout=120)
         url = next(line for line in out if "/v1" in line).split()[0].removesuffix("/v1")
         proc.send_signal(signal.SIGTERM)
@@ -111,10 +109,6 @@ def test_sigterm_answers_503_during_the_drain_window_then_a_second_one_stops(fil
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 143
         read_until(lines, "stopping engines", timeout=5)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_serve_rejects_a_missing_placement_file(files, tmp_path, capsys):
