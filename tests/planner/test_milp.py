@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from paraflex.planner import milp
-from paraflex.planner.placement_optimizer import _Placer, optimize
+from paraflex.planner.placement_optimizer import optimize
+from paraflex.planner.replica_placer import ReplicaPlacer
 from paraflex.planner.problem import ModelSpec, NoFeasiblePlan, Problem, UniformLayers
 
 
@@ -32,7 +33,7 @@ def test_greedy_step_fragments_where_the_optimum_does_not():
     # Alg. 2's plain greedy for (2, 3, 3): a's replicas take the roomiest engine pairs and leave
     # one engine with three 25-byte stages, (200 - 75) / 3 below the optimum (200 - 70) / 3
     problem = _fragmenting_problem()
-    placer = _Placer(problem)
+    placer = ReplicaPlacer(problem)
     cap, cnt = np.full(8, 200.0), np.zeros(8, dtype=np.int64)
     for model, count in zip(problem.models, [2, 3, 3]):
         weights = np.asarray(model.stage_weights, dtype=float)

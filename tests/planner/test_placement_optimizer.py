@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paraflex.planner.drf import min_level
-from paraflex.planner.placement_optimizer import _Placer, optimize
+from paraflex.planner.placement_optimizer import optimize
+from paraflex.planner.replica_placer import ReplicaPlacer
 from paraflex.planner.problem import ModelSpec, NoFeasiblePlan, Problem, UniformLayers
 
 
@@ -91,8 +92,8 @@ def test_ring_wraps_in_the_same_direction():
     weights = np.array([10.0, 10.0, 10.0])
     taken = np.zeros(4, dtype=bool)
     model = _model("m", 3, 3, 1.0)
-    ring = _Placer(Problem((model,), 4, 100, ring=True))
-    line = _Placer(Problem((model,), 4, 100, ring=False))
+    ring = ReplicaPlacer(Problem((model,), 4, 100, ring=True))
+    line = ReplicaPlacer(Problem((model,), 4, 100, ring=False))
     assert ring.best_start(cap, cnt, taken, weights) == (2, 5.0)  # engine 1 keeps its level 5/1
     start, phi = line.best_start(cap, cnt, taken, weights)
     assert start == 0 and phi < 0  # every window on a line crosses engine 1 and overflows it

@@ -1,0 +1,174 @@
+"""Where one replica goes (paper Alg. 2's inner step): each candidate start engine scored by
+Phi* of the partial placement, the best start chosen, and the local search that polishes a plan.
+
+Place in the data flow: `placement_optimizer.optimize` (Alg. 1 + Alg. 2) asks a `ReplicaPlacer`
+for every replica's start engine and to polish a plan; the MILP's tests compare against it.
+Phi* of a partial placement is the first DRF water level (`water_levels`: min over used
+engines of C_e / n_e), so numpy scores all starts of a replica at once, the engines outside
+its window through a sliding minimum over the doubled engine ring.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paraflex.planner.problem import Problem
+
+_TIE = 1e-9
+_MAX_PAIRS = 256  # pair moves tried per polish round (bounds the polish on dense engines)
+
+
+def sliding_min(values: np.ndarray, width: int) -> np.ndarray:
+    """out[x] = min(values[x : x + width]) for every x with a full window (van Herk/Gil-Werman)."""
+    n = len(values)
+    blocks = -(-n // width)
+    padded = np.full(blocks * width, np.inf)
+    padded[:n] = values
+    grid = padded.reshape(blocks, width)
+    prefix = np.minimum.accumulate(grid, axis=1).ravel()
+    suffix = np.minimum.accumulate(grid[:, ::-1], axis=1)[:, ::-1].ravel()
+    x = np.arange(n - width + 1)
+    return np.minimum(suffix[x], prefix[x + width - 1])
+
+
+class ReplicaPlacer:
+    """Engine state (free capacity, stage counts) and the scored placement of one replica."""
+
+    def __init__(self, problem: Problem):
+        self.n = problem.num_engines
+        self.ring = problem.ring
+        self.kappa = float(problem.kappa_bytes)
+        self._windows: dict[int, np.ndarray] = {}
+        self.stage_cap: int | None = None  # fill phase: no engine may hold more stages than this
+
+    def windows(self, s: int) -> np.ndarray:
+        """Row p = engines of a replica starting at p (all starts, P1)."""
+        if s not in self._windows:
+            starts = np.arange(self.n if self.ring else self.n - s + 1)
+            self._windows[s] = (starts[:, None] + np.arange(s)[None, :]) % self.n
+        return self._windows[s]
+
+    def scores(self, cap: np.ndarray, cnt: np.ndarray, taken: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """Phi* after adding one replica at each start (row of `windows`); -inf where (4) breaks."""
+        s = len(weights)
+        idx = self.windows(s)
+        inside = ((cap[idx] - weights[None, :]) / (cnt[idx] + 1)).min(axis=1)
+        if s < self.n:  # engines outside window p are values[p + s : p + n] of the doubled ring
+            level = water_levels(cap, cnt)
+            outside = sliding_min(np.concatenate([level, level]), self.n - s)[idx[:, 0] + s]
+            phi = np.minimum(inside, outside)
+        else:
+            phi = inside
+        phi[taken[idx].any(axis=1)] = -np.inf
+        if self.stage_cap is not None:
+            phi[(cnt[idx] >= self.stage_cap).any(axis=1)] = -np.inf
+        return phi
+
+    def best_start(self, cap: np.ndarray, cnt: np.ndarray, taken: np.ndarray, weights: np.ndarray) -> tuple[int, float]:
+        """Start engine maximising Phi* for one more replica; ties -> lowest start. (-1, -inf) if none."""
+        phi = self.scores(cap, cnt, taken, weights)
+        best = phi.max()
+        if not np.isfinite(best):
+            return -1, -np.inf
+        tied = np.flatnonzero(phi >= best - _TIE * max(1.0, abs(best)))
+        return int(self.windows(len(weights))[tied[0], 0]), float(best)
+
+    def polish(self, cap: np.ndarray, cnt: np.ndarray, placed: list[list[int]], weights: list[np.ndarray], sweeps: int = 6) -> None:
+        """Local search after the greedy, kept only while the engines' levels improve.
+
+        Moves: (a) take one replica out and put it back at its best start; (b) take out two
+        overlapping replicas, one of them on the (first) bottleneck engine, and put both back greedily
+        (either order). A move is kept only if the sorted vector of engine levels C_e / n_e
+        gets lexicographically larger (DRF's max-min, then the next bottleneck, ...), so Phi*
+        never drops and kappa stays met. `placed[i]` (start engines of model i's replicas),
+        `cap` and `cnt` are updated in place.
+        """
+        for _ in range(sweeps):
+            moved = self._single_moves(cap, cnt, placed, weights)
+            moved = self._pair_move(cap, cnt, placed, weights) or moved
+            if not moved:
+                return
+
+    def _shift(self, cap: np.ndarray, cnt: np.ndarray, weights: np.ndarray, start: int, sign: int) -> None:
+        """Add (sign=+1) or remove (sign=-1) one replica starting at `start`."""
+        win = self.windows(len(weights))[start]
+        cap[win] -= sign * weights
+        cnt[win] += sign
+
+    def taken(self, starts: list[int], num_stages: int) -> np.ndarray:
+        """Engines already holding one of these replicas of a model (constraint 4)."""
+        taken = np.zeros(self.n, dtype=bool)
+        taken[self.windows(num_stages)[starts]] = True  # (every engine of every listed replica)
+        return taken
+
+    def _single_moves(self, cap, cnt, placed, weights) -> bool:
+        moved = False
+        for i, starts in enumerate(placed):
+            idx = self.windows(len(weights[i]))
+            for j, start in enumerate(starts):
+                current = np.sort(water_levels(cap, cnt))
+                self._shift(cap, cnt, weights[i], start, -1)
+                phi = self.scores(cap, cnt, self.taken(starts[:j] + starts[j + 1:], len(weights[i])), weights[i])
+                best_p, best_levels = start, current
+                for p in np.flatnonzero(phi >= current[0] - _TIE * max(1.0, abs(current[0]))):
+                    if p == start:
+                        continue
+                    self._shift(cap, cnt, weights[i], p, +1)
+                    trial = np.sort(water_levels(cap, cnt))
+                    self._shift(cap, cnt, weights[i], p, -1)
+                    if lex_greater(trial, best_levels):
+                        best_p, best_levels = int(idx[p, 0]), trial
+                self._shift(cap, cnt, weights[i], best_p, +1)
+                if best_p != start:
+                    starts[j] = best_p
+                    moved = True
+        return moved
+
+    def _pair_move(self, cap, cnt, placed, weights) -> bool:
+        levels = water_levels(cap, cnt)
+        floor = levels.min()
+        bottleneck = {int(np.flatnonzero(levels <= floor + _TIE * max(1.0, abs(floor)))[0])}
+        reps = [(i, j) for i, starts in enumerate(placed) for j in range(len(starts))]
+        span = {(i, j): set(self.windows(len(weights[i]))[placed[i][j]].tolist()) for i, j in reps}
+        pairs = [(a, b) for a in reps if span[a] & bottleneck for b in reps if b != a and span[a] & span[b]]
+        for a, b in pairs[:_MAX_PAIRS]:
+            current = np.sort(water_levels(cap, cnt))
+            old = {a: placed[a[0]][a[1]], b: placed[b[0]][b[1]]}
+            for r in (a, b):
+                self._shift(cap, cnt, weights[r[0]], old[r], -1)
+            best = None
+            for first, second in ((a, b), (b, a)):
+                new = {}
+                for r in (first, second):
+                    i, j = r
+                    others = [p for jj, p in enumerate(placed[i]) if (i, jj) not in (a, b)]
+                    others += [new[q] for q in new if q[0] == i]
+                    start, _ = self.best_start(cap, cnt, self.taken(others, len(weights[i])), weights[i])
+                    if start < 0:
+                        break
+                    new[r] = start
+                    self._shift(cap, cnt, weights[i], start, +1)
+                if len(new) == 2:
+                    trial = np.sort(water_levels(cap, cnt))
+                    if lex_greater(trial, current if best is None else best[1]):
+                        best = (dict(new), trial)
+                for r, start in new.items():
+                    self._shift(cap, cnt, weights[r[0]], start, -1)
+            chosen = best[0] if best is not None else old
+            for r in (a, b):
+                self._shift(cap, cnt, weights[r[0]], chosen[r], +1)
+                placed[r[0]][r[1]] = chosen[r]
+            if best is not None:
+                return True
+        return False
+
+
+def water_levels(cap: np.ndarray, cnt: np.ndarray) -> np.ndarray:
+    """Per engine C_e / n_e, +inf for engines without stages."""
+    return np.where(cnt > 0, cap / np.maximum(cnt, 1), np.inf)
+
+
+def lex_greater(a: np.ndarray, b: np.ndarray) -> bool:
+    """a > b lexicographically, ignoring float noise."""
+    differ = np.flatnonzero(~np.isclose(a, b, rtol=1e-9, atol=0.0))
+    return bool(len(differ)) and bool(a[differ[0]] > b[differ[0]])
