@@ -12,7 +12,7 @@ Each kernel rounds where the torch formulas round (every torch op on a half tens
 float32 and rounds its result to the tensor's dtype), so the two paths agree to the last bit
 but for the float32 rsqrt/exp of the device against torch's; the rotation is compiled without fused
 multiply-adds (`enable_fp_fusion=False`: with them the H100 build differed from torch in the
-last bit of ~1 in 10 rotated values). float32 stays on the torch path:
+last bit of some rotated values). float32 stays on the torch path:
 its greedy tokens are held equal to the `transformers` reference bit for bit.
 
 On a machine without a GPU the kernels run on CPU tensors under the Triton interpreter
