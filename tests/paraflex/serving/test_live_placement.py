@@ -7,31 +7,18 @@ import threading
 
 import pytest
 import torch
-from hand_placement import hand_placement
+from live_placement_case import KV, NEW, OLD, live_config as _config, placement
 
 from paraflex.config.schema import Config
 from paraflex.engine.core.sampling_params import SamplingParams
 from paraflex.serving.in_process import LLMCluster
 from paraflex.serving.in_process_backend import InProcessBackend
 from paraflex.serving.in_process_stages import InProcessStages
-from paraflex.serving.live_placement import PlacementRejected
+from paraflex.serving.live_placement import PlacementRejected, check_placement
 
 torch.set_num_threads(1)
 
-KV = 4 << 20
-# tiny-2l: one stage, replicas on engine 0 and engine 2; tiny-4l: two stages on engines 1 -> 2
-OLD = {"tiny-2l": (2, [(0, 2)], [[0], [2]]), "tiny-4l": (4, [(0, 2), (2, 4)], [[1, 2]])}
-# the change: tiny-2l's replica on engine 2 goes, one on engine 1 comes
-NEW = {"tiny-2l": (2, [(0, 2)], [[0], [1]]), "tiny-4l": (4, [(0, 2), (2, 4)], [[1, 2]])}
 PARAMS = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-
-
-def _config(num_engines=3):
-    return Config.from_dict({
-        "cluster": {"num_engines": num_engines, "device": "cpu", "memory_gb": 1, "host_memory_gb": 0.05},
-        "models": [{"name": "tiny-2l", "arch": "tiny-2l"}, {"name": "tiny-4l", "arch": "tiny-4l"}],
-        "scheduler": {"block_bytes": 4096, "max_batch_size": 4},
-    }, source="live-test")
 
 
 class Sink:
@@ -47,7 +34,7 @@ class Sink:
 
 @pytest.fixture
 def backend():
-    b = InProcessBackend(LLMCluster(_config(), hand_placement(OLD, 3, KV), kv_bytes=KV))
+    b = InProcessBackend(LLMCluster(_config(), placement(OLD, 3, KV), kv_bytes=KV))
     yield b
     b.cluster.shutdown()
 
@@ -70,7 +57,7 @@ def test_a_replica_added_and_another_removed_while_streams_run_loses_nothing(bac
     backend.changer.drain_timeout_s = 0.0  # the requests still on the removed replica: moved by recompute
     before = _submit(cluster, 8, "a")
     result = {}
-    change = threading.Thread(target=lambda: result.update(backend.change_placement(hand_placement(NEW, 3, KV))))
+    change = threading.Thread(target=lambda: result.update(backend.change_placement(placement(NEW, 3, KV))))
     with caplog.at_level("INFO"):
         change.start()
         during = {}
@@ -90,7 +77,7 @@ def test_a_replica_added_and_another_removed_while_streams_run_loses_nothing(bac
     assert [(a["op"], a["model"], a["engines"]) for a in report["actions"]] == [
         ("add", "tiny-2l", [1]), ("remove", "tiny-2l", [2])]
     assert report["moved_bytes"] == report["actions"][0]["weight_bytes"] > 0
-    assert backend.placement().to_dict() == hand_placement(NEW, 3, KV).to_dict()
+    assert backend.placement().to_dict() == placement(NEW, 3, KV).to_dict()
     assert _resident(cluster, 1) == {"tiny-2l", "tiny-4l"} and _resident(cluster, 2) == {"tiny-4l"}
     # the new replica serves, the removed one freed everything
     assert cluster.generate("tiny-2l", [[256, 1, 2]], PARAMS, timeout_s=60)[0].finish_reason == "length"
@@ -107,7 +94,7 @@ def test_a_failed_add_rolls_back_and_the_old_placement_serves(monkeypatch):
     # tiny-4l on 3 -> 0 (both before any removal), then would remove tiny-2l from 3.
     old = {"tiny-2l": (2, [(0, 2)], [[0], [3]]), "tiny-4l": (4, [(0, 2), (2, 4)], [[1, 2]])}
     new = {"tiny-2l": (2, [(0, 2)], [[0], [1]]), "tiny-4l": (4, [(0, 2), (2, 4)], [[1, 2], [3, 0]])}
-    backend = InProcessBackend(LLMCluster(_config(4), hand_placement(old, 4, KV), kv_bytes=KV))
+    backend = InProcessBackend(LLMCluster(_config(4), placement(old, 4, KV), kv_bytes=KV))
     cluster = backend.cluster
     real = InProcessStages.load_stage
 
@@ -120,9 +107,9 @@ def test_a_failed_add_rolls_back_and_the_old_placement_serves(monkeypatch):
     try:
         sinks = _submit(cluster, 4, "r")
         with pytest.raises(PlacementRejected, match="could not add replica 1 of tiny-4l.*disk gone.*rolled back 1") as err:
-            backend.change_placement(hand_placement(new, 4, KV))
+            backend.change_placement(placement(new, 4, KV))
         assert err.value.status == 500
-        assert backend.placement().to_dict() == hand_placement(old, 4, KV).to_dict()
+        assert backend.placement().to_dict() == placement(old, 4, KV).to_dict()
         # the loaded stage of the failed replica (engine 3) and the added replica (engine 1) are gone
         assert [_resident(cluster, e) for e in range(4)] == [{"tiny-2l"}, {"tiny-4l"}, {"tiny-4l"}, {"tiny-2l"}]
         for s in sinks.values():
@@ -140,21 +127,20 @@ def test_refusals_change_nothing(backend):
         "cluster": {"num_engines": 3, "device": "cpu", "memory_gb": 1},
         "models": [{"name": "tiny-2l", "arch": "tiny-2l"}]}, source="other")
     with pytest.raises(PlacementRejected, match="places models tiny-2l, tiny-4l but other") as err:
-        from paraflex.serving.live_placement import check_placement
-        check_placement(other, hand_placement(NEW, 3, KV))
+        check_placement(other, placement(NEW, 3, KV))
     assert err.value.status == 400
     with pytest.raises(PlacementRejected, match="places models") as err:
-        backend.change_placement(hand_placement({"tiny-2l": OLD["tiny-2l"]}, 3, KV))
+        backend.change_placement(placement({"tiny-2l": OLD["tiny-2l"]}, 3, KV))
     assert err.value.status == 400
     with pytest.raises(PlacementRejected, match="cannot fit: \\(5\\): engine 0") as err:
-        backend.change_placement(hand_placement(NEW, 3, 2 << 30))
+        backend.change_placement(placement(NEW, 3, 2 << 30))
     assert err.value.status == 409
     with pytest.raises(PlacementRejected, match="cuts it into other stages") as err:
-        backend.change_placement(hand_placement({**NEW, "tiny-4l": (4, [(0, 1), (1, 4)], [[1, 2]])}, 3, KV))
+        backend.change_placement(placement({**NEW, "tiny-4l": (4, [(0, 1), (1, 4)], [[1, 2]])}, 3, KV))
     assert err.value.status == 409
     backend.cluster.frontend.mark_down(1, "engine 1 died (test)")
     with pytest.raises(PlacementRejected, match="engine 1 is dead") as err:
-        backend.change_placement(hand_placement(NEW, 3, KV))
+        backend.change_placement(placement(NEW, 3, KV))
     assert err.value.status == 503
     backend.cluster.frontend.mark_up(1)
     assert backend.placement().to_dict() == old
@@ -163,7 +149,7 @@ def test_refusals_change_nothing(backend):
 
 def test_a_model_left_without_a_replica_in_between_is_refused(backend):
     # tiny-4l's only replica 1 -> 2 becomes 2 -> 1: both engines hold a stage of it already
-    new = hand_placement({**OLD, "tiny-4l": (4, [(0, 2), (2, 4)], [[2, 1]])}, 3, KV)
+    new = placement({**OLD, "tiny-4l": (4, [(0, 2), (2, 4)], [[2, 1]])}, 3, KV)
     with pytest.raises(PlacementRejected, match="tiny-4l: every replica moves onto engines") as err:
         backend.change_placement(new)
     assert err.value.status == 409
