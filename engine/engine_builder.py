@@ -96,24 +96,33 @@ def build_engine(config, placement, engine_id: int, transport, sink, *, device="
     worker = Worker(kv)
     sched = EngineScheduler(BlockPool(num_blocks, block_bytes, host_blocks), engine_id=engine_id,
                             **config.scheduler.engine_options(dev.type == "cpu"))
-    routes, last_tokenizers = {}, {}
+    loop = EngineLoop(engine_id, sched, worker, transport, sink, {}, {}, seed)
     for model, (replica, stage, route) in routes_here.items():
-        mc = config.model(model)
-        dt = choose_dtype(dev, dtype)
-        a, b = placement.models[model].stages[stage]
-        if progress:
-            progress(f"engine {engine_id}: loading {model} stage {stage} (layers {a}-{b - 1}) on {dev} as {dt}")
-        weights = load_stage_weights(mc.source, mc.arch, a, b, dt, dev, source_kind=mc.source_kind)
-        worker.add_stage(model, Stage(mc.arch, a, b, weights, dev))
-        num_stages = len(placement.models[model].stages)
-        sched.add_stage(model, stage, b - a, worker.kv_bytes_per_token_per_layer(model), num_stages)
-        routes[model] = route
-        if stage == num_stages - 1:
-            tok = (tokenizers or {}).get(model)
-            last_tokenizers[model] = tok if tok is not None else load_tokenizer(mc.source, mc.source_kind, model)
+        stages = placement.models[model].stages
+        loaded = load_stage(config, model, stage, stages[stage], len(stages), dev, dtype, engine_id, progress,
+                            (tokenizers or {}).get(model))
+        loop.add_stage(model, stage, len(stages), route, *loaded)
     if graph_bytes:
         worker.capture_decode_graphs(config.scheduler.max_batch_size, graph_bytes, f"engine {engine_id}", progress)
-    return EngineLoop(engine_id, sched, worker, transport, sink, routes, last_tokenizers, seed)
+    return loop
+
+
+def load_stage(config, model: str, stage: int, layers: tuple[int, int], num_stages: int, device, dtype,
+               engine_id: int, progress=None, tokenizer=None) -> tuple[Stage, object]:
+    """(the worker `Stage` of `model`'s layers [a, b) with its weights loaded, the tokenizer a
+    last stage decodes with, else None): what `EngineLoop.add_stage` takes. No engine state is
+    touched, so a running engine loads a new stage on another thread (live re-planning) while
+    it serves; `tokenizer`: one already loaded, for a last stage."""
+    mc = config.model(model)
+    dev = choose_device(device) if not isinstance(device, torch.device) else device
+    dt = choose_dtype(dev, dtype)
+    a, b = layers
+    if progress:
+        progress(f"engine {engine_id}: loading {model} stage {stage} (layers {a}-{b - 1}) on {dev} as {dt}")
+    weights = load_stage_weights(mc.source, mc.arch, a, b, dt, dev, source_kind=mc.source_kind)
+    if stage == num_stages - 1 and tokenizer is None:
+        tokenizer = load_tokenizer(mc.source, mc.source_kind, model)
+    return Stage(mc.arch, a, b, weights, dev), (tokenizer if stage == num_stages - 1 else None)
 
 
 def _decode_graph_reserve(config, placement, routes, dev, dtype, kv_bytes, engine_id, progress) -> int:

@@ -13,7 +13,9 @@ shared `KVCache`) and one `Transport` endpoint. Each `step()`:
    message to the model's first stage and a free message to the model's other stages.
 
 New requests enter at a first stage through `add_request` (the dispatcher picked this
-replica). Nothing here assumes the other engines share the process: they are reached only
+replica). A stage joins (`add_stage`, its weights loaded elsewhere, e.g. on a loader thread)
+or leaves (`remove_stage`) between steps while the other stages keep serving (live
+re-planning); envelopes still travelling for a stage that left are dropped. Nothing here assumes the other engines share the process: they are reached only
 through the `Transport` ABC, and clients only through the `OutputSink`, so the Ray actors
 run this same class with their own transport.
 """
@@ -69,7 +71,7 @@ class EngineLoop:
         self._params: dict[str, SamplingParams] = {}
         self.stats = {"batches": 0, "tokens": 0, "sampled": 0}
         # per resident model: batches [started, finished] (the KV-stall watch reads them from
-        # another thread; every key exists from the start, so the dict never changes size)
+        # another thread: a stage joining or leaving replaces the dict, never resizes it)
         self.runs: dict[str, list[int]] = {m: [0, 0] for m in routes}
 
     # ------------------------------------------------------------------ events in
@@ -82,7 +84,41 @@ class EngineLoop:
             prompt_token_ids=list(prompt_token_ids), sampling=params.to_dict(),
         )
 
+    # ------------------------------------------------------------------ resident stages
+    def add_stage(self, model: str, stage: int, num_stages: int, route: list[int], weights_stage,
+                  tokenizer=None) -> None:
+        """Make stage `stage` of `model` (of `num_stages`; `weights_stage`: a worker `Stage` with
+        its weights loaded) resident, on the replica whose stages run on `route`; `tokenizer`:
+        eos ids and decoding when it is the last stage. Call between steps."""
+        self.worker.add_stage(model, weights_stage)
+        try:
+            self.scheduler.add_stage(model, stage, weights_stage.num_layers,
+                                     self.worker.kv_bytes_per_token_per_layer(model), num_stages)
+        except BaseException:
+            self.worker.remove_stage(model)
+            raise
+        self.routes[model] = list(route)
+        if tokenizer is not None:
+            self.tokenizers[model] = tokenizer
+        self.runs = {**self.runs, model: [0, 0]}  # a new dict: run_counts may be reading the old one
+
+    def remove_stage(self, model: str) -> list[str]:
+        """Drop `model`'s stage: requests of it still here are aborted (their KV freed), its
+        parked hidden states, weights and route go. Call between steps. Returns the ids aborted."""
+        left = self.scheduler.remove_stage(model)
+        for rid in left:
+            self._forget(rid)
+        self._drop_dead_parked()  # its batches' requests are all gone now
+        self.worker.remove_stage(model)
+        self.routes.pop(model, None)
+        self.tokenizers.pop(model, None)
+        self.runs = {m: c for m, c in self.runs.items() if m != model}
+        return left
+
     def handle(self, env: Envelope) -> None:
+        if env.model not in self.routes:  # a stage that left this engine (live re-planning)
+            log.debug("engine %d: dropped a %s envelope of %s, not resident here", self.engine_id, env.kind, env.model)
+            return
         if env.kind == "batch":
             msg = BatchMessage.from_dict(env.meta)
             if self.scheduler.receive_batch(msg):  # else every request of it ended here already

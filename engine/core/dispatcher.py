@@ -52,6 +52,25 @@ class Dispatcher:
             raise ParaflexError(f"dispatcher: done({model!r}, {replica}) without a matching pick")
         counts[replica] -= 1
 
+    def add_replica(self, model: str) -> int:
+        """A replica of `model` joins (live re-planning); returns its index."""
+        counts = self._counts(model)
+        counts.append(0)
+        return len(counts) - 1
+
+    def remove_replica(self, model: str, replica: int) -> None:
+        """Replica `replica` of `model` leaves (it has no outstanding request); the later ones
+        move down one index."""
+        counts = self._counts(model)
+        if counts[replica]:
+            raise ParaflexError(f"dispatcher: replica {replica} of {model!r} still has {counts[replica]} request(s)")
+        del counts[replica]
+
+    def reorder(self, model: str, order: list[int]) -> None:
+        """Renumber `model`'s replicas: new index i is old index order[i]."""
+        counts = self._counts(model)
+        self._outstanding[model] = [counts[j] for j in order]
+
     def outstanding(self, model: str) -> list[int]:
         """Outstanding requests per replica of `model` (a copy)."""
         return list(self._counts(model))

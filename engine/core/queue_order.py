@@ -133,6 +133,15 @@ class QueueOrder:
         self.num_stages += 1
         self._auto_limit = max(64, 4 * len(self.queues))
 
+    def detach(self, st: ResidentStage) -> None:
+        """Drop the queues of a stage that leaves the engine (its heap entries go stale)."""
+        for q in st.queues():
+            q.items.clear()
+            q.reg = None
+            self.queues.remove(q)
+        self.num_stages -= 1
+        self._auto_limit = max(64, 4 * len(self.queues))
+
     # --- what a Queue reports -------------------------------------------------------------
     def requeue(self, q: Queue) -> None:
         """Re-register `q` in its policy class heap after its head or size changed."""

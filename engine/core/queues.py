@@ -88,6 +88,13 @@ class ResidentStages:
         self._by_key[st.key] = st
         self._by_model[st.model] = st
 
+    def remove(self, model: str) -> ResidentStage:
+        """Forget `model`'s stage (the list `all` is changed in place: others hold it)."""
+        st = self._by_model.pop(model)
+        del self._by_key[st.key]
+        self.all.remove(st)
+        return st
+
     def at(self, model: str, stage: int) -> ResidentStage | None:
         return self._by_key.get((model, stage))
 

@@ -14,6 +14,10 @@ Set-up, per engine::
     sched = EngineScheduler(pool, max_batch_size=32, policy="full-batch-first")
     sched.add_stage(model, stage, num_layers, kv_bytes_per_token_per_layer, num_stages)
 
+A stage may also join (`add_stage`) or leave (`remove_stage`) a running engine between batches
+(live re-planning, paraflex/serving/live_placement.py); a joining stage takes its KV from the
+shared pool's free blocks.
+
 One engine hosts at most ONE stage of a model (the placement guarantees it, paper §6.3), so a
 request id names at most one (request, stage) per engine.
 
@@ -186,6 +190,21 @@ class EngineScheduler:
         self.order.attach(st)
         self.resident.add(st)
         return st
+
+    def remove_stage(self, model: str) -> list[str]:
+        """Make `model`'s stage leave this engine (live re-planning): its live requests here are
+        aborted, their KV freed (the serving frontend drained or moved them first; these are
+        leftovers whose free is still on its way), and its queues dropped. Call between
+        batches. Returns the ids aborted."""
+        st = self.stage_of(model)
+        left = [r.req_id for r in self.requests.live.values() if r.model == model]
+        for rid in left:
+            if self.requests.live[rid].state == RUNNING:
+                raise ProtocolError(f"remove_stage({model!r}) while its batch runs; call it between batches")
+            self.abort(rid)
+        self.order.detach(st)
+        self.resident.remove(model)
+        return left
 
     def stage_of(self, model: str) -> ResidentStage:
         st = self.resident.of(model)

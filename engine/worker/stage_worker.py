@@ -54,6 +54,12 @@ class Worker:
             self.metadata[model] = block_tables.IncrementalMetadata(stage.num_layers, self._views[model].shape[2],
                                                                     self.device)
 
+    def remove_stage(self, model: str) -> None:
+        """Drop `model`'s stage: its weights, KV view, tables and decode graphs (the KV blocks
+        themselves belong to the shared pool)."""
+        for held in (self.stages, self._views, self.metadata, self.graphs):
+            held.pop(model, None)
+
     def capture_decode_graphs(self, max_batch_size: int, reserved: int, label: str, progress=None) -> None:
         """Capture CUDA graphs of every resident stage's decode steps (CUDA only)."""
         from paraflex.engine.kernels import cuda_graphs

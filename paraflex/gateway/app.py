@@ -7,10 +7,11 @@ requests are outstanding) -> generation.generate over the Backend -> OpenAI JSON
 chunks ending in `data: [DONE]`. Non-streaming requests watch for the client going away and
 abort in the backend; streaming requests are cancelled by Starlette on disconnect and abort
 in generation.generate's cleanup. Routes: /v1/models, /v1/completions,
-/v1/chat/completions, /tokenize, /detokenize, /health, /metrics (and /openapi.json,
-openapi.py). Before any route, guards.py checks the `Host` header (400), refuses new requests
-once the server is shutting down (503), and, with an API key, checks `Authorization: Bearer
-<key>` on every route except /health and /metrics (401; /metrics too with metrics_require_key).
+/v1/chat/completions, /tokenize, /detokenize, /health, /metrics, GET/POST /v1/placement
+(placement_routes.py) (and /openapi.json, openapi.py). Before any route, guards.py checks the
+`Host` header (400), refuses new requests once the server is shutting down (503), and, with
+an API key, checks `Authorization: Bearer <key>` on every route except /health and /metrics
+(401; /metrics too with metrics_require_key).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from paraflex.gateway.generation import Admission, Chunk, Running, Ticket, gener
 from paraflex.gateway.guards import BearerAuth, HostCheck, RefuseWhenClosed
 from paraflex.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from paraflex.gateway.openapi import STREAMED, OpenApiDocument
+from paraflex.gateway.placement_routes import add_placement_routes
 from paraflex.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -257,7 +259,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         what = {404: f"no route {request.url.path}; see GET /v1/models, POST /v1/completions, "
-                     "/v1/chat/completions, /tokenize, /detokenize, GET /health, /metrics",
+                     "/v1/chat/completions, /tokenize, /detokenize, GET /health, /metrics, GET/POST /v1/placement",
                 405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
         return ApiError(exc.status_code, what, headers=exc.headers).response()  # 405's Allow
 
@@ -363,5 +365,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
     async def metrics():
         return PlainTextResponse(gw.metrics.render(gw.backend.metrics()),
                                  media_type=CONTENT_TYPE)
+
+    add_placement_routes(app, backend, api_key, doc)
 
     return app

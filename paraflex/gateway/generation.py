@@ -80,6 +80,7 @@ async def generate(backend: Backend, metrics: GatewayMetrics, card: ModelCard, p
         yield Chunk("", error=running.closed, unavailable=True)
         return
     arrival = time.monotonic()
+    metrics.arrivals.observe(card.name)
     token_times: list[float] = []
     text = TextStream(lambda ids: card.tokenizer.decode(ids, skip_special_tokens=True), list(params.stop))
     live, finish = True, "abort"

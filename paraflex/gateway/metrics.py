@@ -2,8 +2,9 @@
 
 Data flow: app.py records each request's timings here as its tokens stream out (TTFT,
 inter-token latency, time per output token, end-to-end latency, token counts, finish
-reasons); `render` adds the backend's scheduler state (running / waiting / swapped requests
-per model, KV-cache usage and swaps per engine, preemptions) and writes the Prometheus text
+reasons) and each model's arrival rate (arrival_rates.py); `render` adds the backend's scheduler
+state (running / waiting / swapped requests per model, KV-cache usage and swaps per engine,
+preemptions, live placement actions and the weight bytes they moved) and writes the Prometheus text
 exposition format (0.0.4, `CONTENT_TYPE`) served at /metrics. Names follow vLLM's V1 engine so existing
 dashboards work. Counters, histograms and the exposition are prometheus-client's, in one
 `CollectorRegistry` per gateway (several gateways may live in one process).
@@ -14,6 +15,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from paraflex.gateway.arrival_rates import ArrivalRateCollector, ArrivalRates
 from paraflex.serving.backend import BackendMetrics
 
 # No `<name>_created` series (a process-wide switch of prometheus-client): /metrics keeps the
@@ -71,6 +73,15 @@ class BackendStateCollector:
             for engine, totals in sorted(state.swaps.items()):
                 family.add_metric([str(engine)], float(totals.get(key, 0)))
             yield family
+        actions = CounterMetricFamily("paraflex:placement_actions",
+                                      "Live placement actions (replica add/remove) by outcome: done, failed, rolled_back.",
+                                      labels=["op", "outcome"])
+        for (op, outcome), n in sorted(state.placement_actions.items()):
+            actions.add_metric([op, outcome], float(n))
+        yield actions
+        yield CounterMetricFamily("paraflex:placement_moved_bytes",
+                                  "Weight bytes loaded by live placement changes (rollbacks' reloads included).",
+                                  value=float(state.placement_moved_bytes))
 
     def _per_model(self, family_type, name: str, doc: str, values: dict):
         family = family_type(name, doc, labels=["model_name"])
@@ -88,6 +99,8 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self.backend_state = BackendStateCollector(self.model_names)
         self.registry.register(self.backend_state)
+        self.arrivals = ArrivalRates(self.model_names)
+        self.registry.register(ArrivalRateCollector(self.arrivals))
 
         def per_model(metric):  # every model's series shows from the start, at 0
             for m in self.model_names:

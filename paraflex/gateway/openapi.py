@@ -25,8 +25,10 @@ WHEN = {
     400: "a bad field (named in `param`), a body that is not a JSON object, a prompt too long for the "
          "context, or a Host header that is not a name of this server",
     401: "the API key is missing or wrong (`Authorization: Bearer <key>`)",
+    403: "the route changes what the server runs and the server was started without an API key",
     404: "the model is not served here",
     408: "the request body stalled for the read timeout; the connection is closed",
+    409: "the placement cannot fit the engines, cannot be applied live, or another change is under way",
     413: "the request body is over 8 MiB",
     415: "the body is not declared `Content-Type: application/json`",
     500: "an engine failed the request",

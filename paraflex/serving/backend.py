@@ -76,7 +76,9 @@ class BackendMetrics:
     whose KV is (on some stage) in host memory now (vLLM v0's num_requests_swapped). swaps:
     engine id -> that engine's swap counters so far (`KVPlanner.swap_totals`,
     paraflex/engine/core/kv_planner.py): "swap_outs" / "swap_ins" count requests moved,
-    "swap_out_bytes" / "swap_in_bytes" the bytes copied each way.
+    "swap_out_bytes" / "swap_in_bytes" the bytes copied each way. placement_actions: (op,
+    outcome) -> live placement actions so far, placement_moved_bytes: weight bytes they loaded
+    (paraflex/serving/live_placement.py's `ChangeCounters`).
     """
 
     running: dict[str, int] = field(default_factory=dict)
@@ -85,6 +87,8 @@ class BackendMetrics:
     preemptions: dict[str, int] = field(default_factory=dict)
     swapped: dict[str, int] = field(default_factory=dict)
     swaps: dict[int, dict[str, int]] = field(default_factory=dict)
+    placement_actions: dict[tuple[str, str], int] = field(default_factory=dict)
+    placement_moved_bytes: int = 0
 
 
 def count_swapped(per_engine: Iterable[dict[str, list[str]]]) -> dict[str, int]:
@@ -121,3 +125,15 @@ class Backend(Protocol):
 
     async def close(self) -> None:
         """Stop engines and release resources; no stray processes or threads afterwards."""
+
+
+@runtime_checkable
+class PlacementBackend(Backend, Protocol):
+    """A backend whose placement changes live (both engine backends; GET/POST /v1/placement)."""
+
+    def placement(self):
+        """The serving `Placement`."""
+
+    def change_placement(self, placement, source: str = "placement") -> dict:
+        """Apply `placement` live (blocking; call it off the event loop): `PlacementChanger.apply`
+        (paraflex/serving/live_placement.py), which raises `PlacementRejected` with nothing changed."""

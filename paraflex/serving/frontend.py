@@ -11,7 +11,11 @@ its replica); `preempt` stops one to free KV in a stall and restarts it by recom
 (paraflex/serving/recompute.py) once its replica can take it back; `watch_stalls` hands the
 KV-stall watch (paraflex/serving/kv_stall.py) the engines' batch counts and stops what it names;
 `mark_down` / `mark_up` take an engine's replicas out of dispatch (failing their requests) and
-back; `fail_all` ends every request with one error.
+back; `fail_all` ends every request with one error. During a live placement change
+(paraflex/serving/live_placement.py) `add_replica` puts a replica whose stages are all loaded into
+dispatch, `retire_replica` takes one out (its requests go on: it drains), `move_off` restarts
+what is left on it by recompute on the model's other replicas, `drop_replica` forgets it, and
+`install` makes the new placement the serving one (placement_edit.py makes the states between).
 
 A sink is any object with `on_output(request_id, token_ids, finish_reason, error, **extra)`
 (the engines' `OutputSink` shape), called with the client's request id: new tokens while the
@@ -31,11 +35,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from paraflex.engine.core.dispatcher import Dispatcher
-from paraflex.errors import UserError
+from paraflex.errors import ParaflexError, UserError
 from paraflex.serving.admission import check_request, max_model_len
 from paraflex.serving.backend import Unavailable
 from paraflex.serving.engine_handle import EngineHandles
 from paraflex.serving.kv_stall import StallWatch, live_by_replica
+from paraflex.serving.placement_edit import replica_index, with_replica, without_replica
 from paraflex.serving.recompute import Restartable, Restarts, held_by_model
 
 log = logging.getLogger(__name__)
@@ -65,6 +70,7 @@ class Frontend:
         self.restarts = Restarts()  # engine request ids, stops per model (paraflex/serving/recompute.py)
         self.dispatcher = Dispatcher.from_placement(placement)
         self.down: dict[int, str] = {}  # engine id -> why it is out of service
+        self.retiring: set[tuple[str, tuple[int, ...]]] = set()  # (model, engines): out of dispatch, draining
         self.stall_watch = StallWatch()
         self.lock = threading.Lock()
 
@@ -210,6 +216,88 @@ class Frontend:
         with self.lock:
             return sum(self._replica_alive(model, j) for j in range(len(self.placement.models[model].replicas)))
 
+    # ------------------------------------------------------------------ live placement changes
+    def add_replica(self, model: str, engines: list[int]) -> None:
+        """A replica of `model` whose stages are all loaded on `engines` joins dispatch."""
+        with self.lock:
+            self.placement = with_replica(self.placement, model, engines)
+            self.dispatcher.add_replica(model)
+
+    def retire_replica(self, model: str, engines: list[int]) -> None:
+        """`model`'s replica on `engines` takes no new request; its requests go on (it drains)."""
+        with self.lock:
+            self.retiring.add((model, tuple(engines)))
+
+    def requests_on(self, model: str, engines: list[int]) -> int:
+        """Live requests (held ones too) of `model`'s replica on `engines`."""
+        with self.lock:
+            j = replica_index(self.placement, model, engines)
+            return sum(rec.model == model and rec.replica == j for rec in self.live.values())
+
+    def move_off(self, model: str, engines: list[int], why: str) -> int:
+        """Restart every request left on a retiring replica by recompute on another live replica
+        of `model` (from the tokens it has, as a KV-stall stop does, without counting as one);
+        one with nowhere to go ends with `why`. Returns how many moved."""
+        moved: dict[str, int] = {}
+        ended = []
+        with self.lock:
+            j = replica_index(self.placement, model, engines)
+            for rid, rec in list(self.live.items()):
+                if rec.model != model or rec.replica != j:
+                    continue
+                target = self._pick_live(model)
+                if target is None:
+                    ended.append((rid, self._forget(rid)))
+                    if not rec.held:
+                        self._free(model, j, [rec.engine_rid])
+                    continue
+                if not rec.held:
+                    self._free(model, j, [rec.engine_rid])
+                self.dispatcher.done(model, j)
+                rec.replica = target
+                moved[rid] = target
+                if not rec.held:
+                    self._submit(rec, *self.restarts.move(rid, rec, self.live))
+        for rid, rec in ended:
+            end_quietly(rid, rec.sink, why)
+        for target in set(moved.values()):  # a held request there may restart now
+            self._release(model, target, ended=False)
+        if moved:
+            self.report(f"{len(moved)} request(s) of {model} moved off its replica on engines {list(engines)}; "
+                        "they restart by recompute")
+        return len(moved)
+
+    def drop_replica(self, model: str, engines: list[int]) -> None:
+        """A drained replica of `model` leaves the serving placement."""
+        with self.lock:
+            j = replica_index(self.placement, model, engines)
+            if any(rec.model == model and rec.replica == j for rec in self.live.values()):
+                raise ParaflexError(f"replica of {model} on engines {list(engines)} still has requests")
+            self.placement = without_replica(self.placement, model, j)
+            self.dispatcher.remove_replica(model, j)
+            for rec in self.live.values():
+                if rec.model == model and rec.replica > j:
+                    rec.replica -= 1
+            self.retiring.discard((model, tuple(engines)))
+
+    def install(self, placement) -> None:
+        """The change is complete: `placement`, with the same replicas as the serving one (in
+        any order), becomes the serving placement; live requests keep their replicas."""
+        with self.lock:
+            orders = {}
+            for model, m in placement.models.items():
+                order = [replica_index(self.placement, model, r) for r in m.replicas]
+                if None in order or len(order) != len(self.placement.models[model].replicas):
+                    raise ParaflexError(f"install: the replicas of {model} differ from the serving placement's")
+                orders[model] = order
+            for model, order in orders.items():
+                self.dispatcher.reorder(model, order)
+                new_of = {old: new for new, old in enumerate(order)}
+                for rec in self.live.values():
+                    if rec.model == model:
+                        rec.replica = new_of[rec.replica]
+            self.placement = placement
+
     # ------------------------------------------------------------------ numbers
     def is_live(self, rid: str) -> bool:
         with self.lock:
@@ -251,8 +339,10 @@ class Frontend:
         return not any(e in self.down for e in self.placement.models[model].replicas[replica])
 
     def _pick_live(self, model: str) -> int | None:
-        """Least outstanding among the live replicas (None when none is live)."""
-        live = [j for j in range(len(self.placement.models[model].replicas)) if self._replica_alive(model, j)]
+        """Least outstanding among the live replicas not retiring (None when none is)."""
+        replicas = self.placement.models[model].replicas
+        live = [j for j in range(len(replicas))
+                if self._replica_alive(model, j) and (model, tuple(replicas[j])) not in self.retiring]
         return self.dispatcher.pick(model, among=live)
 
     def _down_summary(self) -> str:

@@ -20,7 +20,9 @@ Two ways to drive it:
 * streaming, for the gateway: `submit(model, prompt_token_ids, params, request_id, sink)`,
   `abort(request_id)`, and either `step()` called by the owner or `start()` / `shutdown()`
   for a background thread that steps while there is work. `submit`/`abort` are thread-safe
-  (they queue; the loop applies them); sink callbacks run on the loop thread.
+  (they queue; the loop applies them); sink callbacks run on the loop thread. `call_on_loop(fn)`
+  runs `fn` on that thread between steps (a stage joining or leaving an engine, live
+  re-planning: paraflex/serving/in_process_stages.py) and returns its result.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from paraflex.engine.core.sampling_params import SamplingParams
@@ -103,6 +106,7 @@ class LLMCluster:
             placement = _restrict(placement, models)
         self.placement = placement
         self.device = choose_device(device)
+        self.dtype = dtype
         self.hub = LocalTransport()
         self._tokenizers: dict[str, Tokenizer] = {}
         self.engine_handles = InProcessEngines(
@@ -157,6 +161,19 @@ class LLMCluster:
         with self._wake:
             self._inbox.append(("abort", request_id, error))
             self._wake.notify()
+
+    def call_on_loop(self, fn, timeout_s: float | None = None):
+        """Run `fn()` on the thread that steps the engines, between steps, and return what it
+        returns (or raise what it raises). Without a background thread: here, now."""
+        with self._wake:
+            if self._thread is None:
+                return fn()
+            if self.loop_error is not None:
+                raise ParaflexError(f"the engines stopped after an internal error ({self._loop_failure()})")
+            done: Future = Future()
+            self._inbox.append(("call", fn, done))
+            self._wake.notify()
+        return done.result(timeout_s)
 
     def held(self) -> dict[str, int]:
         """Per model: requests stopped to free KV, waiting for their replica to restart them."""
@@ -253,6 +270,8 @@ class LLMCluster:
             for item in queued:  # submitted, never applied: they end too
                 if item[0] == "add":
                     end_quietly(item[1], item[5], error)
+                elif item[0] == "call":
+                    item[2].set_exception(ParaflexError(error))
 
     def _loop_failure(self) -> str:
         return f"{type(self.loop_error).__name__}: {self.loop_error}"
@@ -301,6 +320,12 @@ class LLMCluster:
                 end_quietly(rid, sink, str(exc))
                 return
             self.engine_handles.deliver()  # it reaches its engine in this step
+        elif item[0] == "call":
+            _, fn, done = item
+            try:
+                done.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - the caller gets it, the engines go on
+                done.set_exception(exc)
         else:
             self.frontend.end(item[1], item[2])
 

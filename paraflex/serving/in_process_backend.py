@@ -6,7 +6,8 @@ dispatches it to the least-loaded replica while the cluster steps all engines on
 thread. The request's `StreamSink` (paraflex/serving/stream_sink.py) hands each output from
 that thread to the request's asyncio queue, and `stream` yields it to the gateway. `abort` asks
 the cluster to free the request's KV on every stage; the cluster then ends the stream with
-finish_reason "abort". Used by `paraflex serve --in-process`, the gateway's end-to-end tests
+finish_reason "abort". `change_placement` applies a new placement live
+(paraflex/serving/live_placement.py over paraflex/serving/in_process_stages.py). Used by `paraflex serve --in-process`, the gateway's end-to-end tests
 and the load benchmark; the Ray backend (paraflex/serving/ray_backend.py) runs the same frontend
 over engine actors.
 """
@@ -19,6 +20,8 @@ import threading
 from typing import AsyncIterator
 
 from paraflex.serving.backend import BackendMetrics, ModelCard, Output, count_swapped
+from paraflex.serving.in_process_stages import InProcessStages
+from paraflex.serving.live_placement import PlacementChanger
 from paraflex.serving.stream_sink import StreamSink
 
 
@@ -39,6 +42,7 @@ class InProcessBackend:
                        for m in cluster.models()]
         self._live: dict[str, str] = {}  # request id -> model, for requests this backend streams
         self._lock = threading.Lock()
+        self.changer = PlacementChanger(cluster.config, cluster.frontend, InProcessStages(cluster))
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         cluster.start()
 
@@ -72,6 +76,12 @@ class InProcessBackend:
     async def abort(self, request_id: str, error: str | None = None) -> None:
         self.cluster.abort(request_id, error)
 
+    def placement(self):
+        return self.changer.placement()
+
+    def change_placement(self, placement, source: str = "placement") -> dict:
+        return self.changer.apply(placement, source)
+
     def health(self) -> dict:
         error = self.cluster.loop_error
         engines = {str(e.engine_id): "failed" if error else "alive" for e in self.cluster.engines}
@@ -99,7 +109,9 @@ class InProcessBackend:
             waiting[m] += n
         return BackendMetrics(running=running, waiting=waiting, kv_cache_usage=usage,
                               preemptions=self.cluster.frontend.preemptions(),
-                              swapped=count_swapped(swapped), swaps=swaps)
+                              swapped=count_swapped(swapped), swaps=swaps,
+                              placement_actions=dict(self.changer.counters.actions),
+                              placement_moved_bytes=self.changer.counters.moved_bytes)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.cluster.shutdown)

@@ -58,6 +58,10 @@ class InProcessEngines:
         self._queued: list[Submission] = []
         self._lock = threading.Lock()
 
+    def loop_of(self, engine: int):
+        """The `EngineLoop` of `engine`, or None when it holds no stage (none was built)."""
+        return self._by_id.get(engine)
+
     def kv_token_limits(self) -> dict[int, dict[str, tuple[int, int]]]:
         """Per engine: its scheduler's `kv_token_limits()` (admission.kv_limits_by_model's input)."""
         return {e.engine_id: e.scheduler.kv_token_limits() for e in self.loops}

@@ -11,6 +11,8 @@ to the client's request and its `StreamSink` (paraflex/serving/stream_sink.py). 
 fails its replicas' requests at once and leaves dispatch until Ray has restarted it and it has
 rejoined; the KV-stall watch stops a request when a replica has stopped making progress, and it
 restarts by recompute (paraflex/serving/recompute.py) under a new engine request id.
+`placement()` answers the serving placement; `change_placement` refuses (409) for now: the engine
+actors cannot take or drop a stage live yet (docs/serve.md, "Changing the placement live").
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from paraflex.engine.worker.tokenizer import load_tokenizer
 from paraflex.serving.admission import kv_limits_by_model
 from paraflex.serving.backend import BackendMetrics, ModelCard, Output, count_swapped
 from paraflex.serving.frontend import Frontend
+from paraflex.serving.live_placement import PlacementRejected, check_placement
 from paraflex.serving.ray_engines import RayEngines
 from paraflex.serving.ray_monitor import MONITOR_EVERY_S, EngineMonitor
 from paraflex.serving.stream_sink import StreamSink
@@ -41,10 +44,10 @@ class RayBackend:
     def __init__(self, config, placement, engines: RayEngines, ray_dir: str | None,
                  progress: Callable[[str], None]) -> None:
         self.config = config
-        self.placement = placement
         self.engines = engines
         self._ray_dir = ray_dir  # set when this backend started the Ray instance
         self.progress = progress
+        self.model_names = list(placement.models)  # fixed for the backend's lifetime
         self.frontend = Frontend(config, placement, engines, report=lambda line: progress(f"paraflex: {line}"))
         self.monitor = EngineMonitor(self.frontend, engines, progress)
         self._cards: list[ModelCard] = []  # once the engines report their KV (start)
@@ -57,7 +60,7 @@ class RayBackend:
         """Serve, given every engine's status at start-up (all ready)."""
         self.monitor.begin(statuses)
         self.frontend.kv_limits = kv_limits_by_model({e: st["kv_token_limits"] for e, st in statuses.items()})
-        self._cards = [ModelCard(m, self.frontend.max_model_len(m), self._tokenizer(m)) for m in self.placement.models]
+        self._cards = [ModelCard(m, self.frontend.max_model_len(m), self._tokenizer(m)) for m in self.model_names]
         for t in self._threads:
             t.start()
 
@@ -89,11 +92,21 @@ class RayBackend:
     async def abort(self, request_id: str, error: str | None = None) -> None:
         self.frontend.end(request_id, error)
 
+    def placement(self):
+        with self.frontend.lock:
+            return self.frontend.placement
+
+    def change_placement(self, placement, source: str = "placement") -> dict:
+        check_placement(self.config, placement, source)
+        raise PlacementRejected(409, "the Ray backend cannot change its placement live yet (its engine actors do "
+                                     "not load or drop a stage while serving); serve with --in-process, or "
+                                     "restart the server with --placement")
+
     def health(self) -> dict:
         down = self.frontend.down_engines()
         engines = {str(e): DEAD if e in down else ALIVE for e in self.engines.actors}
         models = {m: {"replicas": len(mp.replicas), "live_replicas": self.frontend.live_replicas(m)}
-                  for m, mp in self.placement.models.items()}
+                  for m, mp in self.placement().models.items()}
         out = {"ok": not down, "backend": "ray", "engines": engines, "models": models}
         if down:
             out["errors"] = {str(e): why for e, why in down.items()}
@@ -102,7 +115,7 @@ class RayBackend:
     def metrics(self) -> BackendMetrics:
         live = self.frontend.running_by_model()
         held = self.frontend.held()  # waiting for a restart
-        queued = {m: 0 for m in self.placement.models}  # waiting in the engines
+        queued = {m: 0 for m in self.model_names}  # waiting in the engines
         usage, swaps, swapped = {}, {}, []
         for e, st in self.monitor.statuses().items():
             if "kv_usage" in st:

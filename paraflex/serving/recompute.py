@@ -135,6 +135,15 @@ class Restarts:
         if not rec.held:
             del self.client_of[rec.engine_rid]
 
+    def move(self, rid: str, rec: Restartable, live: dict) -> tuple[list[int], object]:
+        """Run `rec` again from the tokens it has under a fresh engine id (`restart`), its
+        current run forgotten (the caller frees it: its replica is leaving, live re-planning);
+        not a preemption. Returns the (prompt, params) to submit."""
+        del self.client_of[rec.engine_rid]
+        prompt, params = restart(rid, rec, lambda x: self.in_use(x, live))
+        self.client_of[rec.engine_rid] = rid
+        return prompt, params
+
     def release(self, live: dict, key: tuple[str, int], ended: bool) -> tuple[str, list[int], object] | None:
         """The held request of replica `key` that `to_release` names, made live again under a
         fresh engine id (`restart`): (its client id, prompt, params) to submit, or None."""
