@@ -132,5 +132,5 @@ def _step_overheads(config, names, args, device, progress) -> list:
         return []
     cost = CostModel(config.cluster.device, tp=1, profile_dir=args.output)
     cost.overheads = None  # the tables alone: an older profile.json's residuals must not count
-    return [measure_steps(config, name, cost, repeats=max(1, min(args.repeats, 5)), progress=progress)
+    return [measure_steps(config, name, cost, repeats=max(1, args.repeats), progress=progress)
             for name in names]

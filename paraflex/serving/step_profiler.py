@@ -10,6 +10,8 @@ in-process transport), runs it synchronously, and times:
 - decode: B prompts with max_tokens 1 + K minus the same with max_tokens 1, divided by K (one
   decode step of batch B, with sampling), per B.
 
+Each time is the fastest of the repeats (a shared machine's other tenants only add time).
+
 The residual per step is the median of (measured - the cost model's prediction from the tables
 just written) over those points; paraflex/costs/step_overheads.py stores and applies it.
 """
@@ -42,6 +44,8 @@ def one_stage_config(config, name: str) -> Config:
 
 
 def _timed(cluster, name: str, prompts: list[list[int]], max_tokens: int, repeats: int) -> float:
+    """The fastest of `repeats` runs (after a warm-up): other tenants of a shared machine only
+    ever add time, so the minimum is the engine's own cost."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     cluster.generate(name, prompts, params)  # warm-up
     times = []
@@ -49,7 +53,7 @@ def _timed(cluster, name: str, prompts: list[list[int]], max_tokens: int, repeat
         t0 = time.perf_counter()
         cluster.generate(name, prompts, params)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_steps(config, name: str, cost: CostModel, repeats: int = 5, progress=None) -> StepOverhead:
