@@ -142,7 +142,8 @@ def run(args) -> int:
         print(f"starting {len(placement.engines)} engines ({'in-process' if args.in_process else 'Ray'}) ...",
               flush=True)
         backend = start_backend(config, placement, args)
-        backend.frontend.request_log = request_log
+        if request_log is not None:
+            backend.frontend.request_log = request_log
         try:
             app = build_app(backend, api_key=args.api_key, max_outstanding=args.max_outstanding,
                             allowed_hosts=(args.host, *args.allowed_host), metrics_require_key=args.metrics_require_key)
