@@ -18,13 +18,15 @@ import time
 class ServeProcess:
     """`paraflex serve CONFIG --port 0` (in-process engines, or Ray engine actors). `threads`
     sets the in-process engines' torch threads (Ray gives each engine actor the threads of its
-    CPU share instead); `echo` prints the server's start-up lines."""
+    CPU share instead); `echo` prints the server's start-up lines; `extra_args` go to `serve`
+    (e.g. --placement FILE, --request-log FILE)."""
 
     def __init__(self, config: str, *, backend: str = "in-process", threads: int | None = None,
-                 max_outstanding: int = 4096, echo: bool = False, who: str = "bench") -> None:
+                 max_outstanding: int = 4096, echo: bool = False, who: str = "bench",
+                 extra_args: tuple[str, ...] = ()) -> None:
         env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
         cmd = [sys.executable, "-m", "paraflex", "serve", config, "--port", "0",
-               "--max-outstanding", str(max_outstanding)] + (["--in-process"] if backend == "in-process" else [])
+               "--max-outstanding", str(max_outstanding), *extra_args] + (["--in-process"] if backend == "in-process" else [])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.url = None
         deadline = time.monotonic() + 600

@@ -4,7 +4,10 @@ them as Vidur ``mlp.csv`` tables that the cost model reads (`cluster.profile_dir
 Thin edge over `paraflex.engine.worker.op_profiler`: loads the config, checks that the device at hand
 is the kind the config names, profiles every distinct model shape once (progress on stderr),
 writes ``DIR/compute/<cluster.device>/paraflex/<model>/mlp.csv`` plus ``DIR/profile.json``
-(machine, torch, threads, dtypes, token counts) and says how to use them.
+(machine, torch, threads, dtypes, token counts) and says how to use them. Unless `--no-steps`,
+it then times whole engine steps of each model (paraflex/serving/step_profiler.py) and stores
+their residual over the tables' prediction in profile.json (`step_overheads`, read by the cost
+model: paraflex/costs/step_overheads.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import platform
 import sys
 
 from paraflex.config.schema import load_config
+from paraflex.costs.step_overheads import KEY as STEP_KEY
 from paraflex.errors import UserError
 from paraflex.models.engine_support import require_runnable
 
@@ -31,6 +35,8 @@ def add_arguments(parser) -> None:
                         help="comma-separated token counts (default: 1,2,4,...,4096)")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per op and token count (default: %(default)s)")
     parser.add_argument("--device", default="auto", help="auto (CUDA if visible), cpu, cuda, cuda:1")
+    parser.add_argument("--no-steps", action="store_true",
+                        help="skip timing whole engine steps (the per-step residual over the op tables)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
 
@@ -104,11 +110,27 @@ def run(args) -> int:
         write_mlp_csv(path, rows)
         done[key] = name
         written.append({"model": name, "table": os.path.relpath(path, args.output), "dtype": str(dtype).split(".")[-1]})
+    overheads = [] if args.no_steps else _step_overheads(config, names, args, device, progress)
     meta = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cluster_device": config.cluster.device, "hardware": hardware, "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "tokens": list(tokens), "repeats": args.repeats, "tables": written}
+            "threads": torch.get_num_threads(), "tokens": list(tokens), "repeats": args.repeats, "tables": written,
+            STEP_KEY: [o.to_dict() for o in overheads]}
     with open(os.path.join(args.output, "profile.json"), "w", encoding="utf-8") as fh:
         json.dump(meta, fh, indent=2)
     print(f"wrote {len(written)} table(s) under {args.output}; to use them, set `cluster.profile_dir: "
           f"{os.path.abspath(args.output)}` in the config (plan and simulate then use the measured op times)")
     return 0
+
+
+def _step_overheads(config, names, args, device, progress) -> list:
+    """Each model's served-step residual over the op tables just written (CPU runs only: the
+    in-process cluster runs where the config's device is)."""
+    from paraflex.costs.costmodel import CostModel
+    from paraflex.serving.step_profiler import measure_steps
+
+    if device.type != "cpu" and config.cluster.device == "cpu":
+        return []
+    cost = CostModel(config.cluster.device, tp=1, profile_dir=args.output)
+    cost.overheads = None  # the tables alone: an older profile.json's residuals must not count
+    return [measure_steps(config, name, cost, repeats=max(1, args.repeats), progress=progress)
+            for name in names]

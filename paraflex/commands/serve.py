@@ -47,6 +47,9 @@ def add_arguments(parser) -> None:
                         help="run every engine in this process instead of as Ray actors (debugging)")
     parser.add_argument("--ray-address", default=None,
                         help="join this Ray cluster (default: start a local Ray instance)")
+    parser.add_argument("--request-log", metavar="FILE",
+                        help="write one CSV row per finished request (arrival, first token, finish, E2E, TTFT, TBT, "
+                             "tokens) in the columns of `paraflex simulate`'s requests.csv (docs/serve.md)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="Ray restarts of a dead engine actor before its replicas stay down (default 0)")
 
@@ -131,9 +134,16 @@ def run(args) -> int:
             require_device_at_hand(config.cluster.device)
         require_runnable(config)
         placement = load_placement(config, args.placement)
+        request_log = None
+        if args.request_log is not None:
+            from paraflex.serving.request_log import RequestLog
+
+            request_log = RequestLog(args.request_log, config.models)
         print(f"starting {len(placement.engines)} engines ({'in-process' if args.in_process else 'Ray'}) ...",
               flush=True)
         backend = start_backend(config, placement, args)
+        if request_log is not None:
+            backend.frontend.request_log = request_log
         try:
             app = build_app(backend, api_key=args.api_key, max_outstanding=args.max_outstanding,
                             allowed_hosts=(args.host, *args.allowed_host), metrics_require_key=args.metrics_require_key)
@@ -144,6 +154,10 @@ def run(args) -> int:
         finally:
             print("stopping engines ...", file=sys.stderr, flush=True)
             asyncio.run(backend.close())
+            if request_log is not None:
+                request_log.close()
+                print(f"request log: {request_log.written} finished request(s) in {request_log.path}",
+                      file=sys.stderr, flush=True)
     finally:
         sock.close()
     return 0

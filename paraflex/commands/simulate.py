@@ -32,6 +32,9 @@ def add_arguments(p) -> None:
                    "add ablations with +, e.g. paraflex+prefill-first,paraflex+no-sharding")
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="worker processes for --sweep")
     p.add_argument("--seeds", type=int, default=1, help="--sweep: independent draws per rate (default 1); curves show their mean")
+    p.add_argument("--requests", metavar="FILE",
+                   help="replay exactly these requests: a CSV of model,arrived_at,num_prefill_tokens,num_decode_tokens "
+                        "[,request_id] (docs/simulate.md); replaces the workload, so no --rate or workload overrides")
     w = p.add_argument_group("workload overrides")
     w.add_argument("--trace", help="replay a shipped trace (splitwise-conv, splitwise-code) or this "
                    "arrived_at,num_prefill_tokens,num_decode_tokens CSV")
@@ -110,18 +113,15 @@ def _floats(text: str, flag: str) -> list[float]:
 
 def run(args) -> int:
     from paraflex.config.schema import load_config
-    from paraflex.simulator.runner import SimSettings
     from paraflex.simulator.systems.layouts import SYSTEMS
     from paraflex.simulator.workload.generator import check_request_count
 
     config = load_config(args.config)
+    if args.requests is not None:
+        return _run_requests(config, args)
     config.workload = _workload(args, config)
     seed = args.seed if args.seed is not None else config.workload.seed
-    base = SimSettings(system=args.system or "paraflex", rate=1.0, seed=seed, no_sharding=args.no_sharding,
-                       random_placement=args.random_placement, prefill_first=args.prefill_first,
-                       unbounded_decode_batches=args.unbounded_decode_batches, paper_replication=args.paper_replication,
-                       host_link_gbps=args.host_link_gbps, check_invariants=args.check_invariants,
-                       fast_forward=not args.no_fast_forward)
+    base = _settings(args, 1.0, seed)
     if args.sweep:
         from paraflex.simulator.sweep import run_sweep
 
@@ -158,6 +158,16 @@ def run(args) -> int:
     return _run_one(config, dataclasses.replace(base, rate=rate), args.output)
 
 
+def _settings(args, rate: float, seed: int):
+    from paraflex.simulator.runner import SimSettings
+
+    return SimSettings(system=args.system or "paraflex", rate=rate, seed=seed, no_sharding=args.no_sharding,
+                       random_placement=args.random_placement, prefill_first=args.prefill_first,
+                       unbounded_decode_batches=args.unbounded_decode_batches, paper_replication=args.paper_replication,
+                       host_link_gbps=args.host_link_gbps, check_invariants=args.check_invariants,
+                       fast_forward=not args.no_fast_forward)
+
+
 SYSTEMS_ORDER = ("paraflex", "ray-serve", "sarathi", "alpaserve", "vllm-tp")
 
 
@@ -192,7 +202,34 @@ def _num(v, width: int) -> str:
     return f"{v:>{width}.3f}" if v is not None else f"{'n/a':>{width}}"
 
 
-def _run_one(config, settings, output) -> int:
+REQUESTS_EXCLUDE = ("sweep", "rate", "rates", "systems", "trace", "arrival", "cv", "zipf_alpha", "num_requests",
+                    "duration", "prompt_scale", "output_scale")
+
+
+def _run_requests(config, args) -> int:
+    """`--requests FILE`: one run replaying the file's requests exactly."""
+    from paraflex.simulator.workload.requests_file import load_requests
+
+    given = [f for f in REQUESTS_EXCLUDE if getattr(args, f) not in (None, False)]
+    if given:
+        raise UserError(f"--{given[0].replace('_', '-')} does not apply with --requests: the file sets every arrival "
+                        "and length; leave it out")
+    listed = load_requests(args.requests, {m.name: m.arch.max_context for m in config.models})
+    if listed.reordered:
+        print(f"note: {listed.reordered} row(s) of {args.requests} were out of arrival order; replaying them sorted "
+              "by arrived_at")
+    reqs = listed.requests
+    span = reqs[-1].arrival - reqs[0].arrival
+    rate = len(reqs) / span if span > 0 else float(len(reqs))  # the file's mean rate, for the summary
+    seed = args.seed if args.seed is not None else (config.workload.seed if config.workload else 0)
+    settings = _settings(args, rate, seed)
+    from paraflex.simulator.systems.layouts import SYSTEMS
+
+    SYSTEMS.get(settings.system, "--system")
+    return _run_one(config, settings, args.output, requests=reqs)
+
+
+def _run_one(config, settings, output, requests=None) -> int:
     from paraflex.simulator.metrics.output import write_run
     from paraflex.simulator.progress import RunProgress
     from paraflex.simulator.runner import simulate
@@ -202,7 +239,7 @@ def _run_one(config, settings, output) -> int:
     _check_output_dir(out)
     progress = RunProgress(settings.system)
     try:
-        result = simulate(config, settings, progress=progress)
+        result = simulate(config, settings, requests=requests, progress=progress)
     finally:
         progress.close()
     write_run(_output_dir(out), result)  # made only now: a run that fails leaves no empty folder

@@ -54,10 +54,13 @@ class CostModel:
             raise UserError(f"tensor-parallel degree must be a positive integer, got {tp!r}")
         self.tp = tp
         self.profiles = None
+        self.overheads = None
         if profile_dir is not None:
             from paraflex.costs.profile_tables import ProfileIndex
+            from paraflex.costs.step_overheads import StepOverheads
 
             self.profiles = ProfileIndex(profile_dir)
+            self.overheads = StepOverheads.load(profile_dir) or None
         self._table_cache: dict = {}
         self._layer_cache: dict = {}  # (kind, arch, tokens[, ...]) -> seconds; simulators repeat
 
@@ -201,7 +204,7 @@ class CostModel:
             total += self.embedding_time(arch, num_tokens)
         if last:
             total += self.head_time(arch, num_seqs)
-        return total
+        return self._with_residual(total, arch, num_layers, prefill=True)
 
     def decode_time(self, arch, num_layers: int, batch_size: int, total_context: int,
                     first: bool = False, last: bool = False) -> float:
@@ -219,7 +222,13 @@ class CostModel:
             total += self.embedding_time(arch, batch_size)
         if last:
             total += self.head_time(arch, batch_size)
-        return total
+        return self._with_residual(total, arch, num_layers, prefill=False)
+
+    def _with_residual(self, total: float, arch, num_layers: int, prefill: bool) -> float:
+        """`total` plus the measured per-step residual of a served engine (step_overheads.py)."""
+        if self.overheads is None:
+            return total
+        return total + self.overheads.stage_residual(arch, num_layers, prefill)
 
     def model_time(self, arch) -> float:
         """Reference time of one whole-model iteration, used to shard models by time.

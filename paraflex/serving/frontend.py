@@ -17,6 +17,9 @@ dispatch, `retire_replica` takes one out (its requests go on: it drains), `move_
 what is left on it by recompute on the model's other replicas, `drop_replica` forgets it, and
 `install` makes the new placement the serving one (placement_edit.py makes the states between).
 
+With a `request_log` (paraflex/serving/request_log.py, `paraflex serve --request-log`), every
+request's start, tokens and end are recorded there.
+
 A sink is any object with `on_output(request_id, token_ids, finish_reason, error, **extra)`
 (the engines' `OutputSink` shape), called with the client's request id: new tokens while the
 request runs, then one call with finish_reason "stop", "length" or "abort" (an end here, or an
@@ -72,6 +75,7 @@ class Frontend:
         self.down: dict[int, str] = {}  # engine id -> why it is out of service
         self.retiring: set[tuple[str, tuple[int, ...]]] = set()  # (model, engines): out of dispatch, draining
         self.stall_watch = StallWatch()
+        self.request_log = None  # a RequestLog, set by `paraflex serve --request-log`
         self.lock = threading.Lock()
 
     # ------------------------------------------------------------------ admission and start
@@ -104,6 +108,8 @@ class Frontend:
                                 sink=sink)
             self.live[rid] = rec
             self.restarts.begin(rid)
+            if self.request_log is not None:
+                self.request_log.started(rid, model, replica, len(prompt), params.max_tokens)
             self._submit(rec, prompt, params)
 
     # ------------------------------------------------------------------ outputs and ends
@@ -115,6 +121,10 @@ class Frontend:
             rid = self.restarts.client_of.get(engine_rid)
             if rid is None:
                 return
+            if self.request_log is not None:
+                self.request_log.tokens(rid, len(token_ids))
+                if final and error is None and finish_reason != "abort":
+                    self.request_log.finished(rid)
             rec = self._forget(rid) if final else self.live[rid]
             rec.output.extend(token_ids)
         if rec.sink is not None:
@@ -361,6 +371,8 @@ class Frontend:
         """Drop a live request from the books and release its dispatch slot."""
         rec = self.live.pop(rid, None)
         if rec is not None:
+            if self.request_log is not None:
+                self.request_log.dropped(rid)  # (no-op once `finished` wrote it)
             self.dispatcher.done(rec.model, rec.replica)
             self.restarts.end(rec)
         return rec

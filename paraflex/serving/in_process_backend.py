@@ -54,6 +54,11 @@ class InProcessBackend:
         cluster_kwargs.setdefault("progress", lambda line: print(line, flush=True))
         return cls(LLMCluster(config, placement, **cluster_kwargs))
 
+    @property
+    def frontend(self):
+        """The serving frontend of the cluster (paraflex/serving/frontend.py)."""
+        return self.cluster.frontend
+
     def models(self) -> list[ModelCard]:
         return list(self._cards)
 

@@ -50,7 +50,7 @@ def write_run(out_dir: str, result) -> list[str]:
     with open(p, "w", newline="", encoding="utf-8") as fh:
         w = csv.writer(fh)
         for row in result.metrics.request_rows():
-            w.writerow([f"{v:.6f}" if isinstance(v, float) else v for v in row])
+            w.writerow(csv_cells(row))
     paths.append(p)
     for name, data in (("summary.json", result.summary), ("config.json", result.settings)):
         p = os.path.join(out_dir, name)
@@ -61,6 +61,11 @@ def write_run(out_dir: str, result) -> list[str]:
     paths.append(p)
     paths += plot_run(out_dir, result)
     return paths
+
+
+def csv_cells(row) -> list:
+    """A requests.csv row as written: floats with microsecond precision."""
+    return [f"{v:.6f}" if isinstance(v, float) else v for v in row]
 
 
 def plot_run(out_dir: str, result) -> list[str]:

@@ -53,6 +53,28 @@ class ModelSLO:
     tbt_s: float
 
 
+# Aegaeon's production SLOs (§7.1 there), used for models whose config sets none.
+DEFAULT_TTFT_MS, DEFAULT_TBT_MS = 10_000.0, 100.0
+
+
+def model_slos(models) -> dict[str, ModelSLO]:
+    """Per model of the config (`ModelConfig`s): its SLOs, or the defaults where it sets none."""
+    return {m.name: ModelSLO((m.slo_ttft_ms or DEFAULT_TTFT_MS) / 1000, (m.slo_tbt_ms or DEFAULT_TBT_MS) / 1000)
+            for m in models}
+
+
+# The per-request CSV's columns (the simulator's requests.csv, `paraflex serve --request-log`).
+REQUEST_COLUMNS = ("id", "model", "replica", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s",
+                   "finish_s", "e2e_s", "ttft_s", "mean_tbt_s", "max_tbt_s", "tokens_on_time")
+
+
+def request_row(r: RequestRecord) -> tuple:
+    """One finished request as a row of REQUEST_COLUMNS."""
+    mean_tbt = (r.last_token - r.first_token) / (r.tokens - 1) if r.tokens > 1 else 0.0
+    return (r.id, r.model, r.replica, r.arrival, r.prompt_len, r.output_len, r.first_token, r.finish,
+            r.finish - r.arrival, r.first_token - r.arrival, mean_tbt, r.max_tbt, r.on_time)
+
+
 def _pct(values, q: float) -> float | None:
     if len(values) == 0:
         return None
@@ -286,10 +308,6 @@ class MetricsStore:
         }
 
     def request_rows(self):
-        header = ("id", "model", "replica", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s",
-                  "finish_s", "e2e_s", "ttft_s", "mean_tbt_s", "max_tbt_s", "tokens_on_time")
-        yield header
+        yield REQUEST_COLUMNS
         for r in sorted(self.requests.values(), key=lambda r: r.id):
-            mean_tbt = (r.last_token - r.first_token) / (r.tokens - 1) if r.tokens > 1 else 0.0
-            yield (r.id, r.model, r.replica, r.arrival, r.prompt_len, r.output_len, r.first_token, r.finish,
-                   r.finish - r.arrival, r.first_token - r.arrival, mean_tbt, r.max_tbt, r.on_time)
+            yield request_row(r)

@@ -44,28 +44,35 @@ class Trace:
         return len(self) / float(self.interarrivals.sum())
 
 
-@functools.lru_cache(maxsize=8)
-def load_trace(path: str) -> Trace:
+def read_csv_table(path: str, what: str, columns: tuple[str, ...]) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    """(stripped header, [(line number, row)] without blank rows) of a UTF-8 CSV (a leading
+    BOM allowed) whose header names every one of `columns`; a `UserError` naming `what` (the
+    kind of file, e.g. "trace") and the path otherwise. Shared by the trace and requests readers."""
     try:
         with open(path, encoding="utf-8-sig", newline="") as fh:
             text = fh.read()
     except OSError as exc:
-        raise UserError(f"trace {path!r}: cannot open ({exc.strerror}); pass an existing CSV") from None
+        raise UserError(f"{what} {path!r}: cannot open ({exc.strerror}); pass an existing CSV") from None
     except UnicodeDecodeError:
-        raise UserError(f"trace {path!r}: not a UTF-8 text CSV; pass a CSV with columns {','.join(COLUMNS)}") from None
+        raise UserError(f"{what} {path!r}: not a UTF-8 text CSV; pass a CSV with columns {','.join(columns)}") from None
     reader = csv.reader(io.StringIO(text, newline=""))
     header = next(reader, None)
     if header is None:
-        raise UserError(f"trace {path!r}: empty file; expected a header {','.join(COLUMNS)}")
+        raise UserError(f"{what} {path!r}: empty file; expected a header {','.join(columns)}")
     header = [h.strip() for h in header]
-    missing = [c for c in COLUMNS if c not in header]
+    missing = [c for c in columns if c not in header]
     if missing:
-        raise UserError(f"trace {path!r}: header lacks {', '.join(missing)}; expected columns {','.join(COLUMNS)}")
+        raise UserError(f"{what} {path!r}: header lacks {', '.join(missing)}; expected columns {','.join(columns)}")
+    rows = [(line, row) for line, row in enumerate(reader, start=2) if row and any(c.strip() for c in row)]
+    return header, rows
+
+
+@functools.lru_cache(maxsize=8)
+def load_trace(path: str) -> Trace:
+    header, rows = read_csv_table(path, "trace", COLUMNS)
     idx = [header.index(c) for c in COLUMNS]
     t, p, o = [], [], []
-    for line, row in enumerate(reader, start=2):
-        if not row or all(not c.strip() for c in row):
-            continue
+    for line, row in rows:
         try:
             at, pre, dec = (float(row[i]) for i in idx)
         except (ValueError, IndexError):

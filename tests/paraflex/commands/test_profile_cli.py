@@ -36,6 +36,15 @@ def test_profile_writes_tables_the_cost_model_and_planner_use(tmp_path, capsys):
         model = CostModel("cpu", profile_dir=str(out))
         assert model.linear_time(arch, 4) == pytest.approx(table.layer_time(4) + table.op_time("add", 4))
         assert model.linear_time(arch, 4) != CostModel("cpu").linear_time(arch, 4)  # not the roofline
+    # whole served steps: a residual per model, added pro rata to the stage's layers
+    steps = {o["model"]: o for o in meta["step_overheads"]}
+    assert set(steps) == {"tiny-2l", "tiny-4l"} and steps["tiny-4l"]["num_layers"] == 4
+    arch = config.model("tiny-4l").arch
+    tables_only = CostModel("cpu", profile_dir=str(out))
+    tables_only.overheads = None
+    added = max(0.0, steps["tiny-4l"]["decode_s"]) / 2
+    assert CostModel("cpu", profile_dir=str(out)).decode_time(arch, 2, 3, 30) == pytest.approx(
+        tables_only.decode_time(arch, 2, 3, 30) + added)
     raw = yaml.safe_load(Path(DEMO).read_text())
     raw["cluster"]["profile_dir"] = str(out)
     cfg = tmp_path / "demo-profiled.yaml"

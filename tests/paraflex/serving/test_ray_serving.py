@@ -5,6 +5,7 @@ engine-kill fault (errors within 10 s, other models keep serving, restart and re
 from __future__ import annotations
 
 import asyncio
+import csv
 import time
 
 import pytest
@@ -84,6 +85,25 @@ def test_kv_freed_on_every_engine_after_finish(backend):
     sts = _engines_idle(backend)
     assert [st["kv_usage"] for st in sts] == [0.0, 0.0, 0.0]
     assert all(not st["live"] for st in sts)
+
+
+def test_request_log_records_the_ray_backends_finished_requests(backend, tmp_path):
+    """`paraflex serve --request-log` over Ray: one row per finished request, in the simulator's
+    columns, with the times ordered (a 2-stage replica's tokens cross engines)."""
+    from paraflex.serving.request_log import RequestLog
+
+    log = RequestLog(str(tmp_path / "log.csv"), make_config().models)
+    backend.frontend.request_log = log
+    try:
+        _run_all(backend, [(m, PROMPTS[0], GREEDY, f"log-{m}") for m in MODELS])
+    finally:
+        backend.frontend.request_log = None
+        log.close()
+    with open(tmp_path / "log.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert sorted(r["id"] for r in rows) == sorted(f"log-{m}" for m in MODELS)
+    for r in rows:
+        assert float(r["arrival_s"]) < float(r["first_token_s"]) <= float(r["finish_s"]) and r["output_tokens"] == "6"
 
 
 def test_abort_and_disconnect_free_kv_on_every_engine(backend):

@@ -1,0 +1,208 @@
+"""Simulator fidelity: the same requests through the real `paraflex serve` (Ray) and through the
+simulator, compared number by number (issue 20).
+
+One command: profile the models on this machine (or reuse `--profile DIR`; `--no-profile`: the
+plain roofline), measure the Ray hop between engines (bench/hop_latency.py; or `--hop-us`), plan
+a config of three models on two engines where tiny-8l is cut into two stages on different
+engines and both engines hold stages of several models, start `paraflex serve` on it (Ray
+backend, `--request-log`), measure its saturation rate with a burst, then at three loads (light,
+~60% and ~90% of saturation) write a request list (simulator/workload/requests_file.py), replay it
+open loop against the server (same arrival times, ignore_eos with fixed output lengths, token-id
+prompts of the given lengths) and simulate the same file with the profiled cost model. Prints per
+load and model median and P99 of TTFT, TBT (per-request mean) and E2E, and throughput, real vs
+simulated with the relative error; writes fidelity.csv and fidelity_cdfs.png (fidelity_compare.py).
+
+    python bench/sim_fidelity.py [--out DIR] [--requests 40] [--profile DIR | --no-profile]
+                                 [--hop-us US] [--saturation RPS] [--tiny]
+
+`--tiny` (the CI test): a few requests per load, no profiling, no hop measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fidelity_compare import compare, plot_cdfs, print_table, write_csv  # noqa: E402
+from serve_client import one_request  # noqa: E402
+from serve_process import ServeProcess  # noqa: E402
+
+from paraflex.config.schema import Config  # noqa: E402
+from paraflex.placement import Placement  # noqa: E402
+from paraflex.planner import plan  # noqa: E402
+from paraflex.simulator.runner import SimSettings, simulate  # noqa: E402
+from paraflex.simulator.systems.layouts import build_system  # noqa: E402
+from paraflex.simulator.workload import SimRequest  # noqa: E402
+from paraflex.simulator.workload.requests_file import load_requests, write_requests  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODELS = ("tiny-2l", "tiny-4l", "tiny-8l")
+LOADS = (("light", 0.2), ("mid", 0.6), ("high", 0.9))  # fractions of the measured saturation rate
+PROMPT_RANGE, OUTPUT_RANGE = (8, 48), (8, 24)
+TOKEN_IDS = (3, 250)  # inside the tiny models' byte vocabulary
+# 12 ms cuts tiny-8l (~18 ms on the `cpu` roofline) into two stages and keeps the others whole.
+CONFIG = {
+    "name": "sim-fidelity",
+    "cluster": {"num_engines": 2, "device": "cpu", "tp": 1, "memory_gb": 1, "host_memory_gb": 0.5,
+                "interconnect_gbps": 10, "interconnect_latency_us": 50},
+    "models": [{"name": m, "arch": m, "rate": 1} for m in MODELS],
+    "planner": {"target_stage_time": 12, "ring": False, "kappa_gb": 0.05},
+    "scheduler": {"max_batch_size": 8, "block_bytes": 32768, "policy": "full-batch-first"},
+}
+
+
+def run(cmd: list[str]) -> str:
+    print(f"$ {' '.join(cmd)}", flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"sim_fidelity: {cmd[1]} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def measure_hop_us(out: str) -> float:
+    """Median one-way Ray hop of a decode-sized batch between two engine actors, in µs."""
+    path = os.path.join(out, "hop.csv")
+    run([sys.executable, os.path.join(HERE, "hop_latency.py"), "--iters", "60", "--cases", "decode1", "--csv", path])
+    with open(path, newline="") as fh:
+        return 1e6 * float(next(csv.DictReader(fh))["hop_median_s"])
+
+
+def make_requests(rate: float, n: int, first_id: int, rng) -> list[SimRequest]:
+    times = np.cumsum(rng.exponential(1.0 / rate, n))
+    times -= times[0]
+    return [SimRequest(first_id + i, MODELS[int(rng.integers(len(MODELS)))], float(t),
+                       int(rng.integers(*PROMPT_RANGE)), int(rng.integers(*OUTPUT_RANGE))) for i, t in enumerate(times)]
+
+
+async def replay(url: str, requests: list[SimRequest], rng) -> tuple[list, float]:
+    """Fire every request at its arrival offset (open loop); (client results, start epoch)."""
+    prompts = [rng.integers(*TOKEN_IDS, size=r.prompt_len).tolist() for r in requests]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        t0, epoch = time.perf_counter(), time.time()
+
+        async def fire(req, prompt):
+            await asyncio.sleep(max(0.0, req.arrival - (time.perf_counter() - t0)))
+            return await one_request(client, url, req.model, prompt, req.output_len)
+
+        results = await asyncio.gather(*(fire(r, p) for r, p in zip(requests, prompts)))
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        raise SystemExit(f"sim_fidelity: {len(failed)} request(s) failed against the server, e.g. {failed[0]}")
+    return results, epoch
+
+
+def read_log(path: str) -> list[dict]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def simulated_rows(config, placement, requests: list[SimRequest]) -> list[dict]:
+    settings = SimSettings(rate=1.0)
+    layout = dataclasses.replace(build_system(config, settings), placement=placement)
+    result = simulate(config, settings, layout=layout, requests=requests)
+    rows = result.metrics.request_rows()
+    header = next(rows)
+    return [dict(zip(header, row)) for row in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="sim-fidelity-results", help="results folder")
+    ap.add_argument("--requests", type=int, default=40, help="requests per load (default 40)")
+    ap.add_argument("--profile", help="reuse this `paraflex profile` folder instead of profiling now")
+    ap.add_argument("--no-profile", action="store_true", help="simulate with the plain roofline")
+    ap.add_argument("--hop-us", type=float, help="one-way hop latency in µs (default: measure it)")
+    ap.add_argument("--saturation", type=float, help="saturation rate in req/s (default: measure it with a burst)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="CI size: 3 requests per load, no profiling, no hop run")
+    args = ap.parse_args(argv)
+    n = 3 if args.tiny else args.requests
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    wall0 = time.perf_counter()
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start", flush=True)
+
+    base = dict(CONFIG)
+    config_path = os.path.join(out, "config.yaml")
+    with open(config_path, "w") as fh:
+        yaml.safe_dump(base, fh)
+    placement = plan(Config.from_dict(base, source=config_path))
+    placement_path = os.path.join(out, "placement.json")
+    placement.save(placement_path)
+    for name, mp in placement.models.items():
+        print(f"  {name}: {mp.num_stages} stage(s), replicas on engines {mp.replicas}")
+
+    sim_cfg = {**base, "cluster": dict(base["cluster"])}
+    if not (args.no_profile or args.tiny):
+        profile = args.profile or os.path.join(out, "profile")
+        if not args.profile:
+            run([sys.executable, "-m", "paraflex", "profile", config_path, "-o", profile, "--tokens",
+                 "1,2,4,8,16,32,64,128,256", "--repeats", "5", "-q"])
+        sim_cfg["cluster"]["profile_dir"] = os.path.abspath(profile)
+    hop = args.hop_us if args.hop_us is not None else (None if args.tiny else measure_hop_us(out))
+    if hop is not None:
+        sim_cfg["cluster"]["interconnect_latency_us"] = hop
+        print(f"hop between engines: {hop:.0f} µs (simulated as the interconnect latency)", flush=True)
+    sim_config = Config.from_dict(sim_cfg, source="sim-fidelity (profiled)")
+    max_context = {m.name: m.arch.max_context for m in sim_config.models}
+
+    log_path = os.path.join(out, "served_requests.csv")
+    server = ServeProcess(config_path, backend="ray", who="sim_fidelity",
+                          extra_args=("--placement", placement_path, "--request-log", log_path))
+    rng = np.random.default_rng(args.seed)
+    windows = []
+    try:
+        sat = args.saturation
+        if sat is None:  # a burst: every request at once, the server's best rate
+            burst = [dataclasses.replace(r, arrival=0.0) for r in make_requests(1.0, max(4, n), 10**6, rng)]
+            results, _ = asyncio.run(replay(server.url, burst, rng))
+            sat = len(results) / max(r.e2e for r in results)
+            print(f"saturation (burst of {len(burst)}): {sat:.2f} req/s", flush=True)
+        next_id = 0
+        for load, frac in LOADS:
+            requests = make_requests(frac * sat, n, next_id, rng)
+            next_id += n
+            path = os.path.join(out, f"requests-{load}.csv")
+            write_requests(path, requests)
+            requests = load_requests(path, max_context).requests  # replay what the file says
+            print(f"{load}: {n} requests at {frac * sat:.2f} req/s ({frac:.0%} of saturation); "
+                  f"load average {os.getloadavg()[0]:.2f}", flush=True)
+            results, epoch = asyncio.run(replay(server.url, requests, rng))
+            windows.append((load, requests, results, epoch, time.time()))
+    finally:
+        server.stop()
+    served = read_log(log_path)
+    rows, runs = [], []
+    print()
+    for load, requests, results, start, end in windows:
+        real = [r for r in served if start <= float(r["arrival_s"]) <= end]
+        sim = simulated_rows(sim_config, placement, requests)
+        rows += compare(load, real, sim)
+        runs.append((load, real, sim))
+        client_ttft = float(np.median([r.ttft for r in results]))
+        log_ttft = float(np.median([float(r["ttft_s"]) for r in real]))
+        print(f"{load}: {len(real)}/{len(requests)} logged; median TTFT at the client {1000 * client_ttft:.1f} ms vs "
+              f"{1000 * log_ttft:.1f} ms in the server log: HTTP + gateway + tokenize {1000 * (client_ttft - log_ttft):.1f} ms")
+    print()
+    print_table(rows)
+    write_csv(os.path.join(out, "fidelity.csv"), rows)
+    png = plot_cdfs(os.path.join(out, "fidelity_cdfs.png"), runs)
+    print(f"results: {out}/fidelity.csv, " + (png or "no PNG (matplotlib is not installed)"))
+    print(f"wall {time.perf_counter() - wall0:.0f} s; load average {os.getloadavg()[0]:.2f} at the end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Measured per-step residuals: what a served engine spends on one stage execution beyond the
+cost model's op times (scheduling, attention metadata and the attention kernel itself, sampling,
+Python between ops), read from a profile directory's ``profile.json``.
+
+Place in the data flow: `paraflex profile` measures whole engine steps of each model on this
+machine (paraflex/serving/step_profiler.py) and subtracts the cost model's prediction from its
+tables; `CostModel(profile_dir=...)` adds the residual to every prefill and decode stage time,
+pro rata to the stage's share of the model's layers, so the planner and the simulator predict a
+served engine rather than its bare ops. Entries are matched to a model by its shape, vocabulary
+and depth (tables match by shape alone: the residual also holds per-step costs that do not scale
+with layers). A negative residual (the tables over-predict a whole step) is written as measured
+and used as zero: a residual adds time, never removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+from paraflex.costs.profile_tables import shape_of
+
+PROFILE_FILE = "profile.json"
+KEY = "step_overheads"
+
+
+@dataclass(frozen=True)
+class StepOverhead:
+    """One model's measured residual per whole-model engine step (seconds)."""
+
+    model: str
+    n_head: int
+    n_kv_head: int
+    n_embd: int
+    n_expanded_embd: int
+    use_gated_mlp: bool
+    vocab_size: int
+    num_layers: int
+    prefill_s: float
+    decode_s: float
+
+    @classmethod
+    def of(cls, model: str, arch, prefill_s: float, decode_s: float) -> "StepOverhead":
+        s = shape_of(arch)
+        return cls(model, s.n_head, s.n_kv_head, s.n_embd, s.n_expanded_embd, s.use_gated_mlp, arch.vocab_size,
+                   arch.num_layers, prefill_s, decode_s)
+
+    def key(self) -> tuple:
+        return (self.n_head, self.n_kv_head, self.n_embd, self.n_expanded_embd, self.use_gated_mlp,
+                self.vocab_size, self.num_layers)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def arch_key(arch) -> tuple:
+    s = shape_of(arch)
+    return (s.n_head, s.n_kv_head, s.n_embd, s.n_expanded_embd, s.use_gated_mlp, arch.vocab_size, arch.num_layers)
+
+
+class StepOverheads:
+    """The residuals of a profile directory, by model key (empty when it measured none)."""
+
+    def __init__(self, entries: list[StepOverhead]):
+        self.by_key = {e.key(): e for e in entries}
+
+    def __bool__(self) -> bool:
+        return bool(self.by_key)
+
+    @classmethod
+    def load(cls, profile_dir: str) -> "StepOverheads":
+        path = os.path.join(profile_dir, PROFILE_FILE)
+        if not os.path.isfile(path):
+            return cls([])
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        return cls([StepOverhead(**e) for e in data.get(KEY, [])])
+
+    def stage_residual(self, arch, num_layers: int, prefill: bool) -> float:
+        """Residual of one stage execution of `num_layers` of `arch`'s layers (0 when unmeasured)."""
+        e = self.by_key.get(arch_key(arch))
+        if e is None:
+            return 0.0
+        return max(0.0, e.prefill_s if prefill else e.decode_s) * num_layers / e.num_layers

@@ -1,0 +1,77 @@
+"""`paraflex serve --request-log FILE`: one CSV row per finished request, as the server saw it.
+
+Place in the data flow: the serving frontend (paraflex/serving/frontend.py) tells its
+`RequestLog` when it starts a request (`started`), each time tokens come back from the last
+stage (`tokens`), and when the request finishes (`finished`) or is aborted (`dropped`); both
+backends share that frontend, so both log. The row is written (and flushed) as the request
+ends, in the columns of the simulator's requests.csv (`REQUEST_COLUMNS`, `request_row`, and the
+token bookkeeping of `MetricsStore`, paraflex/simulator/metrics/records.py), so one script
+compares a served run with a simulated one (bench/sim_fidelity.py).
+
+Times are Unix seconds (`time.time()`): arrival is when the frontend took the request (after
+the gateway parsed and tokenized it), token times when the frontend got them. `output_tokens`
+is the request's max_tokens; `id` the client-visible request id. Aborted or failed requests are
+not logged. Thread-safe: the gateway's loop starts requests, the engines' output thread ends them.
+"""
+
+from __future__ import annotations
+
+import csv
+from array import array
+import threading
+import time
+
+from paraflex.errors import UserError
+from paraflex.simulator.metrics.output import csv_cells
+from paraflex.simulator.metrics.records import REQUEST_COLUMNS, MetricsStore, model_slos, request_row
+
+
+class RequestLog:
+    """Per-request records of a running server, appended to a CSV as requests end."""
+
+    def __init__(self, path: str, models, clock=time.time) -> None:
+        """`models`: the config's ModelConfigs (their SLOs give `tokens_on_time`)."""
+        try:
+            self.file = open(path, "w", newline="", encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"--request-log {path}: cannot write it ({exc.strerror}); pass a file path you can write") from None
+        self.path = path
+        self.writer = csv.writer(self.file)
+        self.writer.writerow(REQUEST_COLUMNS)
+        self.file.flush()
+        self.store = MetricsStore(model_slos(models), num_engines=0, gpus_per_engine=1)
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.written = 0
+
+    def started(self, rid: str, model: str, replica: int, prompt_tokens: int, max_tokens: int) -> None:
+        with self.lock:
+            rec = self.store.add_request(rid, model, self.clock(), prompt_tokens, max_tokens)
+            rec.replica = replica
+
+    def tokens(self, rid: str, count: int) -> None:
+        with self.lock:
+            rec = self.store.requests.get(rid)
+            if rec is not None and count:
+                t = self.clock()
+                for _ in range(count):
+                    self.store.tokens([rec], t)
+
+    def finished(self, rid: str) -> None:
+        with self.lock:
+            rec = self.store.requests.pop(rid, None)
+            if rec is None or self.file.closed:
+                return
+            rec.finish = self.clock()
+            self.writer.writerow(csv_cells(request_row(rec)))
+            self.file.flush()
+            self.written += 1
+            self.store.tbt[rec.model] = array("d")  # its gaps are in the row: keep memory flat
+
+    def dropped(self, rid: str) -> None:
+        with self.lock:
+            self.store.requests.pop(rid, None)
+
+    def close(self) -> None:
+        with self.lock:
+            self.file.close()

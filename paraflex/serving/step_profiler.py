@@ -1,0 +1,84 @@
+"""Whole engine steps of one model, timed on this machine: the calibration `paraflex profile`
+adds to its op tables (the residual the cost model cannot see from ops alone).
+
+Place in the data flow: `paraflex profile` (paraflex/commands/profile.py) calls `measure_steps`
+per model after writing the op tables; it builds a one-engine in-process cluster holding the
+whole model as one stage (the served engine's own scheduler, KV accounting, worker, sampler and
+in-process transport), runs it synchronously, and times:
+
+- prefill: one prompt of P tokens and max_tokens 1 (one prefill step, with sampling), per P;
+- decode: B prompts with max_tokens 1 + K minus the same with max_tokens 1, divided by K (one
+  decode step of batch B, with sampling), per B.
+
+Each time is the fastest of the repeats (a shared machine's other tenants only add time).
+
+The residual per step is the median of (measured - the cost model's prediction from the tables
+just written) over those points; paraflex/costs/step_overheads.py stores and applies it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from paraflex.config.schema import Config
+from paraflex.costs.costmodel import CostModel
+from paraflex.costs.step_overheads import StepOverhead
+from paraflex.engine.core.sampling_params import SamplingParams
+
+PREFILL_TOKENS = (16, 64)
+DECODE_BATCHES = (1, 4)
+DECODE_STEPS = 8  # K
+DECODE_PROMPT = 8  # tokens per decode-test prompt
+NO_CUT_MS = 1e9  # a target stage time no model reaches: the model stays one stage
+
+
+def one_stage_config(config, name: str) -> Config:
+    """`config` reduced to one engine serving `name` whole."""
+    d = config.to_dict()
+    d["cluster"] = {**d["cluster"], "num_engines": 1}
+    d["models"] = [m for m in d["models"] if m["name"] == name]
+    d["planner"] = {**d["planner"], "target_stage_time": NO_CUT_MS}
+    d.pop("workload", None)
+    return Config.from_dict(d, source=f"{config.source}, {name} alone")
+
+
+def _timed(cluster, name: str, prompts: list[list[int]], max_tokens: int, repeats: int) -> float:
+    """The fastest of `repeats` runs (after a warm-up): other tenants of a shared machine only
+    ever add time, so the minimum is the engine's own cost."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    cluster.generate(name, prompts, params)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        cluster.generate(name, prompts, params)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure_steps(config, name: str, cost: CostModel, repeats: int = 5, progress=None) -> StepOverhead:
+    """Time whole engine steps of model `name` and return its residual over `cost`."""
+    from paraflex.serving.in_process import LLMCluster
+
+    arch = config.model(name).arch
+    cluster = LLMCluster(one_stage_config(config, name))
+    L = arch.num_layers
+    prefill, decode = [], []
+    for p in PREFILL_TOKENS:
+        measured = _timed(cluster, name, [[7] * p], 1, repeats)
+        predicted = cost.prefill_time(arch, L, p, first=True, last=True)
+        prefill.append(measured - predicted)
+        if progress:
+            progress(f"{name}: prefill {p} tokens: {1000 * measured:.2f} ms served vs {1000 * predicted:.2f} ms ops")
+    for b in DECODE_BATCHES:
+        prompts = [[7 + i] * DECODE_PROMPT for i in range(b)]
+        short = _timed(cluster, name, prompts, 1, repeats)
+        long = _timed(cluster, name, prompts, 1 + DECODE_STEPS, repeats)
+        measured = (long - short) / DECODE_STEPS
+        ctx = b * (DECODE_PROMPT + 1 + DECODE_STEPS // 2)
+        predicted = cost.decode_time(arch, L, b, ctx, first=True, last=True)
+        decode.append(measured - predicted)
+        if progress:
+            progress(f"{name}: decode step, batch {b}: {1000 * measured:.2f} ms served vs {1000 * predicted:.2f} ms ops")
+    cluster.shutdown()
+    return StepOverhead.of(name, arch, statistics.median(prefill), statistics.median(decode))
