@@ -133,6 +133,14 @@ class QueueOrder:
         self.num_stages += 1
         self._auto_limit = max(64, 4 * len(self.queues))
 
+    def detach(self, st: ResidentStage) -> None:
+        """Forget the (empty) queues of a stage that leaves the engine (live re-planning)."""
+        for q in st.queues():
+            self.queues.remove(q)
+            q.reg = None  # its heap entries, if any, are stale from now on
+        self.num_stages -= 1
+        self._auto_limit = max(64, 4 * len(self.queues))
+
     # --- what a Queue reports -------------------------------------------------------------
     def requeue(self, q: Queue) -> None:
         """Re-register `q` in its policy class heap after its head or size changed."""

@@ -88,6 +88,11 @@ class ResidentStages:
         self._by_key[st.key] = st
         self._by_model[st.model] = st
 
+    def remove(self, st: ResidentStage) -> None:
+        self.all.remove(st)  # in place: the KV planner holds this very list
+        del self._by_key[st.key]
+        del self._by_model[st.model]
+
     def at(self, model: str, stage: int) -> ResidentStage | None:
         return self._by_key.get((model, stage))
 

@@ -187,6 +187,16 @@ class EngineScheduler:
         self.resident.add(st)
         return st
 
+    def remove_stage(self, model: str) -> None:
+        """Drop `model`'s stage from this engine (a drained replica, live re-planning); it must
+        hold no live request (ProtocolError otherwise: drain first)."""
+        st = self.stage_of(model)
+        busy = [r.req_id for r in self.requests.live.values() if r.model == model]
+        if busy or any(q.items for q in st.queues()):
+            raise ProtocolError(f"engine {self.engine_id} still serves {model!r} ({len(busy)} live requests); drain before removing its stage")
+        self.order.detach(st)
+        self.resident.remove(st)
+
     def stage_of(self, model: str) -> ResidentStage:
         st = self.resident.of(model)
         if st is None:
