@@ -92,12 +92,13 @@ def workload_of(config) -> WorkloadConfig:
 
 def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, cost=None,
              requests: list[SimRequest] | None = None, loop: EventLoop | None = None,
-             progress: Progress | None = None, schedules=None) -> SimResult:
+             progress: Progress | None = None, schedules=None, controller=None) -> SimResult:
     """Simulate `config` served by `settings.system`. `layout` skips re-planning (sweeps),
     `cost` replaces the cost model, `requests` the generated workload (tests), `loop` the
     event loop (bench/sim_speed.py's naive peer); `progress(simulated_s, finished, total,
     events)` is called between slices of simulated time (same results with or without);
-    `schedules` (model -> workload.schedule.RateSchedule) make the generated rates vary over time."""
+    `schedules` (model -> workload.schedule.RateSchedule) make the generated rates vary over time;
+    `controller` replaces the `ReplanController` a `replan_interval` run builds (bench/replan.py's oracle)."""
     settings.validate()
     wall0 = time.perf_counter()
     if layout is None:
@@ -121,8 +122,9 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
             raise UserError(f"model {req.model!r} has requests but no stages in the {layout.name} placement")
         loop.schedule(RequestArrivalEvent(req.arrival, req))
     if settings.replan_interval is not None:  # the fast path steps aside: every step is an event
-        controller = ReplanController(config, layout.placement, settings.replan_interval, settings.replan_threshold,
-                                      settings.replan_hysteresis)
+        if controller is None:
+            controller = ReplanController(config, layout.placement, settings.replan_interval, settings.replan_threshold,
+                                          settings.replan_hysteresis)
         last = max((r.arrival for r in requests), default=0.0)
         cluster.live = LivePlacement(cluster, controller, config, layout.gpus_per_engine, settings.host_link_gbps, last)
         loop.schedule(LiveTickEvent(0.0))
