@@ -114,19 +114,20 @@ class Cluster:
     # --- event handlers -------------------------------------------------------------------
     def admit(self, req, t: float) -> None:
         rec = self.metrics.add_request(req.id, req.model, req.arrival, req.prompt_len, req.output_len)
-        rid = str(req.id)
-        self.records[rid] = rec
+        self.records[str(req.id)] = rec
         if self.live is None:
-            replica = self.dispatcher.pick(req.model)
-        else:  # live re-planning: its meter sees the arrival, a serving replica takes it
-            self.live.observe(req.model, t)
-            replica = self.live.pick(req.model)
-        rec.replica = replica
+            self.dispatch(req, self.dispatcher.pick(req.model), t)
+        else:  # live re-planning: its meter sees the arrival, a serving replica takes it (or it waits for one)
+            self.live.admit(req, t)
+
+    def dispatch(self, req, replica: int, t: float) -> None:
+        """Send admitted request `req` to `replica`'s first-stage engine at t."""
+        self.records[str(req.id)].replica = replica
         route = self.replicas[req.model][replica]
         if self.fast_path is not None and self.fast_path.arrival(req, replica, route, t):
             return  # admitted by a replay waiting for it (added to its engine's scheduler at the cut)
         eng = self.engines[route[0]]
-        eng.scheduler.add_request(rid, req.model, req.prompt_len, req.output_len, t)
+        eng.scheduler.add_request(str(req.id), req.model, req.prompt_len, req.output_len, t)
         self._wake(eng, t)
 
     def wakeup(self, eng: SimEngine, t: float) -> None:

@@ -3,7 +3,9 @@
 Place in the data flow: runner.py gives the `Cluster` a `LivePlacement` when the run has a
 `replan_interval`; the cluster tells it every arrival (`observe`) and asks it which replica a
 request goes to (`pick`: serving replicas only); a `LiveTickEvent` (events/live_tick.py) calls
-`tick` every `TICK_S` while arrivals last or a change is in flight. The re-planning itself is
+`tick` every `TICK_S` while arrivals last or a change is in flight. A model whose every
+replica moves has none serving while the new ones load: its arrivals wait (`held`) and go to
+the first replica that serves (counted in the summary's `held_requests`). The re-planning itself is
 the planner's `ReplanController` (planner/replan_controller.py): the same pure code the server
 runs; this module only charges time and memory for its actions.
 
@@ -44,7 +46,7 @@ class StageLoad:
     engine: int
     stage: int
     blocks: int
-    held: int = 0  # blocks of memory obtained so far (room freed by removed weights, then pool blocks)
+    held: int = 0  # pool blocks obtained so far
     loaded_at: float | None = None  # when its transfer ends (set once memory is held)
 
 
@@ -66,10 +68,11 @@ class LiveStats:
     adds: int = 0
     removes: int = 0
     ready_s: list[float] = field(default_factory=list)  # per add: decision to serving
+    held: int = 0  # requests that waited for a serving replica (their model had none for a moment)
 
     def summary(self) -> dict:
         return {"replans": len(self.replans), "replica_adds": self.adds, "replica_removes": self.removes,
-                "moved_weight_bytes": self.moved_bytes,
+                "moved_weight_bytes": self.moved_bytes, "held_requests": self.held,
                 "add_ready_s_max": max(self.ready_s) if self.ready_s else None, "changes": self.replans}
 
 
@@ -88,6 +91,7 @@ class LivePlacement:
         self.serving = {m: set(range(len(routes))) for m, routes in cluster.replicas.items()}
         self.draining: list[tuple[str, int]] = []
         self.loads: list[ReplicaLoad] = []
+        self.held: dict[str, list] = {}  # model -> requests waiting for a serving replica
         n = len(cluster.engines)
         self.link_free = [0.0] * n
         for (model, route), slot in self.slots.items():  # the start-up weights take their memory
@@ -97,14 +101,19 @@ class LivePlacement:
         self.stats = LiveStats()
 
     # --- what the cluster calls ------------------------------------------------------------
-    def observe(self, model: str, t: float) -> None:
-        self.controller.observe(model, t)
-
-    def pick(self, model: str) -> int:
-        return self.cluster.dispatcher.pick(model, among=self.serving[model])
+    def admit(self, req, t: float) -> None:
+        """A new request: metered, then sent to a serving replica, or held until one serves (a
+        model whose every replica moved has none while the new ones load)."""
+        self.controller.observe(req.model, t)
+        replica = self.cluster.dispatcher.pick(req.model, among=self.serving[req.model])
+        if replica is None:
+            self.held.setdefault(req.model, []).append(req)
+            self.stats.held += 1
+        else:
+            self.cluster.dispatch(req, replica, t)
 
     def pending(self) -> bool:
-        return bool(self.draining or self.loads)
+        return bool(self.draining or self.loads or any(self.held.values()))
 
     def tick(self, t: float) -> bool:
         """Advance drains and loads, re-plan if due; True while another tick is needed."""
@@ -222,6 +231,8 @@ class LivePlacement:
             eng.scheduler.add_stage(load.model, st.stage, b - a, -(-arch.kv_bytes_per_token_per_layer() // self.tp),
                                     mp.num_stages)
         self.serving[load.model].add(load.slot)
+        for req in self.held.pop(load.model, []):
+            self.cluster.dispatch(req, self.cluster.dispatcher.pick(load.model, among=self.serving[load.model]), t)
         self.stats.ready_s.append(t - load.started)
         load.done = True
 
