@@ -105,7 +105,7 @@ class EngineLoop:
     def remove_stage(self, model: str) -> list[str]:
         """Drop `model`'s stage: requests of it still here are aborted (their KV freed), its
         parked hidden states, weights and route go. Call between steps. Returns the ids aborted."""
-        left = self.scheduler.remove_stage(model)
+        left = self.scheduler.remove_stage(model, abort_left=True)
         for rid in left:
             self._forget(rid)
         self._drop_dead_parked()  # its batches' requests are all gone now

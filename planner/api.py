@@ -8,7 +8,7 @@ the simulator and the server call this.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 from paraflex.errors import ParaflexError, UserError
 from paraflex.placement import Placement
@@ -35,11 +35,15 @@ def plan(
     time_limit: float | None = None,
     progress: Progress | None = None,
     cost_model=None,
+    rates: Mapping[str, float] | None = None,
 ) -> Placement:
-    """Plan `config` with `solver`; raises UserError when no feasible plan exists."""
+    """Plan `config` with `solver`; raises UserError when no feasible plan exists. `rates`
+    (model -> rate > 0) replace the config's model rates (re-planning for measured traffic)."""
     if solver not in SOLVERS:
         raise UserError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     problem, facts = build_problem(config, cost_model)
+    if rates is not None:
+        problem = problem.with_rates(rates)
     params = {"device": config.cluster.device, "tp": config.cluster.tp, "devices_per_engine": 1, **facts}
     if solver == "paraflex":
         laid_out, solution = problem, optimize(problem, progress, fill=config.planner.fill_engines)

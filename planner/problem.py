@@ -8,7 +8,7 @@ Units: bytes. Pure Python, no config or cost-model imports, so tests build probl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from paraflex.errors import UserError
@@ -98,6 +98,13 @@ class Problem:
             raise ValueError(f"model names must be unique: {names}")
         if any(m.rate <= 0 for m in self.models):
             raise ValueError("every model needs a rate > 0")
+
+    def with_rates(self, rates) -> "Problem":
+        """The same problem with each model's rate from `rates` (name -> rate > 0; re-planning)."""
+        missing = [m.name for m in self.models if m.name not in rates]
+        if missing:
+            raise UserError(f"no rate given for model {missing[0]!r}; give a rate for every planned model")
+        return replace(self, models=tuple(replace(m, rate=rates[m.name]) for m in self.models))
 
     @property
     def ratios(self) -> list[float]:

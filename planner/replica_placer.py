@@ -89,7 +89,7 @@ class ReplicaPlacer:
             if not moved:
                 return
 
-    def _shift(self, cap: np.ndarray, cnt: np.ndarray, weights: np.ndarray, start: int, sign: int) -> None:
+    def shift(self, cap: np.ndarray, cnt: np.ndarray, weights: np.ndarray, start: int, sign: int) -> None:
         """Add (sign=+1) or remove (sign=-1) one replica starting at `start`."""
         win = self.windows(len(weights))[start]
         cap[win] -= sign * weights
@@ -107,18 +107,18 @@ class ReplicaPlacer:
             idx = self.windows(len(weights[i]))
             for j, start in enumerate(starts):
                 current = np.sort(water_levels(cap, cnt))
-                self._shift(cap, cnt, weights[i], start, -1)
+                self.shift(cap, cnt, weights[i], start, -1)
                 phi = self.scores(cap, cnt, self.taken(starts[:j] + starts[j + 1:], len(weights[i])), weights[i])
                 best_p, best_levels = start, current
                 for p in np.flatnonzero(phi >= current[0] - _TIE * max(1.0, abs(current[0]))):
                     if p == start:
                         continue
-                    self._shift(cap, cnt, weights[i], p, +1)
+                    self.shift(cap, cnt, weights[i], p, +1)
                     trial = np.sort(water_levels(cap, cnt))
-                    self._shift(cap, cnt, weights[i], p, -1)
+                    self.shift(cap, cnt, weights[i], p, -1)
                     if lex_greater(trial, best_levels):
                         best_p, best_levels = int(idx[p, 0]), trial
-                self._shift(cap, cnt, weights[i], best_p, +1)
+                self.shift(cap, cnt, weights[i], best_p, +1)
                 if best_p != start:
                     starts[j] = best_p
                     moved = True
@@ -135,7 +135,7 @@ class ReplicaPlacer:
             current = np.sort(water_levels(cap, cnt))
             old = {a: placed[a[0]][a[1]], b: placed[b[0]][b[1]]}
             for r in (a, b):
-                self._shift(cap, cnt, weights[r[0]], old[r], -1)
+                self.shift(cap, cnt, weights[r[0]], old[r], -1)
             best = None
             for first, second in ((a, b), (b, a)):
                 new = {}
@@ -147,16 +147,16 @@ class ReplicaPlacer:
                     if start < 0:
                         break
                     new[r] = start
-                    self._shift(cap, cnt, weights[i], start, +1)
+                    self.shift(cap, cnt, weights[i], start, +1)
                 if len(new) == 2:
                     trial = np.sort(water_levels(cap, cnt))
                     if lex_greater(trial, current if best is None else best[1]):
                         best = (dict(new), trial)
                 for r, start in new.items():
-                    self._shift(cap, cnt, weights[r[0]], start, -1)
+                    self.shift(cap, cnt, weights[r[0]], start, -1)
             chosen = best[0] if best is not None else old
             for r in (a, b):
-                self._shift(cap, cnt, weights[r[0]], chosen[r], +1)
+                self.shift(cap, cnt, weights[r[0]], chosen[r], +1)
                 placed[r[0]][r[1]] = chosen[r]
             if best is not None:
                 return True

@@ -19,7 +19,10 @@ from paraflex.config.schema import WorkloadConfig
 from paraflex.errors import ParaflexError, UserError
 from paraflex.simulator.core.cluster import Cluster
 from paraflex.simulator.core.event_loop import EventLoop
-from paraflex.simulator.core.events import RequestArrivalEvent
+from paraflex.planner.incremental import DEFAULT_HYSTERESIS
+from paraflex.planner.replan_controller import DEFAULT_THRESHOLD, ReplanController
+from paraflex.simulator.core.events import LiveTickEvent, RequestArrivalEvent
+from paraflex.simulator.core.live_placement import LivePlacement
 from paraflex.simulator.metrics.records import MetricsStore, model_slos
 from paraflex.simulator.systems.layouts import SystemLayout, build_system
 from paraflex.simulator.workload import SimRequest, WorkloadModel, generate
@@ -47,6 +50,12 @@ class SimSettings:
     # (fast_forward.py), a pipeline with the one-stage replicas on its engines (joint_replay.py),
     # hand a one-stage replica its tokens without an event (cluster.py)
     fast_forward: bool = True
+    # live re-planning (simulator/core/live_placement.py): re-plan every `replan_interval` s
+    # (None: off) or when a model's rate moves by more than `replan_threshold`; the placement
+    # changes only when the objective gains more than `replan_hysteresis`
+    replan_interval: float | None = None
+    replan_threshold: float = DEFAULT_THRESHOLD
+    replan_hysteresis: float = DEFAULT_HYSTERESIS
 
     def validate(self) -> "SimSettings":
         if not 0 < self.rate < math.inf:
@@ -55,6 +64,8 @@ class SimSettings:
             raise UserError(f"--host-link-gbps must be a finite number > 0, got {self.host_link_gbps:g}")
         if self.seed < 0:
             raise UserError(f"--seed must be >= 0, got {self.seed}")
+        if self.replan_interval is not None and self.system != "paraflex":
+            raise UserError(f"--replan-interval re-plans with ParaFlex's planner; it applies to --system paraflex, not {self.system}")
         return self
 
 
@@ -78,11 +89,13 @@ def workload_of(config) -> WorkloadConfig:
 
 def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, cost=None,
              requests: list[SimRequest] | None = None, loop: EventLoop | None = None,
-             progress: Progress | None = None) -> SimResult:
+             progress: Progress | None = None, schedules=None, controller=None) -> SimResult:
     """Simulate `config` served by `settings.system`. `layout` skips re-planning (sweeps),
     `cost` replaces the cost model, `requests` the generated workload (tests), `loop` the
     event loop (bench/sim_speed.py's naive peer); `progress(simulated_s, finished, total,
-    events)` is called between slices of simulated time (same results with or without)."""
+    events)` is called between slices of simulated time (same results with or without);
+    `schedules` (model -> workload.schedule.RateSchedule) make the generated rates vary over time;
+    `controller` replaces the `ReplanController` a `replan_interval` run builds (bench/replan.py's oracle)."""
     settings.validate()
     wall0 = time.perf_counter()
     if layout is None:
@@ -91,7 +104,7 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
     shares = workload.model_shares(config.models)
     models = [WorkloadModel(m.name, m.arch.max_context, s) for m, s in zip(config.models, shares)]
     if requests is None:
-        requests, info = generate(models, workload, settings.rate, settings.seed)
+        requests, info = generate(models, workload, settings.rate, settings.seed, schedules)
     else:
         info = {"requests": len(requests), "given": True}
     slos = model_slos(config.models)
@@ -104,7 +117,14 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
         if req.model not in served:
             raise UserError(f"model {req.model!r} has requests but no stages in the {layout.name} placement")
         loop.schedule(RequestArrivalEvent(req.arrival, req))
-    if settings.fast_forward:
+    if settings.replan_interval is not None:  # the fast path steps aside: every step is an event
+        if controller is None:
+            controller = ReplanController(config, layout.placement, settings.replan_interval, settings.replan_threshold,
+                                          settings.replan_hysteresis)
+        last = max((r.arrival for r in requests), default=0.0)
+        cluster.live = LivePlacement(cluster, controller, config, layout.gpus_per_engine, settings.host_link_gbps, last)
+        loop.schedule(LiveTickEvent(0.0))
+    elif settings.fast_forward:
         cluster.enable_fast_forward(requests)
     # Freeze the set-up objects out of the cyclic GC and pause it during the run (the loop
     # creates no reference cycles): collections over the block tables would cost run time.
@@ -137,6 +157,8 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
         "wall_s": wall, "setup_wall_s": setup,
         "sim_requests_per_wall_s": len(requests) / wall if wall > 0 else None,
     })
+    if cluster.live is not None:
+        summary["live_replanning"] = cluster.live.stats.summary()
     resolved = {"config": config.to_dict(), "simulation": asdict(settings), "layout": layout.describe()}
     return SimResult(layout.name, layout, metrics, summary, resolved, cluster.engines)
 

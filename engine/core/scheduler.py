@@ -191,13 +191,16 @@ class EngineScheduler:
         self.resident.add(st)
         return st
 
-    def remove_stage(self, model: str) -> list[str]:
-        """Make `model`'s stage leave this engine (live re-planning): its live requests here are
-        aborted, their KV freed (the serving frontend drained or moved them first; these are
-        leftovers whose free is still on its way), and its queues dropped. Call between
-        batches. Returns the ids aborted."""
+    def remove_stage(self, model: str, abort_left: bool = False) -> list[str]:
+        """Make `model`'s stage leave this engine (live re-planning) and drop its queues. Call
+        between batches. Requests of it still here are refused (ProtocolError: drain first),
+        or with `abort_left` aborted and their KV freed (the serving frontend drained or moved
+        them first; these are leftovers whose free is still on its way). Returns the ids aborted."""
         st = self.stage_of(model)
         left = [r.req_id for r in self.requests.live.values() if r.model == model]
+        if left and not abort_left:
+            raise ProtocolError(f"engine {self.engine_id} still serves {model!r} ({len(left)} live requests); "
+                                "drain before removing its stage")
         for rid in left:
             if self.requests.live[rid].state == RUNNING:
                 raise ProtocolError(f"remove_stage({model!r}) while its batch runs; call it between batches")

@@ -59,6 +59,15 @@ def add_arguments(p) -> None:
     a.add_argument("--check-invariants", action="store_true", help="check KV accounting after every stage (slow)")
     a.add_argument("--no-fast-forward", action="store_true",
                    help="simulate every decode step as events (same results, slower; for checking)")
+    r = p.add_argument_group("live re-planning (docs/simulate.md)")
+    r.add_argument("--replan-interval", type=float, metavar="S",
+                   help="re-plan the placement every S simulated seconds from measured rates (off by default)")
+    r.add_argument("--replan-threshold", type=float, default=0.5,
+                   help="also re-plan when a model's rate moves by more than this share (default 0.5)")
+    r.add_argument("--replan-hysteresis", type=float, default=0.1,
+                   help="keep the placement unless the objective improves by more than this share (default 0.1)")
+    r.add_argument("--rate-schedule", metavar="FILE",
+                   help="YAML/JSON: per-model rate multipliers over time (steps, ramp, diurnal)")
 
 
 def _workload(args, config):
@@ -155,7 +164,18 @@ def run(args) -> int:
     if rate is None:
         raise UserError("give --rate R (total requests/s) or set workload.rate in the config")
     SYSTEMS.get(base.system, "--system")
-    return _run_one(config, dataclasses.replace(base, rate=rate), args.output)
+    return _run_one(config, dataclasses.replace(base, rate=rate), args.output, _schedules(args.rate_schedule, config))
+
+
+def _schedules(path, config):
+    """The --rate-schedule file's per-model schedules (None without the flag)."""
+    if path is None:
+        return None
+    from paraflex.config.file import read_config_file
+    from paraflex.simulator.workload.schedule import parse_schedules
+
+    raw = read_config_file(path)
+    return parse_schedules(raw, [m.name for m in config.models])
 
 
 def _settings(args, rate: float, seed: int):
@@ -165,7 +185,8 @@ def _settings(args, rate: float, seed: int):
                        random_placement=args.random_placement, prefill_first=args.prefill_first,
                        unbounded_decode_batches=args.unbounded_decode_batches, paper_replication=args.paper_replication,
                        host_link_gbps=args.host_link_gbps, check_invariants=args.check_invariants,
-                       fast_forward=not args.no_fast_forward)
+                       fast_forward=not args.no_fast_forward, replan_interval=args.replan_interval,
+                       replan_threshold=args.replan_threshold, replan_hysteresis=args.replan_hysteresis)
 
 
 SYSTEMS_ORDER = ("paraflex", "ray-serve", "sarathi", "alpaserve", "vllm-tp")
@@ -203,7 +224,7 @@ def _num(v, width: int) -> str:
 
 
 REQUESTS_EXCLUDE = ("sweep", "rate", "rates", "systems", "trace", "arrival", "cv", "zipf_alpha", "num_requests",
-                    "duration", "prompt_scale", "output_scale")
+                    "duration", "prompt_scale", "output_scale", "rate_schedule")
 
 
 def _run_requests(config, args) -> int:
@@ -229,7 +250,7 @@ def _run_requests(config, args) -> int:
     return _run_one(config, settings, args.output, requests=reqs)
 
 
-def _run_one(config, settings, output, requests=None) -> int:
+def _run_one(config, settings, output, requests=None, schedules=None) -> int:
     from paraflex.simulator.metrics.output import write_run
     from paraflex.simulator.progress import RunProgress
     from paraflex.simulator.runner import simulate
@@ -239,7 +260,7 @@ def _run_one(config, settings, output, requests=None) -> int:
     _check_output_dir(out)
     progress = RunProgress(settings.system)
     try:
-        result = simulate(config, settings, requests=requests, progress=progress)
+        result = simulate(config, settings, requests=requests, progress=progress, schedules=schedules)
     finally:
         progress.close()
     write_run(_output_dir(out), result)  # made only now: a run that fails leaves no empty folder
@@ -260,5 +281,9 @@ def _run_one(config, settings, output, requests=None) -> int:
     for m, pm in s["per_model"].items():
         if pm["finished"]:
             print(f"  {m:<28} {pm['finished']:>6} req  E2E median {pm['e2e_median_s']:.3f} s  P99 {pm['e2e_p99_s']:.3f} s")
+    live = s.get("live_replanning")
+    if live is not None:
+        print(f"  live re-planning: {live['replans']} changes, {live['replica_adds']} replicas added, "
+              f"{live['replica_removes']} removed, {live['moved_weight_bytes'] / 2**30:.1f} GiB of weights loaded")
     print(f"results: {out}/ (requests.csv, summary.json, config.json, placement.json, *.png)")
     return 0

@@ -59,6 +59,8 @@ class Cluster:
             # layer's KV heads, so the engine's accounting is one GPU's pool with 1/tp of the
             # per-token KV bytes (blocks are `block_bytes` on each GPU, as on a real worker).
             kv_bytes = max(0, layout.memory_bytes - ep.weight_bytes) // tp
+            if settings.replan_interval is not None:  # weights come and go: the pool spans the memory and
+                kv_bytes = layout.memory_bytes // tp  # holds them as allocations (live_placement.py)
             pool = BlockPool.from_bytes(kv_bytes, sc.block_bytes, host_bytes // tp)
             scheduler = EngineScheduler(pool, engine_id=ep.id, **options)
             stages: dict[str, StageInfo] = {}
@@ -82,6 +84,7 @@ class Cluster:
         self.messages: dict[tuple[str, int], list] = {key: [] for key in self.route_pending}
         self.woken: list[SimEngine] = []
         self.fast_path: FastPath | None = None
+        self.live = None  # a LivePlacement (live_placement.py) when the run re-plans
 
     def enable_fast_forward(self, requests) -> None:
         """Replay in closed form what the engines' policy allows (simulator/fastpath/hook.py);
@@ -111,15 +114,20 @@ class Cluster:
     # --- event handlers -------------------------------------------------------------------
     def admit(self, req, t: float) -> None:
         rec = self.metrics.add_request(req.id, req.model, req.arrival, req.prompt_len, req.output_len)
-        rid = str(req.id)
-        self.records[rid] = rec
-        replica = self.dispatcher.pick(req.model)
-        rec.replica = replica
+        self.records[str(req.id)] = rec
+        if self.live is None:
+            self.dispatch(req, self.dispatcher.pick(req.model), t)
+        else:  # live re-planning: its meter sees the arrival, a serving replica takes it (or it waits for one)
+            self.live.admit(req, t)
+
+    def dispatch(self, req, replica: int, t: float) -> None:
+        """Send admitted request `req` to `replica`'s first-stage engine at t."""
+        self.records[str(req.id)].replica = replica
         route = self.replicas[req.model][replica]
         if self.fast_path is not None and self.fast_path.arrival(req, replica, route, t):
             return  # admitted by a replay waiting for it (added to its engine's scheduler at the cut)
         eng = self.engines[route[0]]
-        eng.scheduler.add_request(rid, req.model, req.prompt_len, req.output_len, t)
+        eng.scheduler.add_request(str(req.id), req.model, req.prompt_len, req.output_len, t)
         self._wake(eng, t)
 
     def wakeup(self, eng: SimEngine, t: float) -> None:

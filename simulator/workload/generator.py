@@ -61,11 +61,12 @@ def check_request_count(workload, total_rate: float) -> float:
     return horizon
 
 
-def generate(models: list[WorkloadModel], workload, total_rate: float, seed: int):
+def generate(models: list[WorkloadModel], workload, total_rate: float, seed: int, schedules=None):
     """Return (requests sorted by arrival with ids 0..n-1, info dict).
 
     `workload` has the fields of paraflex.config.schema.WorkloadConfig (arrival, cv, trace,
-    duration_s, num_requests, prompt_scale, output_scale)."""
+    duration_s, num_requests, prompt_scale, output_scale). `schedules` (model -> a
+    schedule.RateSchedule) make a model's rate vary over time: its base rate x the multiplier."""
     if not total_rate > 0:
         raise UserError(f"rate must be > 0 requests/s, got {total_rate}")
     trace = load_trace(workload.trace) if workload.trace else None
@@ -82,7 +83,12 @@ def generate(models: list[WorkloadModel], workload, total_rate: float, seed: int
         if rate <= 0:
             per_model[m.name] = {"rate": 0.0, "requests": 0, "clipped": 0}
             continue
-        times, trace_rows = arrive(rng, rate, horizon, cv=workload.cv, trace=trace)
+        schedule = (schedules or {}).get(m.name)
+        if schedule is None:
+            times, trace_rows = arrive(rng, rate, horizon, cv=workload.cv, trace=trace)
+        else:
+            times, trace_rows = arrive(rng, rate, schedule.cumulative(horizon), cv=workload.cv, trace=trace)
+            times = schedule.warp(times, horizon)
         prompt, output = lengths(rng, len(times), trace_rows, trace)
         prompt = scale(prompt, workload.prompt_scale)
         output = scale(output, workload.output_scale)
