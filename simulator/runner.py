@@ -45,6 +45,7 @@ class SimSettings:
     unbounded_decode_batches: bool = False  # the paper's rule: no in-flight bound on decode batches
     paper_replication: bool = False  # the paper's Alg. 1 stop (planner.fill_engines: false)
     host_link_gbps: float = 256.0
+    prefill_engines: int | None = None  # aegaeon: engines in the prefill pool (default: the paper's 6:10 split)
     check_invariants: bool = False
     # fast paths with the same results: replay undisturbed decode cycles in closed form
     # (fast_forward.py), a pipeline with the one-stage replicas on its engines (joint_replay.py),
@@ -56,6 +57,8 @@ class SimSettings:
             raise UserError(f"--rate must be a finite number > 0 requests/s, got {self.rate:g}")
         if not 0 < self.host_link_gbps < math.inf:
             raise UserError(f"--host-link-gbps must be a finite number > 0, got {self.host_link_gbps:g}")
+        if self.prefill_engines is not None and self.prefill_engines < 1:
+            raise UserError(f"--prefill-engines must be >= 1, got {self.prefill_engines}")
         if self.seed < 0:
             raise UserError(f"--seed must be >= 0, got {self.seed}")
         return self
@@ -101,14 +104,14 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
             for m in config.models}
     metrics = MetricsStore(slos, layout.placement.num_engines, layout.gpus_per_engine)
     loop = loop if loop is not None else EventLoop()
-    cluster = Cluster(config, layout, settings, loop, metrics, cost)
+    cluster = (layout.seed.cluster if layout.seed is not None else Cluster)(config, layout, settings, loop, metrics, cost)
     sim = _Sim(loop, cluster)
     served = set(layout.placement.models)
     for req in requests:
         if req.model not in served:
             raise UserError(f"model {req.model!r} has requests but no stages in the {layout.name} placement")
         loop.schedule(RequestArrivalEvent(req.arrival, req))
-    if settings.fast_forward:
+    if settings.fast_forward and layout.seed is None:
         cluster.enable_fast_forward(requests)
     # Freeze the set-up objects out of the cyclic GC and pause it during the run (the loop
     # creates no reference cycles): collections over the block tables would cost run time.
