@@ -15,19 +15,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from paraflex.config.schema import WorkloadConfig
 from paraflex.errors import ParaflexError, UserError
 from paraflex.simulator.core.cluster import Cluster
 from paraflex.simulator.core.event_loop import EventLoop
 from paraflex.simulator.core.events import RequestArrivalEvent
-from paraflex.simulator.metrics.records import MetricsStore, ModelSLO
+from paraflex.simulator.metrics.records import MetricsStore, model_slos
 from paraflex.simulator.systems.layouts import SystemLayout, build_system
-from paraflex.simulator.workload import SimRequest, WorkloadModel, generate
+from paraflex.simulator.workload import SimRequest, WorkloadModel, generate, workload_of
 
 Progress = Callable[[float, int, int, int], None]  # (simulated s, finished, total requests, events)
 
-# Aegaeon's production SLOs (§7.1 there), used for models whose config sets none.
-DEFAULT_TTFT_MS, DEFAULT_TBT_MS = 10_000.0, 100.0
 
 
 @dataclass
@@ -78,10 +75,6 @@ class SimResult:
         return self.layout.placement
 
 
-def workload_of(config) -> WorkloadConfig:
-    return config.workload if config.workload is not None else WorkloadConfig()
-
-
 def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, cost=None,
              requests: list[SimRequest] | None = None, loop: EventLoop | None = None,
              progress: Progress | None = None) -> SimResult:
@@ -100,9 +93,7 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
         requests, info = generate(models, workload, settings.rate, settings.seed)
     else:
         info = {"requests": len(requests), "given": True}
-    slos = {m.name: ModelSLO((m.slo_ttft_ms or DEFAULT_TTFT_MS) / 1000, (m.slo_tbt_ms or DEFAULT_TBT_MS) / 1000)
-            for m in config.models}
-    metrics = MetricsStore(slos, layout.placement.num_engines, layout.gpus_per_engine)
+    metrics = MetricsStore(model_slos(config.models), layout.placement.num_engines, layout.gpus_per_engine)
     loop = loop if loop is not None else EventLoop()
     cluster = (layout.seed.cluster if layout.seed is not None else Cluster)(config, layout, settings, loop, metrics, cost)
     sim = _Sim(loop, cluster)

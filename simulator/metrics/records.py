@@ -58,6 +58,16 @@ class ModelSLO:
     tbt_s: float
 
 
+# Aegaeon's production SLOs (§7.1 there), used for models whose config sets none.
+DEFAULT_TTFT_MS, DEFAULT_TBT_MS = 10_000.0, 100.0
+
+
+def model_slos(models) -> dict[str, ModelSLO]:
+    """Each configured model's SLOs in seconds (the defaults where the config sets none)."""
+    return {m.name: ModelSLO((m.slo_ttft_ms or DEFAULT_TTFT_MS) / 1000, (m.slo_tbt_ms or DEFAULT_TBT_MS) / 1000)
+            for m in models}
+
+
 def _pct(values, q: float) -> float | None:
     if len(values) == 0:
         return None

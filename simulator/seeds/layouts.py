@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from paraflex.errors import UserError
 from paraflex.placement import VERSION, EnginePlacement, ModelPlacement, Placement, StageRef
+from paraflex.simulator.metrics.records import model_slos
 from paraflex.simulator.seeds.aegaeon_cluster import AegaeonCluster
 from paraflex.simulator.seeds.colocated_cluster import ColocatedCluster
 from paraflex.simulator.seeds.grouped_fcfs import MAX_GPSIZE
@@ -27,6 +28,7 @@ from paraflex.simulator.seeds.muxserve_placement import MAX_MODELS_PER_GPU, muxs
 from paraflex.simulator.seeds.switching import AEGAEON_BETA
 from paraflex.simulator.seeds.wrr_quota import Q_MAX_S
 from paraflex.simulator.systems.system_layout import SYSTEMS, SystemLayout
+from paraflex.simulator.workload import workload_of
 
 AEGAEON_PREFILL_SHARE = 6 / 16  # the paper's testbed: 6 prefill + 10 decode GPUs
 PRISM_IDLE_S = 10.0  # idle threshold before a model may be evicted (Prism §3.1 counts idle periods > 10 s)
@@ -84,10 +86,9 @@ def aegaeon(config, settings) -> SystemLayout:
 
 
 def _placed_models(config, settings) -> list[PlacedModel]:
-    from paraflex.simulator.runner import DEFAULT_TTFT_MS, workload_of
-
     shares = workload_of(config).model_shares(config.models)
-    return [PlacedModel(m.name, settings.rate * s, (m.slo_ttft_ms or DEFAULT_TTFT_MS) / 1000, m.arch.weight_bytes())
+    slos = model_slos(config.models)
+    return [PlacedModel(m.name, settings.rate * s, slos[m.name].ttft_s, m.arch.weight_bytes())
             for m, s in zip(config.models, shares)]
 
 
