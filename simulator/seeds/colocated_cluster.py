@@ -83,7 +83,7 @@ class ColocatedCluster(SeedCluster):
     def retry_later(self, t: float) -> None:
         """No GPU had room: models become evictable once idle long enough, so try again then."""
         at = t + self.params["idle_s"]
-        if self.retry_at < t:
+        if self.retry_at <= t:  # no retry pending
             self.retry_at = at
             self.at(at, self.retry_activations)
 
