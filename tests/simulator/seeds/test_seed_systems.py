@@ -87,7 +87,7 @@ def test_aegaeon_switch_latency_and_attainment_reported():
 def test_prism_on_one_gpu_with_bursty_traffic_loses_nothing():
     # more weights than one GPU holds, idle gaps: activations must wait for idle models to turn
     # evictable, and a retry must come even when no request is running (once a stall)
-    archs = ("phi-2", "llama-2-7b", "llama-3-8b", "llama-20b", "internlm2.5-20b-chat")
+    archs = ("phi-2", "llama-2-7b", "llama-3-8b", "llama-20b", "internlm2.5-20b-chat", "llama-2-7b", "llama-3-8b", "phi-2")
     cfg = Config.from_dict({
         "cluster": {"num_engines": 1, "device": "h100-80g", "memory_gb": 72, "host_memory_gb": 512},
         "models": [{"name": f"p{i}", "arch": a, "slo_ttft_ms": 2000} for i, a in enumerate(archs)],
