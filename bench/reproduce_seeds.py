@@ -16,7 +16,7 @@ TTFT / TBT tails, active GPUs) to say why a system wins or loses. Writes results
 results.json under --out.
 
     python bench/reproduce_seeds.py [--duration 60] [--market-models 16,32,48,64,96,128]
-        [--market-rates 0.1,0.5] [--prism-rate 4] [--base-rates 2,4] [--seed 0]
+        [--market-rates 0.1,0.5] [--prism-rate 4] [--base-rates 4,16,32] [--seed 0]
 """
 
 from __future__ import annotations
@@ -156,8 +156,8 @@ def main() -> int:
                     help="alpaserve's layout pipelines every model over 16-32 stages: its simulation costs minutes "
                          "per point beyond this many models, so larger points are not run")
     ap.add_argument("--prism-rate", type=float, default=4.0, help="total req/s over the 8 models")
-    ap.add_argument("--prism-max-engines", type=int, default=8)
-    ap.add_argument("--base-rates", default="2,4")
+    ap.add_argument("--prism-max-engines", type=int, default=16)
+    ap.add_argument("--base-rates", default="4,16,32")
     ap.add_argument("--scenarios", default="market,prism,base")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-results/reproduce_seeds")
