@@ -1,5 +1,5 @@
-"""Reproduce the paper's §8.2 base case in the simulator: all five systems over a rate sweep,
-several seeds per rate.
+"""Reproduce the paper's §8.2 base case in the simulator: the paper's five systems and the seed
+systems (aegaeon, prism, muxserve) over a rate sweep, several seeds per rate.
 
 Prints, per system, the peak throughput (per seed: the highest achieved throughput among the
 swept rates whose P99 E2E latency stays under --p99-bound seconds, default 60 s: beyond it
@@ -37,7 +37,7 @@ from paraflex.config.schema import load_config
 from paraflex.simulator.runner import SimSettings
 from paraflex.simulator.sweep import run_sweep
 
-SYSTEMS = ["paraflex", "ray-serve", "sarathi", "alpaserve", "vllm-tp"]
+SYSTEMS = ["paraflex", "ray-serve", "sarathi", "alpaserve", "vllm-tp", "aegaeon", "prism", "muxserve"]
 
 
 def _rng(values: list[float], fmt: str = ".1f") -> str:

@@ -41,7 +41,8 @@ import time
 
 from paraflex.config.schema import load_config
 from paraflex.simulator.core.event_loop import EventLoop
-from paraflex.simulator.runner import SimSettings, simulate, workload_of
+from paraflex.simulator.runner import SimSettings, simulate
+from paraflex.simulator.workload import workload_of
 from paraflex.simulator.systems.layouts import build_system
 from paraflex.simulator.workload import WorkloadModel, generate
 

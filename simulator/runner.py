@@ -15,7 +15,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from paraflex.config.schema import WorkloadConfig
 from paraflex.errors import ParaflexError, UserError
 from paraflex.simulator.core.cluster import Cluster
 from paraflex.simulator.core.event_loop import EventLoop
@@ -25,9 +24,10 @@ from paraflex.simulator.core.events import LiveTickEvent, RequestArrivalEvent
 from paraflex.simulator.core.live_placement import LivePlacement
 from paraflex.simulator.metrics.records import MetricsStore, model_slos
 from paraflex.simulator.systems.layouts import SystemLayout, build_system
-from paraflex.simulator.workload import SimRequest, WorkloadModel, generate
+from paraflex.simulator.workload import SimRequest, WorkloadModel, generate, workload_of
 
 Progress = Callable[[float, int, int, int], None]  # (simulated s, finished, total requests, events)
+
 
 
 @dataclass
@@ -45,6 +45,7 @@ class SimSettings:
     unbounded_decode_batches: bool = False  # the paper's rule: no in-flight bound on decode batches
     paper_replication: bool = False  # the paper's Alg. 1 stop (planner.fill_engines: false)
     host_link_gbps: float = 256.0
+    prefill_engines: int | None = None  # aegaeon: engines in the prefill pool (default: the paper's 6:10 split)
     check_invariants: bool = False
     # fast paths with the same results: replay undisturbed decode cycles in closed form
     # (fast_forward.py), a pipeline with the one-stage replicas on its engines (joint_replay.py),
@@ -62,6 +63,8 @@ class SimSettings:
             raise UserError(f"--rate must be a finite number > 0 requests/s, got {self.rate:g}")
         if not 0 < self.host_link_gbps < math.inf:
             raise UserError(f"--host-link-gbps must be a finite number > 0, got {self.host_link_gbps:g}")
+        if self.prefill_engines is not None and self.prefill_engines < 1:
+            raise UserError(f"--prefill-engines must be >= 1, got {self.prefill_engines}")
         if self.seed < 0:
             raise UserError(f"--seed must be >= 0, got {self.seed}")
         if self.replan_interval is not None and self.system != "paraflex":
@@ -81,10 +84,6 @@ class SimResult:
     @property
     def placement(self):
         return self.layout.placement
-
-
-def workload_of(config) -> WorkloadConfig:
-    return config.workload if config.workload is not None else WorkloadConfig()
 
 
 def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, cost=None,
@@ -107,10 +106,9 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
         requests, info = generate(models, workload, settings.rate, settings.seed, schedules)
     else:
         info = {"requests": len(requests), "given": True}
-    slos = model_slos(config.models)
-    metrics = MetricsStore(slos, layout.placement.num_engines, layout.gpus_per_engine)
+    metrics = MetricsStore(model_slos(config.models), layout.placement.num_engines, layout.gpus_per_engine)
     loop = loop if loop is not None else EventLoop()
-    cluster = Cluster(config, layout, settings, loop, metrics, cost)
+    cluster = (layout.seed.cluster if layout.seed is not None else Cluster)(config, layout, settings, loop, metrics, cost)
     sim = _Sim(loop, cluster)
     served = set(layout.placement.models)
     for req in requests:
@@ -124,7 +122,7 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
         last = max((r.arrival for r in requests), default=0.0)
         cluster.live = LivePlacement(cluster, controller, config, layout.gpus_per_engine, settings.host_link_gbps, last)
         loop.schedule(LiveTickEvent(0.0))
-    elif settings.fast_forward:
+    elif settings.fast_forward and layout.seed is None:
         cluster.enable_fast_forward(requests)
     # Freeze the set-up objects out of the cyclic GC and pause it during the run (the loop
     # creates no reference cycles): collections over the block tables would cost run time.

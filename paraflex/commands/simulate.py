@@ -22,7 +22,8 @@ HELP = "simulate serving a config on a cluster (cost model, no GPU): latency, th
 
 def add_arguments(p) -> None:
     p.add_argument("config", help="cluster + models (+ workload) YAML/JSON config")
-    p.add_argument("--system", help="paraflex | ray-serve | sarathi | alpaserve | vllm-tp (default paraflex)")
+    p.add_argument("--system", help="paraflex | ray-serve | sarathi | alpaserve | vllm-tp | aegaeon | prism | muxserve "
+                   "(default paraflex)")
     p.add_argument("--rate", type=float, help="total request rate over all models, req/s (default: workload.rate)")
     p.add_argument("-o", "--output", help="results directory (default sim-results/<system>-r<rate> or sim-results/sweep)")
     p.add_argument("--seed", type=int, help="random seed of the workload and random placement (default: workload.seed)")
@@ -55,6 +56,13 @@ def add_arguments(p) -> None:
     a.add_argument("--paper-replication", action="store_true",
                    help="paraflex: the paper's Alg. 1 stop, no replicas for the other models once the chosen one is full "
                         "(planner.fill_engines: false)")
+    a.add_argument("--prefill-engines", type=int, help="aegaeon: engines in the prefill pool (default: the paper's 6:10 split)")
+    g = p.add_argument_group("GPUs-needed search (Prism Table 1)")
+    g.add_argument("--find-min-engines", type=float, metavar="TARGET",
+                   help="find the fewest engines at which --system reaches this attainment (e.g. 0.99)")
+    g.add_argument("--attainment", default="slo", choices=("slo", "ttft", "tpot"),
+                   help="what --find-min-engines measures: token SLO (default), per-request TTFT or TPOT attainment")
+    g.add_argument("--max-engines", type=int, help="--find-min-engines: largest cluster tried (default cluster.num_engines)")
     a.add_argument("--host-link-gbps", type=float, default=256.0, help="host<->GPU bandwidth per GPU for KV swaps")
     a.add_argument("--check-invariants", action="store_true", help="check KV accounting after every stage (slow)")
     a.add_argument("--no-fast-forward", action="store_true",
@@ -164,6 +172,8 @@ def run(args) -> int:
     if rate is None:
         raise UserError("give --rate R (total requests/s) or set workload.rate in the config")
     SYSTEMS.get(base.system, "--system")
+    if args.find_min_engines is not None:
+        return _find_min_engines(config, dataclasses.replace(base, rate=rate), args)
     return _run_one(config, dataclasses.replace(base, rate=rate), args.output, _schedules(args.rate_schedule, config))
 
 
@@ -185,8 +195,26 @@ def _settings(args, rate: float, seed: int):
                        random_placement=args.random_placement, prefill_first=args.prefill_first,
                        unbounded_decode_batches=args.unbounded_decode_batches, paper_replication=args.paper_replication,
                        host_link_gbps=args.host_link_gbps, check_invariants=args.check_invariants,
+                       prefill_engines=args.prefill_engines,
                        fast_forward=not args.no_fast_forward, replan_interval=args.replan_interval,
                        replan_threshold=args.replan_threshold, replan_hysteresis=args.replan_hysteresis)
+
+
+def _find_min_engines(config, settings, args) -> int:
+    from paraflex.simulator.min_engines import find_min_engines
+
+    settings.validate()
+    best, tries = find_min_engines(config, settings, args.find_min_engines, args.attainment, args.max_engines)
+    print(f"{'engines':>7} {args.attainment + ' att.':>10}  note")
+    for n in sorted(tries):
+        print(f"{n:>7} {tries[n][0]:>10.3f}  {tries[n][1][:90]}")
+    if best is None:
+        print(f"{settings.system}: {args.attainment} attainment {args.find_min_engines:g} not met with "
+              f"{max(tries)} engines; raise --max-engines")
+    else:
+        print(f"{settings.system}: {best} engines x {config.cluster.tp} GPUs reach {args.attainment} attainment "
+              f">= {args.find_min_engines:g} at {settings.rate:g} req/s")
+    return 0
 
 
 SYSTEMS_ORDER = ("paraflex", "ray-serve", "sarathi", "alpaserve", "vllm-tp")

@@ -29,6 +29,23 @@ class StageInfo:
     first_engine: int
 
 
+def mixed_time(c, a, num_layers: int, first: bool, last: bool, prefill_tokens: int, num_seqs: int,
+               batch_size: int, total_context: int) -> float:
+    """Time of a batch of prompt chunks (`prefill_tokens` over `num_seqs` requests) and
+    `batch_size` decodes (`total_context` tokens) through `num_layers` layers of `a` on cost
+    model `c`: one pass through the weights, so linear layers and TP communication run once
+    over all rows (Sarathi batches here, the seed systems' whole-model steps in seeds/)."""
+    rows = prefill_tokens + batch_size
+    per_layer = (c.linear_time(a, rows) + c.attention_prefill_time(a, prefill_tokens, num_seqs)
+                 + c.attention_decode_time(a, batch_size, total_context) + c.tp_comm_time(a, rows))
+    t = num_layers * per_layer
+    if first:
+        t += c.embedding_time(a, rows)
+    if last:
+        t += c.head_time(a, num_seqs + batch_size)
+    return t
+
+
 class SimEngine:
     """Timing wrapper around one engine's scheduler. `busy` while a stage executes; `pending`
     holds the times of the events on the heap addressed to it (stage ends, batch and token
@@ -86,16 +103,8 @@ class SimEngine:
     def mixed_time(self, info: StageInfo, prefill_tokens: int, num_seqs: int, batch_size: int, total_context: int) -> float:
         """A Sarathi batch: prompt chunks and decodes share one pass through the weights, so
         the linear layers and TP communication run once over all rows."""
-        c, a, L = self.cost, info.arch, info.num_layers
-        rows = prefill_tokens + batch_size
-        per_layer = (c.linear_time(a, rows) + c.attention_prefill_time(a, prefill_tokens, num_seqs)
-                     + c.attention_decode_time(a, batch_size, total_context) + c.tp_comm_time(a, rows))
-        t = L * per_layer
-        if info.first:
-            t += c.embedding_time(a, rows)
-        if info.last:
-            t += c.head_time(a, num_seqs + batch_size)
-        return t
+        return mixed_time(self.cost, info.arch, info.num_layers, info.first, info.last, prefill_tokens, num_seqs,
+                          batch_size, total_context)
 
     def batch_time(self, info: StageInfo, batch) -> tuple[float, int, int]:
         """(execution time, decode requests, new tokens) of one `ScheduledBatch` at this stage:

@@ -4,8 +4,8 @@
 requests.csv (one row per request, metrics.py definitions), summary.json (aggregate and
 per-model metrics, workload info), config.json (the resolved config, the simulation settings
 and the system's layout: enough to run it again), placement.json (the placement simulated)
-and PNGs: active-GPU share over time and its CDF (Fig. 16) and the decode batch-size
-histogram. Sweep plots (Fig. 8/9 style) live in sweep.py.
+and PNGs: active-GPU share over time and its CDF (Fig. 16), the decode batch-size
+histogram and, for the seed systems, the CDF of model switch latency. Sweep plots (Fig. 8/9 style) live in sweep.py.
 """
 
 from __future__ import annotations
@@ -101,4 +101,16 @@ def plot_run(out_dir: str, result) -> list[str]:
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
+    if len(result.metrics.switch_latencies):
+        lat = np.sort(np.frombuffer(result.metrics.switch_latencies, dtype=float))
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(lat, np.arange(1, len(lat) + 1) / len(lat), drawstyle="steps-post")
+        ax.set_xlabel("switch / activation latency (s)")
+        ax.set_ylabel("CDF")
+        ax.set_title(f"{result.system}: model switch latency (Aegaeon Fig. 15)")
+        fig.tight_layout()
+        p = os.path.join(out_dir, "switch_latency.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
     return paths

@@ -11,6 +11,11 @@ summary, `request_rows()` into the per-request CSV (output.py). Definitions:
   k (0-based) of a request arriving at a is due at a + TTFT_slo + k * TBT_slo, so output
   buffered ahead of schedule hides a later stall.
 - Goodput = requests per second whose every token met its deadline.
+- TTFT / TPOT attainment (Prism §7.2): the share of requests whose TTFT, and whose mean time
+  per output token after the first (TPOT), is within the model's TTFT / TBT SLO.
+- Switch latency: each time a seed system brings a model's weights onto a GPU (an Aegaeon
+  switch, a Prism activation), the time the GPU waited for it (0 when prefetching hid it);
+  median, P99 and the CDF plot.
 - Active-GPU share (Fig. 16): in each time bin, the fraction of engine-time spent executing
   a stage (an engine is `tp` GPUs, so this is also the GPU share).
 """
@@ -58,7 +63,7 @@ DEFAULT_TTFT_MS, DEFAULT_TBT_MS = 10_000.0, 100.0
 
 
 def model_slos(models) -> dict[str, ModelSLO]:
-    """Per model of the config (`ModelConfig`s): its SLOs, or the defaults where it sets none."""
+    """Per model of the config (`ModelConfig`s): its SLOs in seconds, or the defaults where it sets none."""
     return {m.name: ModelSLO((m.slo_ttft_ms or DEFAULT_TTFT_MS) / 1000, (m.slo_tbt_ms or DEFAULT_TBT_MS) / 1000)
             for m in models}
 
@@ -111,6 +116,7 @@ class MetricsStore:
         self.swap_ins = 0
         self.hops = 0
         self.hop_bytes = 0
+        self.switch_latencies = array("d")
 
     # --- recording -------------------------------------------------------------------
     def add_request(self, rid: int, model: str, arrival: float, prompt_len: int, output_len: int) -> RequestRecord:
@@ -226,6 +232,10 @@ class MetricsStore:
             self.swap_ins += 1
             self.swap_in_bytes += in_bytes
 
+    def switch(self, seconds: float) -> None:
+        """A model was brought onto a GPU; the GPU waited `seconds` for it."""
+        self.switch_latencies.append(seconds)
+
     def hop(self, nbytes: int) -> None:
         self.hops += 1
         self.hop_bytes += nbytes
@@ -281,6 +291,10 @@ class MetricsStore:
             "swap_outs": self.swap_outs, "swap_ins": self.swap_ins,
             "swap_out_bytes": self.swap_out_bytes, "swap_in_bytes": self.swap_in_bytes,
             "hops": self.hops, "hop_bytes": self.hop_bytes,
+            "switches": len(self.switch_latencies),
+            "switch_latency_median_s": _pct(self.switch_latencies, 50),
+            "switch_latency_p99_s": _pct(self.switch_latencies, 99),
+            "switch_seconds_total": float(sum(self.switch_latencies)),
         })
         return out
 
@@ -288,7 +302,7 @@ class MetricsStore:
     def _group(done: list[RequestRecord], tbt_arrays: list[array]) -> dict:
         if not done:
             return {"span_s": 0.0, "throughput_rps": 0.0, "throughput_tok_s": 0.0, "slo_attainment": None,
-                    "goodput_rps": 0.0, **_latency_block([], [], [])}
+                    "goodput_rps": 0.0, "ttft_attainment": None, "tpot_attainment": None, **_latency_block([], [], [])}
         t0 = min(r.arrival for r in done)
         t1 = max(r.finish for r in done)
         span = t1 - t0
@@ -297,6 +311,8 @@ class MetricsStore:
         ttft = [r.first_token - r.arrival for r in done]
         tbt = np.concatenate([np.frombuffer(a, dtype=float) for a in tbt_arrays if len(a)]) if any(len(a) for a in tbt_arrays) else []
         good = sum(1 for r in done if r.on_time == r.tokens)
+        ttft_ok = sum(1 for r in done if r.first_token - r.arrival <= r.ttft_slo)
+        tpot_ok = sum(1 for r in done if r.tokens < 2 or (r.last_token - r.first_token) / (r.tokens - 1) <= r.tbt_slo)
         return {
             "span_s": span,
             "throughput_rps": len(done) / span if span > 0 else 0.0,
@@ -304,6 +320,8 @@ class MetricsStore:
             "output_tokens": tokens,
             "slo_attainment": sum(r.on_time for r in done) / tokens if tokens else None,
             "goodput_rps": good / span if span > 0 else 0.0,
+            "ttft_attainment": ttft_ok / len(done),
+            "tpot_attainment": tpot_ok / len(done),
             **_latency_block(e2e, ttft, tbt),
         }
 

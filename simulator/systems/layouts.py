@@ -13,6 +13,9 @@ from it. Registered by name:
 | alpaserve   | size groups, engines ∝ size x rate (`grouped`)           | prefill-first (vLLM)     |
 | vllm-tp     | one TP group over all GPUs (`tensor`)                    | prefill-first (vLLM)     |
 
+The seed systems `aegaeon`, `prism` and `muxserve` register from simulator/seeds/layouts.py: their
+layouts carry a `seed` spec and run on their own simulated clusters.
+
 Ablations (flags of `paraflex simulate`, applied to `paraflex` only except --prefill-first):
 `no_sharding` (the `shared` layout with ParaFlex's scheduler), `random_placement` (ParaFlex's
 sharding and replication, stages scattered uniformly at random, seeded; random_placement.py),
@@ -26,38 +29,15 @@ chosen model is full: `planner.fill_engines: false`).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
+import paraflex.simulator.seeds.layouts  # noqa: F401  (registers aegaeon, prism, muxserve)
 from paraflex.errors import UserError
 from paraflex.placement import Placement
-from paraflex.simulator.registry import Registry
+from paraflex.simulator.systems.system_layout import SYSTEMS, SystemLayout
 
-SYSTEMS: Registry = Registry("system")
+__all__ = ["SYSTEMS", "SystemLayout", "build_system"]
+
 SARATHI_CHUNK_TOKENS = 512
-
-
-@dataclass
-class SystemLayout:
-    name: str
-    placement: Placement
-    policy: str
-    gpus_per_engine: int
-    memory_bytes: int  # per engine: weights + KV
-    prefill_token_budget: int | None = None  # overrides scheduler.prefill_token_budget
-    decode_batches_in_flight: str | int | None = None  # overrides scheduler.decode_batches_in_flight
-
-    def describe(self) -> dict:
-        return {
-            "system": self.name,
-            "policy": self.policy,
-            "planner": self.placement.planner,
-            "engines": self.placement.num_engines,
-            "gpus_per_engine": self.gpus_per_engine,
-            "prefill_token_budget": self.prefill_token_budget,
-            "decode_batches_in_flight": self.decode_batches_in_flight,
-            "memory_bytes_per_engine": self.memory_bytes,
-            "models": {name: {"stages": m.num_stages, "replicas": m.num_replicas} for name, m in self.placement.models.items()},
-        }
 
 
 def _plan(config, solver: str) -> Placement:

@@ -7,6 +7,6 @@ arrival processes (arrivals.py: Poisson, log-normal with a target CV, trace repl
 trace.py) and token counts (lengths.py).
 """
 
-from paraflex.simulator.workload.generator import SimRequest, WorkloadModel, generate
+from paraflex.simulator.workload.generator import SimRequest, WorkloadModel, generate, workload_of
 
-__all__ = ["SimRequest", "WorkloadModel", "generate"]
+__all__ = ["SimRequest", "WorkloadModel", "generate", "workload_of"]

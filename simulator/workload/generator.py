@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from paraflex.config.workload import WorkloadConfig
 from paraflex.errors import UserError
 from paraflex.simulator.workload.arrivals import ARRIVAL_PROCESSES
 from paraflex.simulator.workload.lengths import LENGTH_SOURCES, clip_to_context, scale
@@ -41,6 +42,11 @@ class SimRequest:
 
 
 MAX_REQUESTS = 100_000_000  # per run: beyond it the arrays alone pass the memory of a large host
+
+
+def workload_of(config):
+    """The config's workload section, or the defaults when it has none."""
+    return config.workload if config.workload is not None else WorkloadConfig()
 
 
 def horizon_s(workload, total_rate: float) -> float:

@@ -196,3 +196,21 @@ def test_a_failed_run_leaves_no_results_folder(cfg, tmp_path, monkeypatch, capsy
     code, _ = _err(["simulate", str(cfg), *flags], capsys)
     assert code == 2
     assert not (tmp_path / "sim-results").exists()
+
+
+def test_seed_system_run_and_min_engines_search(cfg, tmp_path, capsys):
+    out = tmp_path / "aeg"
+    assert main(["simulate", str(cfg), "--system", "aegaeon", "--rate", "20", "-o", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["finished"] == summary["requests"] > 0 and summary["switches"] > 0
+    assert (out / "switch_latency.png").is_file()
+    capsys.readouterr()
+    assert main(["simulate", str(cfg), "--system", "muxserve", "--rate", "5", "--find-min-engines", "0.5",
+                 "--attainment", "ttft", "--max-engines", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "muxserve: 1 engines x 1 GPUs reach ttft attainment >= 0.5" in printed
+
+
+def test_prefill_engines_out_of_range_is_one_line(cfg, capsys):
+    assert main(["simulate", str(cfg), "--system", "aegaeon", "--rate", "5", "--prefill-engines", "2"]) == 2
+    assert "--prefill-engines 2: must leave at least one engine" in capsys.readouterr().err

@@ -29,8 +29,9 @@ def _engines_of(placement, model):
     return {e for r in placement.models[model].replicas for e in r}
 
 
-def test_registry_has_the_five_systems():
-    assert SYSTEMS.names() == sorted(["paraflex", "ray-serve", "sarathi", "alpaserve", "vllm-tp"])
+def test_registry_has_the_paper_systems_and_the_seed_systems():
+    assert SYSTEMS.names() == sorted(["paraflex", "ray-serve", "sarathi", "alpaserve", "vllm-tp",
+                                      "aegaeon", "prism", "muxserve"])
 
 
 def test_ray_serve_dedicated_pp2_no_replication(config):
