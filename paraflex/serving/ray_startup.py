@@ -29,6 +29,7 @@ from paraflex.errors import ParaflexError, UserError
 from paraflex.planner.validate import require_valid_layout
 from paraflex.serving.ray_backend import RayBackend
 from paraflex.serving.ray_engines import RayEngines
+from paraflex.serving.ray_join import join_ray
 
 
 def _print(line: str) -> None:
@@ -66,7 +67,7 @@ def _init_ray(ray_address: str | None, progress, gateway_host: str | None) -> tu
         return None, None
     if ray_address:
         progress(f"paraflex: joining Ray at {ray_address}")
-        ray.init(address=ray_address, log_to_driver=False, configure_logging=False)
+        join_ray(ray_address)
         return None, None
     host = bind_host(gateway_host, starts_local_ray=True)
     ray_dir = tempfile.mkdtemp(prefix="paraflex-ray-")
