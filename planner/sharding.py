@@ -79,6 +79,7 @@ def build_problem(config, cost_model=None) -> tuple[Problem, dict]:
         memory_bytes=config.cluster.memory_bytes,
         kappa_bytes=config.planner.kappa_bytes,
         ring=bool(config.planner.ring),
+        node_of=config.cluster.topology().node_of if config.cluster.nodes else None,
     )
     facts = {  # (specs hold the final stage counts)
         "target_stage_time_ms": target * 1e3,
