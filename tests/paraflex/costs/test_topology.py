@@ -65,3 +65,11 @@ def test_the_node_preference_never_costs_a_replica():
     """Six engines as 2 + 4, a 3-stage model: 2-3-4 would be the only replica inside a node,
     while 0-1-2 and 3-4-5 make two; the plan with two replicas (one hop across) is kept."""
     assert plan(_model(6, 3, nodes=[2, 4])).models["m"].replicas == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_the_plan_table_counts_the_hops_that_cross_nodes():
+    from paraflex.planner.render import table
+
+    assert "0 of 2 pipeline hops cross nodes" in table(plan(_model(5, 2, nodes=[1, 4])))
+    assert "1 of 4 pipeline hops cross nodes" in table(plan(_model(6, 3, nodes=[2, 4])))  # 0-1|2, 3-4-5
+    assert "cross nodes" not in table(plan(_model(5, 2)))
