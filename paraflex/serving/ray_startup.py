@@ -110,7 +110,8 @@ def start_cluster(config, placement=None, ray_address: str | None = None,
             raise UserError(f"device: {device!r} needs {n} GPU(s) in the Ray cluster; it has "
                             f"{res.get('GPU', 0):g}; use --device cpu")
         cpus = res.get("CPU", 1.0) / n
-        nodes = reserve_nodes(n, placement.params.get("nodes"), use_gpu)
+        planned = placement.params.get("nodes") or config.cluster.nodes  # (a placement made without them)
+        nodes = reserve_nodes(n, list(planned) if planned and sum(planned) == n else None, use_gpu)
         actor_cls = engine_actor_class(nodes.cpu_share, 1 if use_gpu else 0, max_restarts)
         router = OutputRouter.remote()
         for e in range(n):
