@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from gateway_cluster import config_dict, make_placement
-from serve_process import read_until, serving
+from serve_cli import read_until, serving
 from paraflex.cli import main
 from paraflex.errors import UserError
 

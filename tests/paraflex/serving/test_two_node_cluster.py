@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from serve_process import read_until, serving
+from serve_cli import read_until, serving
 from two_node_ray import TwoNodeRay
 
 

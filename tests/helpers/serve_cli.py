@@ -1,4 +1,5 @@
-"""Test helper: `paraflex serve` in a subprocess, and reading its output lines."""
+"""Test helper: `paraflex serve` in a subprocess, and reading its output lines (not bench/serve_process.py,
+whose name it must not take: bench scripts import that one as a top-level module too)."""
 
 from __future__ import annotations
 
