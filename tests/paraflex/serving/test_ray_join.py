@@ -4,14 +4,14 @@ when nothing answers at the address or the head refuses this process (token auth
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
 import pytest
 
-from paraflex.cli import main
 from paraflex.errors import UserError
 from paraflex.serving import ray_join
 
-from cli_errors import error_line
 from repo_paths import REPO
 
 
@@ -31,11 +31,14 @@ def test_ipv6_address():
     assert ray_join.split_address("[::1]:6379") == ("::1", 6379)
 
 
-def test_serve_at_an_address_where_nothing_listens_says_how_to_start_the_head(capsys):
+def test_serve_at_an_address_where_nothing_listens_says_how_to_start_the_head():
+    """In a fresh process: where Ray is already initialised (the test session's), serve uses it."""
     port = _closed_port()
-    code = main(["serve", str(REPO / "configs" / "demo.yaml"), "--ray-address", f"127.0.0.1:{port}"])
-    line = error_line(capsys, "serve")
-    assert code == 2
+    done = subprocess.run([sys.executable, "-m", "paraflex", "serve", str(REPO / "configs" / "demo.yaml"),
+                           "--ray-address", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=120)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("paraflex serve: error: ")]
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    line = errors[0]
     assert f"--ray-address 127.0.0.1:{port}: nothing answers there" in line
     assert f"ray start --head --port={port}" in line and "docs/cluster.md" in line
 
