@@ -1,7 +1,8 @@
 """`plan(config, solver=...)`: the planner's one entry point, config in, `Placement` out.
 
 Data flow: config -> `sharding.build_problem` (cost model, stage cuts) -> a solver
-(`placement_optimizer.optimize` = paper Alg. 1 + 2, `milp.solve` = exact, or a baseline from
+(`placement_optimizer.optimize` = paper Alg. 1 + 2, preferring replicas inside one node through
+`node_aware.optimize_on_nodes`, `milp.solve` = exact, or a baseline from
 `baselines`) -> `assemble.to_placement` -> checked by `validate.violations`. `paraflex plan`,
 the simulator and the server call this.
 """
@@ -14,7 +15,7 @@ from paraflex.errors import ParaflexError, UserError
 from paraflex.placement import Placement
 from paraflex.planner import baselines, milp
 from paraflex.planner.assemble import to_placement
-from paraflex.planner.placement_optimizer import optimize
+from paraflex.planner.node_aware import optimize_on_nodes
 from paraflex.planner.sharding import build_problem
 from paraflex.planner.validate import violations
 
@@ -45,8 +46,10 @@ def plan(
     if rates is not None:
         problem = problem.with_rates(rates)
     params = {"device": config.cluster.device, "tp": config.cluster.tp, "devices_per_engine": 1, **facts}
+    if config.cluster.nodes:  # engines per node: `paraflex serve` packs each node's engines on one Ray node
+        params["nodes"] = list(config.cluster.nodes)
     if solver == "paraflex":
-        laid_out, solution = problem, optimize(problem, progress, fill=config.planner.fill_engines)
+        laid_out, solution = problem, optimize_on_nodes(problem, progress, fill=config.planner.fill_engines)
     elif solver == "milp":
         params["time_limit_s"] = time_limit
         laid_out, solution = problem, milp.solve(problem, time_limit, progress, fill=config.planner.fill_engines)

@@ -80,13 +80,15 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Problem:
-    """Models (with stage cuts), N_e engines of `memory_bytes` each, kappa, ring on/off."""
+    """Models (with stage cuts), N_e engines of `memory_bytes` each, kappa, ring on/off, and
+    the node of each engine (hops inside a node are cheaper than hops between nodes)."""
 
     models: tuple[ModelSpec, ...]
     num_engines: int
     memory_bytes: int
     kappa_bytes: int = 0
     ring: bool = False
+    node_of: tuple[int, ...] | None = None  # engine -> node (None: one node); replicas prefer one node
 
     def __post_init__(self):
         if not self.models:
@@ -98,6 +100,8 @@ class Problem:
             raise ValueError(f"model names must be unique: {names}")
         if any(m.rate <= 0 for m in self.models):
             raise ValueError("every model needs a rate > 0")
+        if self.node_of is not None and len(self.node_of) != self.num_engines:
+            raise ValueError(f"node_of names {len(self.node_of)} engines, the problem has {self.num_engines}")
 
     def with_rates(self, rates) -> "Problem":
         """The same problem with each model's rate from `rates` (name -> rate > 0; re-planning)."""

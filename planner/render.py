@@ -6,6 +6,7 @@ stages, weights and planned KV per model, plus the objective Phi*.
 
 from __future__ import annotations
 
+from paraflex.costs.topology import cross_node_hops, nodes_of
 from paraflex.placement import Placement
 
 GIB = 2**30
@@ -46,6 +47,13 @@ def table(placement: Placement) -> str:
     lines.append(
         f"Phi* = {placement.objective:.4f} (smallest per-stage KV share: {_gib(p.get('objective_bytes', 0))} GiB)"
     )
+    if p.get("nodes") and len(p["nodes"]) > 1:
+        node_of = nodes_of(tuple(p["nodes"]))
+        replicas = [r for m in placement.models.values() for r in m.replicas]
+        if len(node_of) == placement.num_engines:
+            crossing = sum(cross_node_hops(node_of, r) for r in replicas)
+            hops = sum(len(r) - 1 for r in replicas)
+            lines.append(f"nodes {p['nodes']} (engines per node): {crossing} of {hops} pipeline hops cross nodes")
     if p.get("stop_reason"):
         lines.append(f"replication stopped: {p['stop_reason']}")
     return "\n".join(lines)

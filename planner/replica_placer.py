@@ -5,7 +5,9 @@ Place in the data flow: `placement_optimizer.optimize` (Alg. 1 + Alg. 2) asks a 
 for every replica's start engine and to polish a plan; the MILP's tests compare against it.
 Phi* of a partial placement is the first DRF water level (`water_levels`: min over used
 engines of C_e / n_e), so numpy scores all starts of a replica at once, the engines outside
-its window through a sliding minimum over the doubled engine ring.
+its window through a sliding minimum over the doubled engine ring. On a cluster of several
+nodes (`Problem.node_of`), among the starts of equal Phi* the one whose stages cross the
+fewest node boundaries wins, so consecutive stages share a node where memory allows.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class ReplicaPlacer:
         self.ring = problem.ring
         self.kappa = float(problem.kappa_bytes)
         self._windows: dict[int, np.ndarray] = {}
+        self.node_of = None if problem.node_of is None else np.asarray(problem.node_of)
+        self._crossings: dict[int, np.ndarray] = {}
         self.stage_cap: int | None = None  # fill phase: no engine may hold more stages than this
 
     def windows(self, s: int) -> np.ndarray:
@@ -47,6 +51,16 @@ class ReplicaPlacer:
             starts = np.arange(self.n if self.ring else self.n - s + 1)
             self._windows[s] = (starts[:, None] + np.arange(s)[None, :]) % self.n
         return self._windows[s]
+
+    def crossings(self, s: int) -> np.ndarray:
+        """Row p = hops of a replica starting at p that cross nodes (zeros on one node)."""
+        if s not in self._crossings:
+            if self.node_of is None:
+                self._crossings[s] = np.zeros(len(self.windows(s)), dtype=int)
+            else:
+                nodes = self.node_of[self.windows(s)]
+                self._crossings[s] = (nodes[:, 1:] != nodes[:, :-1]).sum(axis=1)
+        return self._crossings[s]
 
     def scores(self, cap: np.ndarray, cnt: np.ndarray, taken: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """Phi* after adding one replica at each start (row of `windows`); -inf where (4) breaks."""
@@ -65,13 +79,16 @@ class ReplicaPlacer:
         return phi
 
     def best_start(self, cap: np.ndarray, cnt: np.ndarray, taken: np.ndarray, weights: np.ndarray) -> tuple[int, float]:
-        """Start engine maximising Phi* for one more replica; ties -> lowest start. (-1, -inf) if none."""
+        """Start engine maximising Phi* for one more replica; ties -> fewest hops between nodes,
+        then lowest start. (-1, -inf) if none."""
         phi = self.scores(cap, cnt, taken, weights)
         best = phi.max()
         if not np.isfinite(best):
             return -1, -np.inf
         tied = np.flatnonzero(phi >= best - _TIE * max(1.0, abs(best)))
-        return int(self.windows(len(weights))[tied[0], 0]), float(best)
+        crossings = self.crossings(len(weights))[tied]
+        pick = tied[np.argmin(crossings)]  # (argmin: the first, lowest start, among the fewest)
+        return int(self.windows(len(weights))[pick, 0]), float(best)
 
     def polish(self, cap: np.ndarray, cnt: np.ndarray, placed: list[list[int]], weights: list[np.ndarray], sweeps: int = 6) -> None:
         """Local search after the greedy, kept only while the engines' levels improve.

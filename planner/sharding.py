@@ -13,6 +13,11 @@ engine memory. When the time-based S breaks that (two llama-2-70b at TP 1 with `
 the model's own time, S = 1, 128 GiB on a 72 GiB engine), S is raised to the smallest count
 whose stages fit (a warning says so); if even one stage per engine or per layer does not fit,
 the error says what to change (more memory per engine, a higher TP, a lower kappa).
+
+A model with `stages: K` in the config skips all of this: it is cut into K even stages as
+given (the loader checked 1 <= K <= min(layers, engines)); only the fit is checked here, and a
+K whose largest stage does not fit is an error naming `models[i].stages` and the fewest K that
+fits. The placement records such models under `fixed_stages`.
 """
 
 from __future__ import annotations
@@ -46,7 +51,11 @@ def build_problem(config, cost_model=None) -> tuple[Problem, dict]:
         raise ConfigError("planner.target_stage_time", "must resolve to a positive time; use auto, milliseconds > 0, xK or /K")
     n = config.cluster.num_engines
     specs, warnings = [], []
-    for m, t in zip(config.models, times):
+    for i, (m, t) in enumerate(zip(config.models, times)):
+        if m.stages is not None:  # the config fixes the cut: the planner only places it
+            specs.append(_fixed_stages(m, f"models[{i}].stages", config.cluster.memory_bytes,
+                                       config.planner.kappa_bytes, n))
+            continue
         s = stage_count(t, target, m.arch.num_layers)
         if s > n:
             warnings.append(
@@ -70,13 +79,31 @@ def build_problem(config, cost_model=None) -> tuple[Problem, dict]:
         memory_bytes=config.cluster.memory_bytes,
         kappa_bytes=config.planner.kappa_bytes,
         ring=bool(config.planner.ring),
+        node_of=config.cluster.topology().node_of if config.cluster.nodes else None,
     )
     facts = {  # (specs hold the final stage counts)
         "target_stage_time_ms": target * 1e3,
         "model_time_ms": {m.name: t * 1e3 for m, t in zip(config.models, times)},
         "warnings": warnings,
+        "fixed_stages": {m.name: m.stages for m in config.models if m.stages is not None},
     }
     return problem, facts
+
+
+def _fixed_stages(model, path: str, memory: int, kappa: int, num_engines: int) -> ModelSpec:
+    """The model's spec cut into its configured `stages: K` even stages; ConfigError naming
+    `path` when its largest stage plus kappa does not fit an engine (with the fewest K that does)."""
+    spec = ModelSpec.from_arch(model.name, model.arch.num_layers, model.stages, model.rate, model.arch)
+    if max(spec.stage_weights) + kappa <= memory:
+        return spec
+    try:
+        fits = f"use stages: {_fit_stages(spec, memory, kappa, num_engines).num_stages} or more"
+    except UserError:
+        fits = "no stage count fits; give engines more memory (cluster.memory_gb, a higher cluster.tp)"
+    raise ConfigError(
+        path,
+        f"{model.stages} stage(s) of {model.name}: the largest holds {gib(max(spec.stage_weights))} of weights, which "
+        f"with kappa = {gib(kappa)} of KV exceeds an engine's {gib(memory)}; {fits}, or lower planner.kappa_gb")
 
 
 def _fit_stages(spec: ModelSpec, memory: int, kappa: int, num_engines: int) -> ModelSpec:

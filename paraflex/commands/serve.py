@@ -46,7 +46,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--in-process", action="store_true",
                         help="run every engine in this process instead of as Ray actors (debugging)")
     parser.add_argument("--ray-address", default=None,
-                        help="join this Ray cluster (default: start a local Ray instance)")
+                        help="join this Ray cluster, HOST:PORT of its head (default: start a local Ray instance; docs/cluster.md)")
     parser.add_argument("--request-log", metavar="FILE",
                         help="write one CSV row per finished request (arrival, first token, finish, E2E, TTFT, TBT, "
                              "tokens) in the columns of `paraflex simulate`'s requests.csv (docs/serve.md)")

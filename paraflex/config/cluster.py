@@ -1,8 +1,8 @@
-"""The config's `cluster:` section: engine count, device, TP degree, memory, interconnect.
+"""The config's `cluster:` section: engine count, device, TP degree, memory, nodes, interconnects.
 
 Place in the data flow: `paraflex.config.schema` parses the section with `parse_cluster` into a
 `ClusterConfig`; the planner sizes engines from its memory, and `cost_model()` /
-`interconnect()` give the stage and hop times the planner, simulator and benchmarks use. The
+`topology()` give the stage and hop times the planner, simulator and benchmarks use. The
 device name is checked against paraflex.costs.devices. Keys and defaults: docs/config.md.
 """
 
@@ -24,6 +24,9 @@ class ClusterConfig:
     host_memory_gb: float = 0.0  # per engine, for swapped-out KV
     interconnect_gbps: float = 100.0  # between engines (pipeline hops)
     interconnect_latency_us: float = 10.0
+    nodes: tuple[int, ...] | None = None  # engines per node, node by node (None: one node)
+    node_interconnect_gbps: float | None = None  # between nodes (None: interconnect_gbps)
+    node_interconnect_latency_us: float | None = None  # (None: interconnect_latency_us)
     profile_dir: str | None = None  # measured per-op tables (Vidur layout) for the cost model
 
     @property
@@ -38,6 +41,15 @@ class ClusterConfig:
         from paraflex.costs.costmodel import Interconnect
 
         return Interconnect(self.interconnect_gbps * 1e9 / 8, self.interconnect_latency_us * 1e-6)
+
+    def topology(self):
+        """Which node each engine is on, and the links inside and between nodes."""
+        from paraflex.costs.costmodel import Interconnect
+        from paraflex.costs.topology import Topology
+
+        inter = Interconnect(_or(self.node_interconnect_gbps, self.interconnect_gbps) * 1e9 / 8,
+                             _or(self.node_interconnect_latency_us, self.interconnect_latency_us) * 1e-6)
+        return Topology(self.nodes or (self.num_engines,), self.interconnect(), inter)
 
     def cost_model(self):
         """The cost model of one engine of this cluster."""
@@ -71,13 +83,40 @@ def parse_cluster(raw, base_dir: str) -> ClusterConfig:
             where = "" if given == profile_dir else (
                 f" (looked up at {profile_dir}: a relative path is taken from the config's folder {base_dir})")
             raise ConfigError("cluster.profile_dir", f"{given} is not a directory{where}")
+    num_engines = s.int("num_engines", required=True, minimum=1)
     return ClusterConfig(
-        num_engines=s.int("num_engines", required=True, minimum=1),
+        num_engines=num_engines,
         device=device,
         tp=tp,
         memory_gb=memory_gb,
         host_memory_gb=s.num("host_memory_gb", 0.0, nonneg=True),
         interconnect_gbps=s.num("interconnect_gbps", 100.0, positive=True),
         interconnect_latency_us=s.num("interconnect_latency_us", 10.0, nonneg=True),
+        nodes=_parse_nodes(s, num_engines),
+        node_interconnect_gbps=s.num("node_interconnect_gbps", positive=True),
+        node_interconnect_latency_us=s.num("node_interconnect_latency_us", nonneg=True),
         profile_dir=profile_dir,
     )
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _parse_nodes(s: Section, num_engines: int) -> tuple[int, ...] | None:
+    """`nodes: N` (num_engines split evenly) or `nodes: [k0, k1, ...]` (engines per node)."""
+    raw = s.data.get("nodes")
+    if raw is None:
+        return None
+    if isinstance(raw, (list, tuple)):  # (to_dict writes the tuple it holds)
+        if not raw or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in raw):
+            raise ConfigError(s.at("nodes"), f"expected engines per node as positive integers, e.g. [4, 4], got {raw!r}")
+        if sum(raw) != num_engines:
+            raise ConfigError(s.at("nodes"), f"{raw} adds up to {sum(raw)} engines but num_engines is {num_engines}; "
+                              "make them agree")
+        return tuple(raw)
+    count = s.int("nodes", minimum=1)
+    if num_engines % count:
+        raise ConfigError(s.at("nodes"), f"{count} nodes do not split {num_engines} engines evenly; give engines "
+                          f"per node as a list (e.g. [{num_engines // count + 1}, ...]) or another count")
+    return (num_engines // count,) * count

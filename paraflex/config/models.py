@@ -25,7 +25,7 @@ _ARCH_INTS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "nu
               "vocab_size", "max_context", "dtype_bytes")
 _ARCH_FLOATS = ("rope_theta", "rms_norm_eps")
 _ARCH_FLAGS = ("tie_embeddings", "qkv_bias", "gated_mlp", "linear_bias", "parallel_block")
-_MODEL_KEYS = ("name", "arch", "hf", "gguf", "rate", "slo_ttft_ms", "slo_tbt_ms", "dtype",
+_MODEL_KEYS = ("name", "arch", "hf", "gguf", "rate", "slo_ttft_ms", "slo_tbt_ms", "dtype", "stages",
                "source", "source_kind")
 
 
@@ -38,6 +38,7 @@ class ModelConfig:
     slo_tbt_ms: float | None = None
     source: str | None = None  # built-in name, HF directory or GGUF path (weights at serve time)
     source_kind: str = "builtin"  # "builtin" | "hf" | "gguf"
+    stages: int | None = None  # explicit pipeline stage count (None: the planner's time-based cut)
 
     def to_dict(self, with_rate: bool) -> dict:
         """The entry as the config file writes it (`parse_model` reads it back unchanged)."""
@@ -51,7 +52,7 @@ class ModelConfig:
                 d["source_kind"] = self.source_kind
         if with_rate:
             d["rate"] = self.rate
-        for key in ("slo_ttft_ms", "slo_tbt_ms"):
+        for key in ("slo_ttft_ms", "slo_tbt_ms", "stages"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
         return d
@@ -76,6 +77,10 @@ def parse_model(raw, path: str, base_dir: str) -> ModelConfig:
     dtype = s.str("dtype", choices=tuple(_DTYPES))
     if dtype is not None:
         arch = arch.with_dtype_bytes(_DTYPES[dtype])
+    stages = s.int("stages", minimum=1)
+    if stages is not None and stages > arch.num_layers:
+        raise ConfigError(s.at("stages"), f"{stages} stages but {arch.name} has {arch.num_layers} layers; "
+                          f"use at most {arch.num_layers} (one layer per stage)")
     name = s.str("name", default=arch.name)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._\-]*", name):
         raise ConfigError(s.at("name"), f"{name!r}: use letters, digits, '.', '_' and '-' only")
@@ -87,6 +92,7 @@ def parse_model(raw, path: str, base_dir: str) -> ModelConfig:
         slo_tbt_ms=s.num("slo_tbt_ms", positive=True),
         source=source,
         source_kind=source_kind,
+        stages=stages,
     )
 
 
@@ -143,6 +149,9 @@ def check_models(models: list[ModelConfig], cluster: ClusterConfig) -> None:
         for attr in _ARCH_INTS:
             if not isinstance(getattr(a, attr), int) or getattr(a, attr) <= 0:
                 raise ConfigError(f"{path}.arch.{attr}", f"must be a positive integer, got {getattr(a, attr)!r}")
+        if m.stages is not None and m.stages > cluster.num_engines:
+            raise ConfigError(f"{path}.stages", f"{m.stages} stages but the cluster has {cluster.num_engines} engines "
+                              "(a replica puts each stage on its own engine); lower stages or add engines")
         if a.num_heads % a.num_kv_heads:
             raise ConfigError(f"{path}.arch.num_kv_heads", f"{a.num_kv_heads} does not divide num_heads={a.num_heads}")
         for attr in ("num_heads", "num_kv_heads"):

@@ -108,6 +108,8 @@ class RayBackend:
         models = {m: {"replicas": len(mp.replicas), "live_replicas": self.frontend.live_replicas(m)}
                   for m, mp in self.placement().models.items()}
         out = {"ok": not down, "backend": "ray", "engines": engines, "models": models}
+        if self.engines.nodes is not None:  # engine -> the Ray node it runs on
+            out["nodes"] = {str(e): where for e, where in sorted(self.engines.nodes.node_of.items())}
         if down:
             out["errors"] = {str(e): why for e, why in down.items()}
         return out

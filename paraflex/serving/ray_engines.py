@@ -20,8 +20,10 @@ from paraflex.engine.transport.ray import GroupSpec
 class RayEngines:
     """`EngineHandles` over engine actors (see the module docstring)."""
 
-    def __init__(self, placement, actors: dict, router, store, store_host: str, store_port: int) -> None:
+    def __init__(self, placement, actors: dict, router, store, store_host: str, store_port: int,
+                 nodes=None) -> None:
         self.actors = actors  # engine id -> actor handle
+        self.nodes = nodes  # the engines' placement groups and nodes (paraflex.serving.ray_nodes)
         self.router = router
         self._store = store
         self._store_addr = (store_host, store_port)
@@ -67,4 +69,6 @@ class RayEngines:
         finally:
             for a in list(self.actors.values()) + [self.router]:
                 ray.kill(a, no_restart=True)
+            if self.nodes is not None:
+                self.nodes.release()
             self._store = None

@@ -2,7 +2,8 @@
 groups, and the gateway backend (`paraflex serve` without `--in-process`).
 
 Data flow: `start_cluster(config, placement)` starts a local Ray instance in a temp dir (or joins
-`ray_address`, or uses the Ray already initialised in this process), creates one `EngineActor`
+`ray_address`, or uses the Ray already initialised in this process), reserves the engines'
+nodes with placement groups (paraflex.serving.ray_nodes), creates one `EngineActor`
 per placement engine (paraflex.engine.ray_engine) and the `OutputRouter`, prints each engine's
 start-up progress, then builds one torch.distributed process group per model replica
 (paraflex.engine.transport.ray) through `RayEngines` (paraflex.serving.ray_engines) and returns a
@@ -12,7 +13,6 @@ start-up progress, then builds one torch.distributed process group per model rep
 from __future__ import annotations
 
 import ipaddress
-import math
 import os
 import shutil
 import sys
@@ -29,6 +29,8 @@ from paraflex.errors import ParaflexError, UserError
 from paraflex.planner.validate import require_valid_layout
 from paraflex.serving.ray_backend import RayBackend
 from paraflex.serving.ray_engines import RayEngines
+from paraflex.serving.ray_join import join_ray
+from paraflex.serving.ray_nodes import reserve_nodes
 
 
 def _print(line: str) -> None:
@@ -66,7 +68,7 @@ def _init_ray(ray_address: str | None, progress, gateway_host: str | None) -> tu
         return None, None
     if ray_address:
         progress(f"paraflex: joining Ray at {ray_address}")
-        ray.init(address=ray_address, log_to_driver=False, configure_logging=False)
+        join_ray(ray_address)
         return None, None
     host = bind_host(gateway_host, starts_local_ray=True)
     ray_dir = tempfile.mkdtemp(prefix="paraflex-ray-")
@@ -99,7 +101,7 @@ def start_cluster(config, placement=None, ray_address: str | None = None,
             progress(f"paraflex: warning: placement: {problem}")
     ray_dir, host = _init_ray(ray_address, progress, gateway_host)
     actors: dict = {}
-    router = None
+    router = nodes = None
     try:
         n = placement.num_engines
         res = ray.cluster_resources()
@@ -108,24 +110,28 @@ def start_cluster(config, placement=None, ray_address: str | None = None,
             raise UserError(f"device: {device!r} needs {n} GPU(s) in the Ray cluster; it has "
                             f"{res.get('GPU', 0):g}; use --device cpu")
         cpus = res.get("CPU", 1.0) / n
-        num_cpus = 1.0 if use_gpu else math.floor(min(1.0, cpus) * 1000) / 1000  # shares must fit
-        actor_cls = engine_actor_class(num_cpus, 1 if use_gpu else 0, max_restarts)
+        planned = placement.params.get("nodes") or config.cluster.nodes  # (a placement made without them)
+        nodes = reserve_nodes(n, list(planned) if planned and sum(planned) == n else None, use_gpu)
+        actor_cls = engine_actor_class(nodes.cpu_share, 1 if use_gpu else 0, max_restarts)
         router = OutputRouter.remote()
         for e in range(n):
-            actors[e] = actor_cls.remote(e, config, placement, router,
-                                         device="cuda:0" if use_gpu else "cpu", dtype=dtype,
-                                         kv_bytes=kv_bytes, seed=seed, num_threads=max(1, int(cpus)))
-        progress(f"paraflex: {n} engine actor(s) on {'one GPU each' if use_gpu else f'{num_cpus:g} CPU each'}")
+            actors[e] = actor_cls.options(scheduling_strategy=nodes.strategy(e)).remote(
+                e, config, placement, router, device="cuda:0" if use_gpu else "cpu", dtype=dtype,
+                kv_bytes=kv_bytes, seed=seed, num_threads=max(1, int(cpus)))
+        progress(f"paraflex: {n} engine actor(s) on {'one GPU each' if use_gpu else f'{nodes.cpu_share:g} CPU each'}")
+        progress(f"paraflex: engines on nodes: {nodes.describe()}")
         statuses = _wait_ready(actors, progress, startup_timeout_s)
         host = host or ray.util.get_node_ip_address()
         store, port = start_store(host)
-        engines = RayEngines(placement, actors, router, store, host, port)
+        engines = RayEngines(placement, actors, router, store, host, port, nodes=nodes)
         backend = RayBackend(config, placement, engines, ray_dir, progress)
         groups = engines.connect(timeout_s=120)
         progress(f"paraflex: {groups} process group(s) built ({'nccl' if use_gpu else 'gloo'})")
     except BaseException:
         for a in list(actors.values()) + ([router] if router is not None else []):
             ray.kill(a, no_restart=True)
+        if nodes is not None:
+            nodes.release()
         if ray_dir is not None:
             ray.shutdown()
             shutil.rmtree(ray_dir, ignore_errors=True)

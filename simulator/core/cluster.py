@@ -11,8 +11,9 @@ Built by runner.py from a `SystemLayout` (systems.py). Request flow, as in the r
 (paper §3, §5, §6): the gateway sends a request to the replica with the fewest outstanding
 requests (the engine core's dispatcher); the first-stage engine's scheduler forms batches;
 each finished stage forwards its batch message to the next stage's engine after the hop time
-(hidden + residual bytes over the interconnect, overlapping compute); the last stage emits one
-token per request, sends the tokens back to the first stage (metadata only: interconnect
+(hidden + residual bytes over the link between the two engines, inside a node or between
+nodes: `Topology`, paraflex/costs/topology.py, overlapping compute); the last stage emits one
+token per request, sends the tokens back to the first stage (metadata only: that link's
 latency) and frees finished requests' KV on every stage. Engines decide what to run with the
 engine core's scheduler; this module only moves messages and adds time.
 """
@@ -20,6 +21,7 @@ engine core's scheduler; this module only moves messages and adds time.
 from __future__ import annotations
 
 from paraflex.costs.costmodel import CostModel
+from paraflex.costs.topology import Topology
 from paraflex.engine.core.block_pool import BlockPool
 from paraflex.engine.core.dispatcher import Dispatcher
 from paraflex.engine.core.scheduler import EngineScheduler
@@ -39,7 +41,10 @@ class Cluster:
         self.local_tokens_direct = settings.fast_forward  # see _emit_tokens
         placement = layout.placement
         cl, sc = config.cluster, config.scheduler
-        self.interconnect = cl.interconnect()
+        # hop links by node; a layout of other engines than the config's (the `tensor` baseline's
+        # one engine of every device) has no hops between engines: one node
+        self.topology = (cl.topology() if len(placement.engines) == cl.num_engines
+                         else Topology.one_node(len(placement.engines), cl.interconnect()))
         archs = {m.name: m.arch for m in config.models}
         if cost is None:
             cost = CostModel(cl.device, tp=layout.gpus_per_engine, profile_dir=cl.profile_dir)
@@ -168,7 +173,7 @@ class Cluster:
             nbytes = CostModel.hidden_bytes(info.arch, tokens)
             self.metrics.hop(nbytes)
             nxt = self.engines[info.next_engine]
-            at = t + self.interconnect.transfer_time(nbytes)
+            at = t + self.topology.hop_time(eng.id, nxt.id, nbytes)
             self.send_batch(nxt, (sb.model, info.replica), sb.message, at)
         else:
             self._emit_tokens(eng, info, done, t)
@@ -232,7 +237,7 @@ class Cluster:
             # in the other order: later block ids may differ, no result depends on them.)
             eng.scheduler.receive_tokens(done.token_message)
             return
-        delay = 0.0 if first is eng else self.interconnect.latency_s
+        delay = 0.0 if first is eng else self.topology.link(eng.id, first.id).latency_s
         self.send_tokens(first, (info.model, info.replica), done.token_message, t + delay)
 
     def finish_requests(self, key: tuple[str, int], req_ids: list[str], t: float) -> None:

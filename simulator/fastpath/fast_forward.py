@@ -101,8 +101,9 @@ class DecodeFastForward:
         cluster = self.cluster
         metrics = cluster.metrics
         nbytes = CostModel.hidden_bytes(infos[0].arch, n)
-        hop = cluster.interconnect.transfer_time(nbytes)
-        back = cluster.interconnect.latency_s
+        topology = cluster.topology
+        hops = [0.0] + [topology.hop_time(a.id, b.id, nbytes) for a, b in zip(route, route[1:])]
+        back = topology.link(route[-1].id, route[0].id).latency_s
         stages = [(eng.id, eng.decode_time_fn(inf, n)) for eng, inf in zip(route, infos)]
         ctx = sum(m.context for m in kv[0])
         kv_next = first_crossing(kv)
@@ -113,7 +114,7 @@ class DecodeFastForward:
             times = []
             for j, (eid, step) in enumerate(stages):
                 if j:
-                    tt = tt + hop
+                    tt = tt + hops[j]
                 end = tt + step(ctx)
                 times.append((eid, tt, end))
                 tt = end

@@ -136,7 +136,7 @@ def _hand_over(sim) -> None:
             cluster.hold(es.eng, pkey if isinstance(what, PipeBatch) else what.key, time)  # (a replica, prompt or held stage)
             if isinstance(what, PipeBatch):
                 if j < sim.last:
-                    nbytes, dt = sim.hop(what.n)
+                    nbytes, dt = sim.hop(what.n, j)
                     metrics.hop(nbytes)
                     cluster.send_batch(group[j + 1].eng, pkey, _message(sim, what, j + 1), time + dt)
                 else:  # (members with their last token finish at its end: `Cluster.replay_done`)

@@ -70,7 +70,7 @@ class GroupSim:
         self.gone: dict = {}  # the records of the pipeline's requests that finished in the replay
         self.hops: list[int] = []  # bytes of each replayed hop
         self.arch = group[0].info.arch
-        self.back = cluster.interconnect.latency_s
+        self.back = cluster.topology.link(group[-1].eng.id, group[0].eng.id).latency_s
         self.last = len(group) - 1
         self.held: list[GroupEngine] = []  # engines that decide for real at the cut instant
         self.cut = None
@@ -79,7 +79,7 @@ class GroupSim:
         self.finishing: list[Finishing] = []  # the last tokens at the paused instant
         self.raw_from = self.raw_next = -1.0  # the first new request of the group's models after raw_from
         self.key0 = {rid: r.key for rid, r in self.req0.items()}  # first stage: each request's queue key
-        self.hop_cache: dict[int, tuple[int, float]] = {}
+        self.hop_cache: dict[tuple[int, int], tuple[int, float]] = {}
         self.bounds = bounds
 
     def push(self, time: float, kind: int, j: int, what) -> None:
@@ -124,7 +124,7 @@ class GroupSim:
                             self.join(es, what)
                         elif cls is PipeBatch:
                             if j < last_stage:
-                                nbytes, dt = hop(what.n)
+                                nbytes, dt = hop(what.n, j)
                                 hops.append(nbytes)
                                 heappush(heap, (x + dt, ARRIVE, self.seq, j + 1, what))
                             else:
@@ -298,12 +298,14 @@ class GroupSim:
             self.raw_from, self.raw_next = x, nxt
         return self.raw_next
 
-    def hop(self, n: int) -> tuple[int, float]:
-        """(bytes, transfer time) of a hop of n tokens (the handlers' expressions), cached per n."""
-        h = self.hop_cache.get(n)
+    def hop(self, n: int, j: int) -> tuple[int, float]:
+        """(bytes, transfer time) of a hop of n tokens from stage j to stage j + 1 (the handlers'
+        expressions), cached per (n, j)."""
+        h = self.hop_cache.get((n, j))
         if h is None:
             nbytes = CostModel.hidden_bytes(self.arch, n)
-            h = self.hop_cache[n] = (nbytes, self.cluster.interconnect.transfer_time(nbytes))
+            src, dst = self.group[j].eng.id, self.group[j + 1].eng.id
+            h = self.hop_cache[(n, j)] = (nbytes, self.cluster.topology.hop_time(src, dst, nbytes))
         return h
 
     # ------------------------------------------------------------------ the cut

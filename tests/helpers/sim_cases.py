@@ -12,9 +12,10 @@ from paraflex.simulator.systems.layouts import SystemLayout
 MODELS = [("a", "tiny-2l", 1), ("b", "tiny-4l", 2), ("c", "tiny-8l", 3)]  # name, arch, stages
 
 
-def ring_config(memory_gb: float, policy: str, max_batch: int, workload: WorkloadConfig) -> Config:
+def ring_config(memory_gb: float, policy: str, max_batch: int, workload: WorkloadConfig, **cluster) -> Config:
+    """`cluster`: more keys of the cluster section (nodes, node_interconnect_*)."""
     return Config.from_dict({
-        "cluster": {"num_engines": 3, "device": "cpu", "memory_gb": memory_gb, "host_memory_gb": 0.01},
+        "cluster": {"num_engines": 3, "device": "cpu", "memory_gb": memory_gb, "host_memory_gb": 0.01, **cluster},
         "models": [{"name": n, "arch": a} for n, a, _ in MODELS],
         "scheduler": {"max_batch_size": max_batch, "policy": policy, "block_bytes": 4096},
         "workload": dataclasses.asdict(workload),

@@ -116,3 +116,45 @@ def test_a_model_too_large_for_any_cut_says_to_add_memory_not_fewer_stages():
     msg = str(info.value)
     assert "memory_gb" in msg and "GiB" in msg and " GB" not in msg
     assert "raise planner.target_stage_time" not in msg
+
+
+def _fixed(stages, memory_gb=80, kappa_gb=1, engines=8):
+    return Config.from_dict({
+        "cluster": {"num_engines": engines, "device": "a100-80g", "tp": 1, "memory_gb": memory_gb},
+        "models": [{"name": "small", "arch": "llama-20b"}, {"name": "big", "arch": "llama-80b", "stages": stages}],
+        "planner": {"target_stage_time": "auto", "kappa_gb": kappa_gb},
+    })
+
+
+def test_configured_stages_replace_the_time_based_cut():
+    problem, facts = build_problem(_fixed(6))
+    big = problem.models[1]
+    assert big.num_stages == 6 and big.stages == split_layers(240, 6)  # even cut, not time-based (4)
+    assert problem.models[0].num_stages == 1  # the others keep the time-based cut
+    assert facts["fixed_stages"] == {"big": 6} and not facts["warnings"]
+
+
+def test_configured_stages_that_do_not_fit_an_engine_name_the_field_and_the_fewest_that_fit():
+    import pytest
+
+    from paraflex.errors import ConfigError
+    from paraflex.planner.problem import ModelSpec
+
+    arch = get_arch("llama-80b")
+    fits = [k for k in range(1, 9)
+            if max(ModelSpec.from_arch("big", 240, k, 1, arch).stage_weights) + 10 * 2**30 <= 80 * 2**30]
+    with pytest.raises(ConfigError) as info:
+        build_problem(_fixed(fits[0] - 1, kappa_gb=10))
+    assert info.value.path == "models[1].stages"
+    assert f"use stages: {fits[0]} or more" in str(info.value)
+    assert build_problem(_fixed(fits[0], kappa_gb=10))[0].models[1].num_stages == fits[0]
+
+
+def test_the_planner_places_a_configured_cut_unchanged():
+    from paraflex.planner import plan
+
+    placement = plan(_fixed(6))
+    big = placement.models["big"]
+    assert big.stages == list(split_layers(240, 6))
+    assert all(len(r) == 6 for r in big.replicas)
+    assert placement.params["fixed_stages"] == {"big": 6}

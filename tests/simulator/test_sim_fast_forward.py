@@ -198,3 +198,14 @@ def test_skippable_arrivals_are_water_filling(others, floor, gaps, i, horizon):
         heapreplace(heap, heap[0] + 1)
         j += 1
     assert skippable(list(others), floor, ts, i, horizon) == j - i
+
+
+def test_ring_pipelines_across_nodes_identical_with_and_without_fast_forward():
+    """Engine 0 alone on a node with a slow link to the node of engines 1, 2: the pipelines'
+    hops take the link of the two engines they join, in both paths."""
+    w = WorkloadConfig(arrival="lognormal", cv=2.0, num_requests=30, seed=5, output_scale=1.0)
+    cfg = ring_config(0.05, "full-batch-first", 8, w, nodes=[1, 2], node_interconnect_gbps=0.1,
+                      node_interconnect_latency_us=1000)
+    fast, plain = _both(cfg, ring_layout(cfg, "full-batch-first"), "ring", 8.0, 5)
+    assert_same_results(fast, plain)
+    assert fast.summary["fast_forward_cycles"] > 0

@@ -3,13 +3,8 @@ OpenAI client, and stops cleanly on Ctrl-C (SIGINT); bad flags exit 2 with one l
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 
 import openai
@@ -17,6 +12,7 @@ import pytest
 import yaml
 
 from gateway_cluster import config_dict, make_placement
+from serve_cli import read_until, serving
 from paraflex.cli import main
 from paraflex.errors import UserError
 
@@ -28,34 +24,6 @@ def files(tmp_path):
     pl = tmp_path / "placement.json"
     make_placement().save(pl)
     return str(cfg), str(pl)
-
-
-@contextlib.contextmanager
-def serving(args: list[str]):
-    """`paraflex serve ARGS` in a subprocess: (process, queue of its output lines); killed on
-    the way out if the test left it running."""
-    proc = subprocess.Popen([sys.executable, "-m", "paraflex", "serve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    try:
-        yield proc, lines
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def read_until(lines: "queue.Queue[str]", needle: str, timeout: float) -> list[str]:
-    seen, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            seen.append(lines.get(timeout=0.2))
-        except queue.Empty:
-            continue
-        if needle in seen[-1]:
-            return seen
-    raise AssertionError(f"{needle!r} not printed within {timeout} s; output: {seen}")
 
 
 @pytest.mark.slow

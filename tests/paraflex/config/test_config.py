@@ -119,6 +119,10 @@ def test_defaults_and_units():
         ({"models[1].hf": "x"}, "models[1]", "exactly one"),
         ({"models[1].arch": _DELETE}, "models[1]", "exactly one"),
         ({"models[1].name": "a"}, "models[1].name", "duplicate"),
+        ({"models[0].stages": 0}, "models[0].stages", ">= 1"),
+        ({"models[2].stages": 33}, "models[2].stages", "at most 32"),
+        ({"models[1].stages": 5}, "models[1].stages", "4 engines"),
+        ({"models[1].stages": 1.5}, "models[1].stages", "integer"),
         ({"models[1].name": "bad name!"}, "models[1].name", "letters"),
         ({"models[0].arch": "llama-2-70b", "cluster.num_engines": 1}, "models[0].arch", "whole cluster"),
         ({"planner.target_stage_time": "fast"}, "planner.target_stage_time", "x2"),
@@ -282,3 +286,10 @@ def test_missing_profile_dir_says_where_it_was_looked_up(tmp_path):
         load_config(str(tmp_path / "configs" / "c.yaml"))
     assert str(tmp_path / "configs" / "profiles") in str(err.value)
     assert "taken from the config's folder" in str(err.value)
+
+
+def test_stages_round_trip_and_default_to_the_planners_cut():
+    cfg = Config.from_dict(make(**{"models[0].stages": 3}))
+    assert [m.stages for m in cfg.models] == [3, None, None]
+    assert cfg.to_dict()["models"][0]["stages"] == 3 and "stages" not in cfg.to_dict()["models"][1]
+    assert Config.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()

@@ -71,6 +71,15 @@ def test_startup_progress_is_reported(backend):
     assert "process group(s) built (gloo)" in text
 
 
+def test_engines_share_the_one_node_and_health_says_which(backend):
+    """One Ray node: the three engines are one placement group, reported at start-up and in /health."""
+    node = ray.get_runtime_context().get_node_id()
+    assert backend.health()["nodes"] == {str(e): {"node_id": node, "ip": backend.health()["nodes"]["0"]["ip"]}
+                                         for e in range(3)}
+    assert f"engines on nodes: 0-2 on node {node[:8]}" in "\n".join(backend.progress_lines)
+    assert len(backend.engines.nodes.pgs) == 1
+
+
 def test_greedy_tokens_equal_in_process_runtime(backend, reference):
     jobs = [(m, p, GREEDY, f"eq-{m}-{i}") for m in MODELS for i, p in enumerate(PROMPTS)]
     results = _run_all(backend, jobs)
