@@ -52,6 +52,18 @@ def add_arguments(parser) -> None:
                              "tokens) in the columns of `paraflex simulate`'s requests.csv (docs/serve.md)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="Ray restarts of a dead engine actor before its replicas stay down (default 0)")
+    from paraflex.planner.incremental import DEFAULT_HYSTERESIS
+    from paraflex.planner.replan_controller import DEFAULT_THRESHOLD
+
+    r = parser.add_argument_group("live re-planning (docs/serve.md, \"Re-planning live\")")
+    r.add_argument("--replan-interval", type=float, metavar="S",
+                   help="re-plan the placement every S seconds from the measured rates and apply it live "
+                        "(off by default)")
+    r.add_argument("--replan-threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help=f"also re-plan when a model's rate moves by more than this share (default {DEFAULT_THRESHOLD:g})")
+    r.add_argument("--replan-hysteresis", type=float, default=DEFAULT_HYSTERESIS,
+                   help="keep the placement unless the objective improves by more than this share "
+                        f"(default {DEFAULT_HYSTERESIS:g})")
 
 
 def require_device_at_hand(device: str) -> None:
@@ -124,6 +136,12 @@ def run(args) -> int:
         raise UserError(f"--read-timeout: must be a finite number of seconds > 0, got {args.read_timeout:g}")
     if not 0 <= args.drain_seconds < float("inf"):
         raise UserError(f"--drain-seconds: must be a finite number of seconds >= 0, got {args.drain_seconds:g}")
+    if args.replan_interval is not None and not 0 < args.replan_interval < float("inf"):
+        raise UserError(f"--replan-interval: must be a finite number of seconds > 0, got {args.replan_interval:g}")
+    if not 0 < args.replan_threshold < float("inf"):
+        raise UserError(f"--replan-threshold: must be a relative rate change > 0 (e.g. 0.5), got {args.replan_threshold:g}")
+    if not 0 <= args.replan_hysteresis < float("inf"):
+        raise UserError(f"--replan-hysteresis: must be a share >= 0 (e.g. 0.1), got {args.replan_hysteresis:g}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port: {args.port} is not a TCP port (0-65535)")
     sock = bind(args.host, args.port)  # a bad --host or a taken --port fails before any planning or engine
@@ -144,14 +162,24 @@ def run(args) -> int:
         backend = start_backend(config, placement, args)
         if request_log is not None:
             backend.frontend.request_log = request_log
+        replanner = None
         try:
+            if args.replan_interval is not None:
+                from paraflex.serving.live_replanner import LiveReplanner
+
+                replanner = LiveReplanner(backend, config, args.replan_interval, args.replan_threshold,
+                                          args.replan_hysteresis, report=lambda line: print(line, flush=True))
+                replanner.start()
             app = build_app(backend, api_key=args.api_key, max_outstanding=args.max_outstanding,
-                            allowed_hosts=(args.host, *args.allowed_host), metrics_require_key=args.metrics_require_key)
+                            allowed_hosts=(args.host, *args.allowed_host), metrics_require_key=args.metrics_require_key,
+                            arrival_rates=replanner)
             names = ", ".join(c.name for c in backend.models())
             serve(app, sock, announce=lambda: print(
                 f"serving {names}\n{base_url(sock)}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True),
                 read_timeout=args.read_timeout, drain_s=args.drain_seconds)
         finally:
+            if replanner is not None:
+                replanner.stop()
             print("stopping engines ...", file=sys.stderr, flush=True)
             asyncio.run(backend.close())
             if request_log is not None:

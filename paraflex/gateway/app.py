@@ -94,10 +94,10 @@ SHUTTING_DOWN = "server shutting down; send the request again (to another server
 class Gateway:
     """Route handlers bound to one backend."""
 
-    def __init__(self, backend: Backend, max_outstanding: int):
+    def __init__(self, backend: Backend, max_outstanding: int, arrival_rates=None):
         self.backend = backend
         self.cards: dict[str, ModelCard] = {c.name: c for c in backend.models()}
-        self.metrics = GatewayMetrics(list(self.cards))
+        self.metrics = GatewayMetrics(list(self.cards), arrival_rates)
         self.admission = Admission(max_outstanding)
         self.created = int(time.time())
         self.running = Running()  # generation.generate keeps it
@@ -244,11 +244,14 @@ class Gateway:
 
 
 def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: int = 256,
-              allowed_hosts: tuple[str, ...] = (), metrics_require_key: bool = False) -> FastAPI:
+              allowed_hosts: tuple[str, ...] = (), metrics_require_key: bool = False,
+              arrival_rates=None) -> FastAPI:
     """The FastAPI app serving `backend`. max_outstanding: admitted requests before 503;
     allowed_hosts: `Host` names accepted besides localhost and IP addresses ("*": any; guards.py);
-    metrics_require_key: /metrics too needs the API key (only /health stays open)."""
-    gw = Gateway(backend, max_outstanding)
+    metrics_require_key: /metrics too needs the API key (only /health stays open); arrival_rates:
+    the meter told of every admitted request and shown as paraflex:arrival_rate (default the
+    gateway's own `ArrivalRates`; the live re-planner with `--replan-interval`)."""
+    gw = Gateway(backend, max_outstanding, arrival_rates)
     app = FastAPI(title="ParaFlex", docs_url=None, redoc_url=None)
     app.state.gateway = gw
 

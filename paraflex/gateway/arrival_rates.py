@@ -5,8 +5,9 @@ request that reaches the backend; `/metrics` shows `rates()` as the gauge
 `paraflex:arrival_rate{model_name}` (`ArrivalRateCollector`). The rate is an exponentially
 weighted moving average in continuous time: it decays by exp(-dt / tau) and each arrival adds
 1 / tau, so a steady Poisson stream of rate r reads r on average, and a change of traffic shows
-within about tau seconds. (The live re-planning controller keeps its own rate meter, in the
-planner; this gauge is what operators see.)
+within about tau seconds. With `paraflex serve --replan-interval`, the live re-planner
+(paraflex/serving/live_replanner.py) takes this one's place: the gateway feeds it the same way
+and the gauge shows its sliding-window rates, the ones the planner decides on (one meter).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class ArrivalRates:
 
     def __init__(self, models: list[str], tau_s: float = TAU_S, clock=time.monotonic) -> None:
         self.tau_s = tau_s
+        self.description = f"moving average, time constant {tau_s:g} s"
         self.clock = clock
         self._rate = {m: 0.0 for m in models}
         self._at = {m: clock() for m in models}
@@ -56,7 +58,7 @@ class ArrivalRateCollector:
     def collect(self):
         family = GaugeMetricFamily(
             "paraflex:arrival_rate",
-            f"Requests per second arriving for each model (moving average, time constant {self.rates.tau_s:g} s).",
+            f"Requests per second arriving for each model ({self.rates.description}).",
             labels=["model_name"])
         for model, rate in self.rates.rates().items():
             family.add_metric([model], rate)

@@ -94,12 +94,14 @@ class GatewayMetrics:
     """Per-model request metrics the gateway measures itself, plus the backend's state at
     each scrape, in this gateway's own registry."""
 
-    def __init__(self, model_names: list[str]):
+    def __init__(self, model_names: list[str], arrivals=None):
+        """arrivals: the rate meter the gateway feeds and /metrics shows (`observe(model)`,
+        `rates()`, `description`; default: an `ArrivalRates`)."""
         self.model_names = list(model_names)
         self.registry = CollectorRegistry()
         self.backend_state = BackendStateCollector(self.model_names)
         self.registry.register(self.backend_state)
-        self.arrivals = ArrivalRates(self.model_names)
+        self.arrivals = arrivals if arrivals is not None else ArrivalRates(self.model_names)
         self.registry.register(ArrivalRateCollector(self.arrivals))
 
         def per_model(metric):  # every model's series shows from the start, at 0

@@ -126,3 +126,12 @@ def test_an_empty_api_key_is_refused_and_an_empty_env_key_means_none(files, caps
 
     monkeypatch.setenv("PARAFLEX_API_KEY", "")
     assert build_parser().parse_args(["serve"]).api_key is None
+
+
+@pytest.mark.parametrize("flags, field", [(["--replan-interval", "0"], "--replan-interval"),
+                                          (["--replan-interval", "5", "--replan-threshold", "-1"], "--replan-threshold"),
+                                          (["--replan-interval", "5", "--replan-hysteresis", "nan"], "--replan-hysteresis")])
+def test_serve_rejects_bad_replanning_settings(files, capsys, flags, field):
+    cfg, pl = files
+    assert main(["serve", cfg, "--placement", pl, "--in-process", *flags]) == 2
+    assert field in capsys.readouterr().err
