@@ -7,6 +7,10 @@ thread. Work arrives three ways, all as actor calls with msgpack bytes:
   - `add_request` (from the gateway's backend, at a model's first stage);
   - `deliver` (phase 1 of a hop from another engine; paraflex.engine.transport.ray);
   - `abort` (the backend frees a request on every engine of its replica).
+A live placement change (paraflex/serving/ray_stages.py) adds a stage with `load_stage` (its
+weights load on a thread, then it joins the loop between two steps) and drops one with
+`unload_stage` (between two steps); both return at once and `stage_change(model)` reports
+"done" or "failed: ..."; `leave_group` drops a removed replica's process group.
 The loop sends batches to the next stage through the `RayTransport`, the last stage's token
 back to the first stage as metadata only, and the token stream to the gateway through the
 `OutputRouter` (paraflex.engine.ray_output). A finished or aborted request's KV is freed on
@@ -63,6 +67,7 @@ class EngineActor:
         self._stop = threading.Event()
         self._engine_thread: threading.Thread | None = None
         self._build_args = (config, placement, device, dtype, kv_bytes, seed)
+        self._changes: dict[str, str] = {}  # model -> its live stage change: "loading", "done", "failed: ..."
         threading.Thread(target=self._load, name="pf-load", daemon=True).start()
 
     # ------------------------------------------------------------------ start-up
@@ -132,6 +137,37 @@ class EngineActor:
         model, rids = msgpack.unpackb(payload, raw=False)
         self._post(("free", model, rids))
 
+    def load_stage(self, model: str, stage: int, layers: list, num_stages: int, route: list) -> None:
+        """Start loading stage `stage` (layers [a, b)) of `model` on a thread; it joins the engine
+        loop between two steps, serving on the replica `route` (see `stage_change`)."""
+        self._changes[model] = "loading"
+        threading.Thread(target=self._load_stage, args=(model, stage, tuple(layers), num_stages, list(route)),
+                         name="pf-stage-load", daemon=True).start()
+
+    def unload_stage(self, model: str) -> None:
+        """Drop `model`'s stage between two steps (weights, KV, leftover requests)."""
+        self._changes[model] = "unloading"
+        self._post(("call", model, lambda: self.loop.remove_stage(model)))
+
+    def stage_change(self, model: str) -> str | None:
+        """The state of `model`'s last stage change here: "loading", "unloading", "done", "failed: ..."."""
+        return self._changes.get(model)
+
+    def leave_group(self, model: str, engines: list) -> None:
+        """Drop the process group of `model`'s replica on `engines` (a removed replica)."""
+        self.transport.leave(model, tuple(engines))
+
+    def _load_stage(self, model: str, stage: int, layers: tuple, num_stages: int, route: list) -> None:
+        from paraflex.engine.engine_builder import load_stage
+
+        config, _, device, dtype, _, _ = self._build_args
+        try:
+            loaded = load_stage(config, model, stage, layers, num_stages, device, dtype, self.engine_id)
+        except Exception as exc:  # noqa: BLE001 - reported through stage_change
+            self._changes[model] = f"failed: {type(exc).__name__}: {exc}"
+            return
+        self._post(("call", model, lambda: self.loop.add_stage(model, stage, num_stages, route, *loaded)))
+
     def stop(self) -> None:
         self._stop.set()
         self.transport.notify()
@@ -151,7 +187,14 @@ class EngineActor:
         with self._lock:
             items, self._inbox = self._inbox, []
         for item in items:
-            if item[0] == "add":
+            if item[0] == "call":  # a live stage change, between two steps
+                _, model, fn = item
+                try:
+                    fn()
+                    self._changes[model] = "done"
+                except Exception as exc:  # noqa: BLE001 - reported through stage_change
+                    self._changes[model] = f"failed: {type(exc).__name__}: {exc}"
+            elif item[0] == "add":
                 _, model, rid, prompt, sampling = item
                 try:
                     self.loop.add_request(model, rid, prompt, SamplingParams.from_dict(sampling))

@@ -123,6 +123,13 @@ class RayTransport(Transport):
                 self._retire_inbox(current, "its process group was rebuilt")
             self._open_inbox(group)
 
+    def leave(self, model: str, engines: tuple[int, ...]) -> None:
+        """Drop the process group of `model`'s replica on `engines` (removed live): later hops of
+        the model find only the groups of its replicas that stay."""
+        group = self.groups.remove_on(model, engines)
+        if group is not None:
+            self._retire_inbox(group, "its replica was removed")
+
     def group_generations(self) -> dict[str, int]:
         return self.groups.generations()
 

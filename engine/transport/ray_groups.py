@@ -144,6 +144,14 @@ class ReplicaGroups:
         self._by_replica[key] = group
         return old
 
+    def remove_on(self, model: str, engines: tuple[int, ...]) -> ReplicaGroup | None:
+        """Forget the group of `model`'s replica over exactly `engines` (a replica removed by a
+        live placement change), so no later hop finds it; returns it, or None."""
+        for key, group in list(self._by_replica.items()):
+            if key[0] == model and group.spec.engines == tuple(engines):
+                return self._by_replica.pop(key)
+        return None
+
     def all(self) -> list[ReplicaGroup]:
         return list(self._by_replica.values())
 

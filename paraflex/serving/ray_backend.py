@@ -11,8 +11,10 @@ to the client's request and its `StreamSink` (paraflex/serving/stream_sink.py). 
 fails its replicas' requests at once and leaves dispatch until Ray has restarted it and it has
 rejoined; the KV-stall watch stops a request when a replica has stopped making progress, and it
 restarts by recompute (paraflex/serving/recompute.py) under a new engine request id.
-`placement()` answers the serving placement; `change_placement` refuses (409) for now: the engine
-actors cannot take or drop a stage live yet (docs/serve.md, "Changing the placement live").
+`placement()` answers the serving placement; `change_placement` applies a new one live through
+the `PlacementChanger` (paraflex/serving/live_placement.py) over `RayStages`
+(paraflex/serving/ray_stages.py: the actors load and drop stages between steps, replicas' process
+groups are built and dropped).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from paraflex.engine.worker.tokenizer import load_tokenizer
 from paraflex.serving.admission import kv_limits_by_model
 from paraflex.serving.backend import BackendMetrics, ModelCard, Output, count_swapped
 from paraflex.serving.frontend import Frontend
-from paraflex.serving.live_placement import PlacementRejected, check_placement
+from paraflex.serving.live_placement import PlacementChanger
 from paraflex.serving.ray_engines import RayEngines
 from paraflex.serving.ray_monitor import MONITOR_EVERY_S, EngineMonitor
+from paraflex.serving.ray_stages import RayStages
 from paraflex.serving.stream_sink import StreamSink
 
 ALIVE, DEAD = "alive", "dead"
@@ -50,6 +53,8 @@ class RayBackend:
         self.model_names = list(placement.models)  # fixed for the backend's lifetime
         self.frontend = Frontend(config, placement, engines, report=lambda line: progress(f"paraflex: {line}"))
         self.monitor = EngineMonitor(self.frontend, engines, progress)
+        self.changer = PlacementChanger(config, self.frontend, RayStages(engines, self.monitor.statuses),
+                                        report=lambda line: progress(f"paraflex: {line}"))
         self._cards: list[ModelCard] = []  # once the engines report their KV (start)
         self._closed = threading.Event()
         self._threads = [threading.Thread(target=self.monitor.run, args=(self._closed,), name="pf-monitor",
@@ -93,14 +98,10 @@ class RayBackend:
         self.frontend.end(request_id, error)
 
     def placement(self):
-        with self.frontend.lock:
-            return self.frontend.placement
+        return self.changer.placement()
 
     def change_placement(self, placement, source: str = "placement") -> dict:
-        check_placement(self.config, placement, source)
-        raise PlacementRejected(409, "the Ray backend cannot change its placement live yet (its engine actors do "
-                                     "not load or drop a stage while serving); serve with --in-process, or "
-                                     "restart the server with --placement")
+        return self.changer.apply(placement, source)
 
     def health(self) -> dict:
         down = self.frontend.down_engines()
@@ -131,7 +132,9 @@ class RayBackend:
         waiting = {m: n + held.get(m, 0) for m, n in queued.items()}
         return BackendMetrics(running=running, waiting=waiting, kv_cache_usage=usage,
                               preemptions=self.frontend.preemptions(),
-                              swapped=count_swapped(swapped), swaps=swaps)
+                              swapped=count_swapped(swapped), swaps=swaps,
+                              placement_actions=dict(self.changer.counters.actions),
+                              placement_moved_bytes=self.changer.counters.moved_bytes)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.shutdown)

@@ -6,7 +6,10 @@ groups of the replicas (paraflex.engine.transport.ray) and the rendezvous store.
 frontend (paraflex/serving/frontend.py) reaches the engines through `add_request` and `free`
 (the `EngineHandles` interface, paraflex/serving/engine_handle.py): msgpack actor calls that
 return at once. `connect` builds the process groups at start-up, `rejoin` rebuilds those of a
-restarted engine's replicas (next generation), and `stop` ends every actor.
+restarted engine's replicas (next generation), `join_replica` / `leave_replica` build and drop
+the group of a replica a live placement change adds or removes (paraflex/serving/ray_stages.py),
+and `stop` ends every actor. A group's replica number names its rendezvous keys, so a replica
+added live gets a number never used before (never a removed one's).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class RayEngines:
         self.groups = {(m, j): GroupSpec(m, j, tuple(engines))
                        for m, mp in placement.models.items() for j, engines in enumerate(mp.replicas)
                        if len(engines) > 1}
+        self._next_group = {m: len(mp.replicas) for m, mp in placement.models.items()}
 
     # ------------------------------------------------------------------ EngineHandles
     def add_request(self, engine: int, model: str, engine_rid: str, prompt: list[int], params) -> None:
@@ -59,6 +63,24 @@ class RayEngines:
         wire = [g.to_wire() for g in bumped]
         ray.get([self.actors[m].connect.remote(self.actors, wire, *self._store_addr) for m in members],
                 timeout=timeout_s)
+
+    def join_replica(self, model: str, engines: list[int], timeout_s: float) -> None:
+        """Build the process group of `model`'s new replica on `engines` (one engine: none)."""
+        if len(engines) < 2:
+            return
+        number = self._next_group[model]
+        self._next_group[model] = number + 1
+        spec = GroupSpec(model, number, tuple(engines))
+        ray.get([self.actors[e].connect.remote(self.actors, [spec.to_wire()], *self._store_addr) for e in engines],
+                timeout=timeout_s)
+        self.groups[(model, number)] = spec
+
+    def leave_replica(self, model: str, engines: list[int], live: list[int], timeout_s: float) -> None:
+        """Drop the process group of `model`'s removed replica on `engines`, on its `live` members."""
+        for key, spec in list(self.groups.items()):
+            if key[0] == model and spec.engines == tuple(engines):
+                del self.groups[key]
+        ray.get([self.actors[e].leave_group.remote(model, list(engines)) for e in live], timeout=timeout_s)
 
     # ------------------------------------------------------------------ shutdown
     def stop(self, timeout_s: float) -> None:
