@@ -135,3 +135,21 @@ def test_serve_rejects_bad_replanning_settings(files, capsys, flags, field):
     cfg, pl = files
     assert main(["serve", cfg, "--placement", pl, "--in-process", *flags]) == 2
     assert field in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_with_replanning_meters_requests_and_stops_cleanly(files):
+    import httpx
+
+    cfg, pl = files
+    with serving([cfg, "--placement", pl, "--in-process", "--port", "0", "--replan-interval", "30"]) as (proc, lines):
+        out = read_until(lines, "/v1", timeout=120)
+        url = next(line for line in out if "/v1" in line).split()[0]
+        c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30)
+        for _ in range(3):
+            c.completions.create(model="tiny-4l", prompt="hi", max_tokens=2)
+        text = httpx.get(url.removesuffix("/v1") + "/metrics").text
+        assert 'paraflex:arrival_rate{model_name="tiny-4l"} 0.1' in text  # 3 arrivals in its 30 s window
+        assert "the rates the live re-planner decides on" in text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
