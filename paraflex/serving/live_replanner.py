@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Callable
 
+from paraflex.errors import UserError
 from paraflex.planner.replan_controller import ReplanController
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,13 @@ class LiveReplanner:
         (`change_placement`'s), or None when nothing changed (not due, kept, refused or failed)."""
         with self._lock:
             self.controller.placement = self.backend.placement()
-            replan = self.controller.maybe_replan(self.clock())
+            now = self.clock()
+            try:
+                replan = self.controller.maybe_replan(now)
+            except UserError as exc:  # e.g. no placement fits these rates: say so once per interval
+                self.controller.last_plan = now
+                self.report(f"re-planning: {exc}; the serving placement stays")
+                return None
         if replan is None:
             return None
         actions = "; ".join(p.action.describe() for p in replan.actions)

@@ -9,6 +9,7 @@ import torch
 
 from paraflex.config.schema import Config
 from paraflex.engine.core.sampling_params import SamplingParams
+from paraflex.errors import UserError
 from paraflex.planner import plan
 from paraflex.serving.in_process import LLMCluster
 from paraflex.serving.in_process_backend import InProcessBackend
@@ -113,3 +114,19 @@ def test_balanced_traffic_keeps_the_placement(served):
         _arrive(backend, replanner, clock, "tiny-4l", 10, k * INTERVAL)
         assert replanner.tick() is None
     assert backend.placement().to_dict() == before and not replanner.applied
+
+
+def test_a_plan_that_cannot_be_made_is_reported_once_per_interval(served, monkeypatch):
+    backend, replanner, clock, lines = served
+    before = backend.placement().to_dict()
+
+    def no_fit(current, rates):
+        raise UserError("re-planning for rates ...: no feasible placement: test")
+
+    monkeypatch.setattr(replanner.controller.planner, "replan", no_fit)
+    for t in (INTERVAL, INTERVAL + 1, INTERVAL + 2):
+        clock.now = t
+        assert replanner.tick() is None
+    assert [line for line in lines if "no feasible placement" in line] == [
+        "re-planning: re-planning for rates ...: no feasible placement: test; the serving placement stays"]
+    assert backend.placement().to_dict() == before
