@@ -4,7 +4,8 @@ Place in the data flow: the commands ask here for what a user may leave out or n
 the demo config (`paraflex serve` / `paraflex plan` with no CONFIG; the folder `configs/` of
 the repository, installed as the package `paraflex.configs`) and the Splitwise traces
 (`paraflex simulate --trace splitwise-conv`; `paraflex/data/traces/`, MIT, processed by Vidur,
-licence and attribution beside them).
+licence and attribution beside them), and Vidur's measured A100/H100 operator tables
+(`cluster.profile_dir: vidur`; `paraflex/data/profiles/`, MIT, median columns only).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from paraflex.errors import UserError
 
 DEMO_CONFIG = "demo.yaml"
 TRACES = {"splitwise-conv": "splitwise_conv.csv", "splitwise-code": "splitwise_code.csv"}
+SHIPPED_PROFILES = "vidur"  # the `cluster.profile_dir` value that names the shipped tables
 
 
 def config_path(name: str = DEMO_CONFIG) -> str:
@@ -37,3 +39,8 @@ def trace_path(name_or_path: str) -> str:
     if name_or_path in TRACES:
         return os.fspath(files("paraflex") / "data" / "traces" / TRACES[name_or_path])
     return name_or_path
+
+
+def profiles_path() -> str:
+    """The folder of the shipped profile tables (`cluster.profile_dir: vidur`)."""
+    return os.fspath(files("paraflex") / "data" / "profiles")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from paraflex.config.fields import GIB, Section, resolve_path
 from paraflex.errors import ConfigError, UserError
+from paraflex.shipped import SHIPPED_PROFILES, profiles_path
 
 
 @dataclass
@@ -77,7 +78,9 @@ def parse_cluster(raw, base_dir: str) -> ClusterConfig:
             f"{memory_gb:g} GiB exceeds what {tp} x {device} hold ({spec.memory_bytes * tp / GIB:g} GiB); lower it",
         )
     profile_dir = s.str("profile_dir")
-    if profile_dir is not None:
+    if profile_dir == SHIPPED_PROFILES:
+        profile_dir = profiles_path()
+    elif profile_dir is not None:
         given, profile_dir = profile_dir, resolve_path(profile_dir, base_dir)
         if not os.path.isdir(profile_dir):
             where = "" if given == profile_dir else (

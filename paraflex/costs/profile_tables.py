@@ -96,6 +96,22 @@ def write_mlp_csv(path: str, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+def write_median_csv(src: str, dst: str, digits: int = 4) -> int:
+    """Copy a Vidur mlp.csv keeping only what `read_mlp_csv` reads (the median columns, rounded
+    to `digits` significant digits, and the shape columns): how the tables shipped in
+    paraflex/data/profiles were made from the full ones. Returns the rows written."""
+    with open(src, newline="", encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    columns = [c for c in (f"time_stats.{op}.median" for op in ALL_OPS) if rows and c in rows[0]] + list(SHAPE_COLUMNS)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    with open(dst, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh, lineterminator="\n")
+        writer.writerow(columns)
+        for r in rows:
+            writer.writerow([f"{float(r[c]):.{digits}g}" if c.startswith("time_stats.") else r[c] for c in columns])
+    return len(rows)
+
+
 def _bool(text: str) -> bool:
     return text.strip().lower() in ("true", "1", "yes")
 

@@ -25,6 +25,9 @@ def test_wheel_install_plans_the_shipped_demo(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
     assert (target / "paraflex" / "configs" / "demo.yaml").is_file()
+    shipped = target / "paraflex" / "data"
+    assert (shipped / "traces" / "splitwise_conv.csv").is_file() and (shipped / "profiles" / "LICENSE").is_file()
+    assert len(list((shipped / "profiles" / "compute").glob("*/*/*/mlp.csv"))) == 10
     env = {**os.environ, "PYTHONPATH": str(target), "PYTHONNOUSERSITE": "1"}
     run = subprocess.run([sys.executable, "-s", "-m", "paraflex", "plan", "-q"], cwd=cwd, env=env,
                          capture_output=True, text=True)
