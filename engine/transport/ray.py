@@ -117,7 +117,7 @@ class RayTransport(Transport):
             current = self.groups.get(spec.model, spec.replica)
             if current is not None and current.spec.generation >= spec.generation:
                 continue
-            group = ReplicaGroup(spec, self.engine_id, self._store, self.backend, self.timeout_s)
+            group = ReplicaGroup(spec, self.engine_id, self._store, self.backend, self.timeout_s, store_host)
             self.groups.install(group)
             if current is not None:
                 self._retire_inbox(current, "its process group was rebuilt")

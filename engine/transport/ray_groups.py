@@ -16,11 +16,17 @@ one of its engines comes back, and one model's traffic never queues behind anoth
 a shared communicator. Per-hop pairs would need one group per stage boundary for the same
 isolation; a replica group already gives each hop its own gloo pair (full mesh) or NCCL p2p
 communicator (created lazily per rank pair).
+
+Gloo's pairs listen where the group's device says: on a loopback store (a local Ray instance
+whose gateway is on loopback, paraflex.serving.ray_startup.bind_host) the device is bound to
+that loopback address, so the tensors' sockets are not reachable from the network either;
+otherwise gloo binds the address the node's hostname resolves to, as torch does by default.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import socket
 from dataclasses import dataclass
 
@@ -29,6 +35,16 @@ import torch.distributed as dist
 
 from paraflex.engine.transport.ray_slots import SlotInbox, slot_tag
 from paraflex.engine.transport.ray_wire import MAX_TENSORS, TAG_SPACE
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` reaches this machine only (127.x, ::1, localhost)."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -84,7 +100,7 @@ class ReplicaGroup:
     """One built process group plus this engine's rank in it."""
 
     def __init__(self, spec: GroupSpec, engine_id: int, store: dist.Store, backend: str,
-                 timeout_s: float) -> None:
+                 timeout_s: float, store_host: str | None = None) -> None:
         self.spec = spec
         self.rank_of = {e: i for i, e in enumerate(spec.engines)}
         self.next_slot = 0  # slot transfers sent to the successor (the model's send thread)
@@ -96,6 +112,11 @@ class ReplicaGroup:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             self.pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+        elif store_host is not None and is_loopback(store_host):
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=store_host)]
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, size, opts)
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 

@@ -12,7 +12,6 @@ start-up progress, then builds one torch.distributed process group per model rep
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shutil
 import sys
@@ -25,6 +24,7 @@ import ray
 from paraflex.engine.ray_engine import FAILED, READY, engine_actor_class
 from paraflex.engine.ray_output import OutputRouter
 from paraflex.engine.transport.ray import start_store
+from paraflex.engine.transport.ray_groups import is_loopback
 from paraflex.errors import ParaflexError, UserError
 from paraflex.planner.validate import require_valid_layout
 from paraflex.serving.ray_backend import RayBackend
@@ -40,23 +40,11 @@ def _print(line: str) -> None:
 LOOPBACK = "127.0.0.1"
 
 
-def is_loopback(host: str | None) -> bool:
-    """Whether the gateway's --host reaches this machine only (127.x, ::1, localhost)."""
-    if host is None:
-        return False
-    if host.strip("[]").lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def bind_host(gateway_host: str | None, starts_local_ray: bool) -> str | None:
     """The address what `paraflex serve` starts listens on: loopback when it starts its own Ray
     and the gateway is on loopback (nothing else reaches the engines then); None otherwise (the
     node's cluster address, as Ray picks it)."""
-    return LOOPBACK if starts_local_ray and is_loopback(gateway_host) else None
+    return LOOPBACK if starts_local_ray and gateway_host is not None and is_loopback(gateway_host) else None
 
 
 def _init_ray(ray_address: str | None, progress, gateway_host: str | None) -> tuple[str | None, str | None]:

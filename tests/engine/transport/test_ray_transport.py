@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+import os
 import time
 
 import pytest
@@ -478,6 +479,41 @@ def test_nccl_streams_pair_up_tensors_and_metadata():
             assert env.tensors["hidden"].device == torch.device("cuda:1")
             env.tensors = {k: v.cpu() for k, v in env.tensors.items()}
             _check(env)
+    finally:
+        for t in ts.values():
+            t.close()
+        del store
+
+
+def _tcp_listeners() -> set:
+    """(address, port) of this process's listening IPv4 TCP sockets, from /proc (Linux)."""
+    own = {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+           if os.path.exists(f"/proc/self/fd/{fd}")}
+    out = set()
+    with open("/proc/net/tcp") as fh:
+        for line in fh.readlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f"socket:[{f[9]}]" in own:  # 0A: LISTEN
+                ip, port = f[1].split(":")
+                out.add((".".join(str(int(ip[i:i + 2], 16)) for i in (6, 4, 2, 0)), int(port, 16)))
+    return out
+
+
+def test_gloo_pairs_of_a_loopback_store_listen_on_loopback_only(monkeypatch):
+    import torch.distributed as dist
+
+    made, create = [], dist.ProcessGroupGloo.create_device
+    monkeypatch.setattr(dist.ProcessGroupGloo, "create_device",
+                        lambda **kw: made.append(kw) or create(**kw))
+    before = _tcp_listeners()
+    ts, _, store = _make_pair()
+    try:
+        # each group's device is bound to the store's loopback address (a host name resolving
+        # elsewhere would otherwise put gloo's listeners there)
+        assert made == [{"hostname": "127.0.0.1"}] * 4
+        _send_all_and_check(ts, [_batch("a", i, rows=2) for i in range(3)])
+        new = _tcp_listeners() - before
+        assert new and {ip for ip, _ in new} == {"127.0.0.1"}  # the store and gloo's devices
     finally:
         for t in ts.values():
             t.close()

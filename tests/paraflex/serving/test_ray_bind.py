@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from paraflex.engine.transport.ray_groups import start_store
-from paraflex.serving.ray_startup import bind_host, is_loopback
+from paraflex.engine.transport.ray_groups import is_loopback, start_store
+from paraflex.serving.ray_startup import bind_host
 
 
 @pytest.mark.parametrize("host,loopback", [
     ("127.0.0.1", True), ("127.0.0.2", True), ("localhost", True), ("::1", True), ("[::1]", True),
-    ("0.0.0.0", False), ("::", False), ("10.1.2.3", False), ("example.org", False), (None, False),
+    ("0.0.0.0", False), ("::", False), ("10.1.2.3", False), ("example.org", False),
 ])
 def test_loopback_hosts(host, loopback):
     assert is_loopback(host) is loopback
@@ -22,6 +22,7 @@ def test_a_local_ray_binds_to_loopback_only_when_the_gateway_does():
     assert bind_host("localhost", starts_local_ray=True) == "127.0.0.1"
     assert bind_host("0.0.0.0", starts_local_ray=True) is None  # the node's address, as Ray picks it
     assert bind_host("127.0.0.1", starts_local_ray=False) is None  # joining a cluster: its address
+    assert bind_host(None, starts_local_ray=True) is None
 
 
 def _listening_addresses(port: int) -> list[str]:
