@@ -10,8 +10,10 @@ same process, with the same requests:
   default   the bound and Alg. 1's fill onto spare engines (planner.fill_engines: true)
 
 and prints, per run, the achieved throughput, E2E median/P99, each engine's busy share, each
-model's decode batches (count, mean size) and the request-seconds each stage's requests spent
-blocked / waiting to decode / running, then the ratios against `paper`. The step-by-step
+model's decode batches (count, mean size), the request-seconds each stage's requests spent
+blocked / waiting to decode / running, how long a multi-stage model's batches waited at each later
+stage between arriving and starting (median, P99, total seconds, by batch kind), and each
+model's mean time between tokens, then the ratios against `paper`. The step-by-step
 simulation is used (no fast path) so that every batch passes through the recorder.
 
     python bench/collapse_anatomy.py CONFIG --rate 56 --seed 2 [--duration 30] [--balanced]
@@ -43,21 +45,32 @@ RUNS = {
 
 
 class Recorder:
-    """Batches run (engine, model, kind, size, time) and request time per (model, stage, state),
-    hooked into the simulator's `Cluster.start_batch` and `StageRequest.transition`."""
+    """Batches run (engine, model, kind, size, time), request time per (model, stage, state) and
+    later-stage batch waits per (model, stage, kind), hooked into the simulator's
+    `Cluster.start_batch`, `Cluster.deliver_batch` and `StageRequest.transition`."""
 
     def __init__(self):
         self.batches = []
         self.state_s = collections.defaultdict(float)
+        self.waits = collections.defaultdict(list)
         self.clock = 0.0
         self._since = {}
+        self._arrived = {}
 
     def install(self):
         rec = self
         start, transition, init = cluster_mod.Cluster.start_batch, request_mod.StageRequest.transition, request_mod.StageRequest.__init__
+        deliver = cluster_mod.Cluster.deliver_batch
+
+        def deliver_batch(cluster, eng, message, t):
+            rec._arrived[(eng.id, message.batch_id)] = t
+            return deliver(cluster, eng, message, t)
 
         def start_batch(cluster, eng, sb, t, end, decodes, tokens):
             rec.clock = t
+            arrived = rec._arrived.pop((eng.id, sb.batch_id), None)
+            if arrived is not None:  # a later stage: the batch waited here since it arrived
+                rec.waits[(sb.model, sb.stage, sb.kind)].append(t - arrived)
             rec.batches.append((eng.id, sb.model, eng.stages[sb.model].stage, sb.kind, len(sb.requests), end - t))
             return start(cluster, eng, sb, t, end, decodes, tokens)
 
@@ -74,9 +87,11 @@ class Recorder:
             rec._since[id(req)] = rec.clock
 
         cluster_mod.Cluster.start_batch = start_batch
+        cluster_mod.Cluster.deliver_batch = deliver_batch
         request_mod.StageRequest.transition = on_transition
         request_mod.StageRequest.__init__ = on_init
         return lambda: (setattr(cluster_mod.Cluster, "start_batch", start),
+                        setattr(cluster_mod.Cluster, "deliver_batch", deliver),
                         setattr(request_mod.StageRequest, "transition", transition),
                         setattr(request_mod.StageRequest, "__init__", init))
 
@@ -111,6 +126,15 @@ def describe(name: str, res, rec) -> dict:
     print("   request-seconds per stage: " + "; ".join(
         f"{m} s{st}: " + "/".join(f"{rec.state_s[(m, st, x)]:.0f}" for x in states)
         for m, mp in pl.models.items() if mp.num_stages > 1 for st in range(mp.num_stages)) + " (blocked/waiting-decode/running)")
+    for (m, st, kind), w in sorted(rec.waits.items()):
+        w = sorted(w)
+        print(f"   {m} stage {st} {kind:7s} batches wait on arrival: median {1e3 * w[len(w) // 2]:.1f} ms, "
+              f"P99 {1e3 * w[int(0.99 * (len(w) - 1))]:.0f} ms, total {sum(w):.1f} s over {len(w)} batches")
+    tbt = collections.defaultdict(list)
+    for r in res.metrics.requests.values():
+        if r.finish >= 0 and r.tokens > 1:
+            tbt[r.model].append((r.last_token - r.first_token) / (r.tokens - 1))
+    print("   mean TBT: " + ", ".join(f"{m} {1e3 * sum(v) / len(v):.0f} ms" for m, v in tbt.items()))
     return {"tput": s["throughput_rps"], "p99": s["e2e_p99_s"], "busy_max": max(busy.values()) / span}
 
 
