@@ -79,8 +79,19 @@ def random_checkpoint(shape: dict, tokenizer_dir: str, seed: int) -> str:
     return out
 
 
-def paraflex_config(names: list[str], checkpoints: dict[str, str], rates: dict[str, float], engines: int) -> str:
-    """Every model on `engines` CPU engines, each whole (one stage), at `rates` (temporary YAML)."""
+KV_GB_PER_MODEL = 1  # each vllm serve's KV cache (VLLM_CPU_KVCACHE_SPACE), and ParaFlex's total per model
+
+
+def weights_gb(checkpoints: dict[str, str]) -> float:
+    """GiB of the checkpoints' safetensors (float32: the bytes either system holds)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d in checkpoints.values() for f in os.listdir(d)
+               if f.endswith(".safetensors")) / 2 ** 30
+
+
+def paraflex_config(names: list[str], checkpoints: dict[str, str], rates: dict[str, float], engines: int,
+                    memory_gb: float = 8.0) -> str:
+    """Every model on `engines` CPU engines of `memory_gb` each (weights + KV), each model whole
+    (one stage), at `rates` (temporary YAML)."""
     import yaml
 
     models = []
@@ -89,7 +100,8 @@ def paraflex_config(names: list[str], checkpoints: dict[str, str], rates: dict[s
         models.append({"name": name, **source, "dtype": "float32", "rate": rates[name],
                        "slo_ttft_ms": MODELS[name][1], "slo_tbt_ms": MODELS[name][2]})
     cfg = {"name": "multi-model",
-           "cluster": {"num_engines": engines, "device": "cpu", "tp": 1, "memory_gb": 8, "host_memory_gb": 1,
+           "cluster": {"num_engines": engines, "device": "cpu", "tp": 1, "memory_gb": round(memory_gb, 2),
+                       "host_memory_gb": 1,
                        "interconnect_gbps": 10, "interconnect_latency_us": 50},
            "models": models,
            # every model whole: one stage each (cutting buys no parallelism on shared cores, docs: configs/demo.yaml)
@@ -144,6 +156,28 @@ class PeakMemory:
         self._stop.set()
         self._thread.join()
         return self.peak
+
+
+def start_vllm(python: str, names: list[str], checkpoints: dict[str, str]) -> dict:
+    """One `vllm serve` per model, started at once (each compiles for minutes), one OpenMP thread
+    each bound to core i mod cores; if one fails, the others are stopped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cores = os.cpu_count() or 1
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = {name: pool.submit(vllm_peer.VllmServer, python, checkpoints[name], 1, 32, name=name,
+                                     cores=str(i % cores), kv_gb=KV_GB_PER_MODEL) for i, name in enumerate(names)}
+    started, failure = {}, None
+    for name, future in futures.items():
+        try:
+            started[name] = future.result()
+        except BaseException as exc:  # SystemExit from a failed start names its log
+            failure = failure or exc
+    if failure is not None:
+        for server in started.values():
+            server.stop()
+        raise failure
+    return started
 
 
 def popularity_rates(names: list[str], kind: str, total: float, alpha: float) -> dict[str, float]:
@@ -235,14 +269,14 @@ def main(argv=None) -> int:
             if MODELS[name][0] is not None:
                 checkpoints[name] = random_checkpoint(MODELS[name][0], checkpoints["smollm2-135m"], args.seed + i)
         print(f"checkpoints: {checkpoints}", flush=True)
-        cores = os.cpu_count() or 1
-        for i, name in enumerate(names if args.vllm_python else []):
-            vllm[name] = vllm_peer.VllmServer(args.vllm_python, checkpoints[name], 1, 32, name=name,
-                                              cores=str(i % cores), kv_gb=1)
+        if args.vllm_python:
+            vllm.update(start_vllm(args.vllm_python, names, checkpoints))
         rng = np.random.default_rng(args.seed)
         for popularity in args.popularity.split(","):
             rates = popularity_rates(names, popularity, args.rate, args.zipf)
-            cfg = paraflex_config(names, checkpoints, rates, args.engines)
+            # the same memory as the vLLM servers hold: every weight once, and their KV space in all
+            memory = (weights_gb({n: checkpoints[n] for n in names}) + KV_GB_PER_MODEL * len(names)) / args.engines
+            cfg = paraflex_config(names, checkpoints, rates, args.engines, memory)
             runs = {"ParaFlex": [], "vLLM": []}
             server = ServeProcess(cfg, backend="ray", echo=True, who="multi_model")
             try:
