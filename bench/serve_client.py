@@ -93,14 +93,17 @@ def arrivals(rng, rate: float, n: int, kind: str, burstiness: float) -> np.ndarr
     return np.cumsum(gaps)
 
 
-async def open_loop(url: str, plan: list[tuple[float, str, list[int]]], out_len: int, timeout: float) -> tuple[list[Result], float]:
+async def open_loop(url: str | dict[str, str], plan: list[tuple[float, str, list[int]]], out_len: int,
+                    timeout: float) -> tuple[list[Result], float]:
+    """Fire each (offset s, model, prompt) of `plan` at its offset; `url` is the server, or a
+    server per model (one `vllm serve` each)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         t0 = time.perf_counter()
 
         async def fire(at, model, prompt):
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-            return await one_request(client, url, model, prompt, out_len)
+            return await one_request(client, url[model] if isinstance(url, dict) else url, model, prompt, out_len)
 
         results = await asyncio.gather(*(fire(*p) for p in plan))
         return list(results), time.perf_counter() - t0

@@ -36,24 +36,32 @@ MODEL = "smollm2-135m"
 def export_smollm2(model) -> str:
     """A temporary HF checkpoint directory of `model` (bench/transformers_peer.py's `transformers_model`)
     with its tokenizer; the caller removes it."""
-    from paraflex.models.arch_files import smollm2_gguf_path
-    from paraflex.engine.worker.tokenizer import load_gguf_tokenizer
-
     out = tempfile.mkdtemp(prefix="serve-load-smollm2-")
     try:
         model.save_pretrained(out)
-        tok = load_gguf_tokenizer(smollm2_gguf_path())
-        tok.tok.save(os.path.join(out, "tokenizer.json"))
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.max_position_embeddings,
-                  "clean_up_tokenization_spaces": False, **tok.special_tokens()}
-        if tok.chat_template:
-            config["chat_template"] = tok.chat_template
-        with open(os.path.join(out, "tokenizer_config.json"), "w") as fh:
-            json.dump(config, fh)
+        export_tokenizer(out, model.config.max_position_embeddings)
     except BaseException:
         remove(out)
         raise
     return out
+
+
+def export_tokenizer(out: str, max_length: int = 8192) -> None:
+    """SmolLM2's tokenizer (from its GGUF) as a Hugging Face tokenizer folder `out`
+    (tokenizer.json, tokenizer_config.json with its chat template): what a client that counts
+    tokens itself (`vllm bench serve --tokenizer`, guidellm's --processor) loads."""
+    from paraflex.models.arch_files import smollm2_gguf_path
+    from paraflex.engine.worker.tokenizer import load_gguf_tokenizer
+
+    os.makedirs(out, exist_ok=True)
+    tok = load_gguf_tokenizer(smollm2_gguf_path())
+    tok.tok.save(os.path.join(out, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              "clean_up_tokenization_spaces": False, **tok.special_tokens()}
+    if tok.chat_template:
+        config["chat_template"] = tok.chat_template
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as fh:
+        json.dump(config, fh)
 
 
 def _free_port() -> int:
@@ -63,15 +71,18 @@ def _free_port() -> int:
 
 
 class VllmServer:
-    """`vllm serve` (CPU build) of `checkpoint` under `python`, float32, its worker's `threads`
-    OpenMP threads bound to cores 0..threads-1 (`VLLM_CPU_OMP_THREADS_BIND`), Intel OpenMP
-    preloaded as vLLM's CPU guide asks, at most `max_batch` sequences, other settings vLLM's
-    defaults; `url` once it answers /health. (tcmalloc, which the guide also suggests, is not
-    installed here.)"""
+    """`vllm serve` (CPU build) of `checkpoint` under `python` as model `name`, float32, its
+    worker's `threads` OpenMP threads bound to cores 0..threads-1 (`VLLM_CPU_OMP_THREADS_BIND`;
+    `cores` binds them elsewhere, e.g. "1"), `kv_gb` GiB of KV cache (`VLLM_CPU_KVCACHE_SPACE`),
+    Intel OpenMP preloaded as vLLM's CPU guide asks, at most `max_batch` sequences, other
+    settings vLLM's defaults; `url` once it answers /health. (tcmalloc, which the guide also
+    suggests, is not installed here.)"""
 
-    def __init__(self, python: str, checkpoint: str, threads: int, max_batch: int, timeout: float = 900.0):
+    def __init__(self, python: str, checkpoint: str, threads: int, max_batch: int, timeout: float = 900.0, *,
+                 name: str = MODEL, cores: str | None = None, kv_gb: int = 2):
         port = _free_port()
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2",
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores or f"0-{threads - 1}",
+               "VLLM_CPU_KVCACHE_SPACE": str(kv_gb),
                "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
                "VLLM_LOGGING_LEVEL": "WARNING"}
         env.pop("PYTHONPATH", None)
@@ -79,7 +90,7 @@ class VllmServer:
         iomp = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(python))), "lib", "libiomp5.so")
         if os.path.exists(iomp):  # vLLM's CPU guide: Intel OpenMP preloaded (the package installs it)
             env["LD_PRELOAD"] = ":".join(filter(None, [iomp, env.get("LD_PRELOAD")]))
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--served-model-name", MODEL,
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--served-model-name", name,
                "--dtype", "float32", "--max-num-seqs", str(max_batch), "--max-model-len", "2048",
                "--host", "127.0.0.1", "--port", str(port)]
         self.log = tempfile.NamedTemporaryFile(prefix="serve-load-vllm-", suffix=".log", delete=False)
@@ -90,7 +101,7 @@ class VllmServer:
         except BaseException:  # Ctrl-C never reaches its own session: stop it on every way out
             self.stop(keep_log=True)
             raise
-        print(f"  [vllm] serving {MODEL} at {self.url} (log {self.log.name})", flush=True)
+        print(f"  [vllm] serving {name} at {self.url} (log {self.log.name})", flush=True)
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -128,3 +139,11 @@ class VllmServer:
 
 def remove(checkpoint: str) -> None:
     shutil.rmtree(checkpoint, ignore_errors=True)
+
+
+if __name__ == "__main__":  # python bench/vllm_peer.py --tokenizer-dir DIR
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write SmolLM2's tokenizer as a Hugging Face tokenizer folder.")
+    parser.add_argument("--tokenizer-dir", required=True)
+    export_tokenizer(parser.parse_args().tokenizer_dir)

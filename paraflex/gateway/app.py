@@ -213,7 +213,9 @@ class Gateway:
     async def sse(self, chunks: AsyncIterator[Chunk], make_choice, head: dict, n_prompt: int,
                   options: StreamOptions | None, first_choice=None) -> AsyncIterator[str]:
         """SSE events; with include_usage every chunk has `usage` (null, or the running count
-        with continuous_usage_stats) and a last chunk carries the totals."""
+        with continuous_usage_stats) and a last chunk carries the totals. `first_choice` (chat's
+        role chunk) goes out with the first output, as vLLM sends it: clients that time the first
+        token by the first chunk (`vllm bench serve`) read the TTFT, not the arrival."""
         include = bool(options and options.include_usage)
         running = bool(include and options.continuous_usage_stats)
 
@@ -224,8 +226,6 @@ class Gateway:
 
         last = Chunk("")
         try:
-            if first_choice is not None:
-                yield _sse({**head, "choices": [first_choice], **usage_field(0)})
             async for chunk in chunks:
                 last = chunk
                 if chunk.error:
@@ -234,6 +234,9 @@ class Gateway:
                     msg = chunk.error if chunk.rejected or chunk.unavailable else f"generation failed: {chunk.error}"
                     yield _sse({"error": {"message": msg, "type": kind, "param": None, "code": None}})
                     break
+                if first_choice is not None:
+                    yield _sse({**head, "choices": [first_choice], **usage_field(0)})
+                    first_choice = None
                 if chunk.text or chunk.finish_reason:
                     yield _sse({**head, "choices": [make_choice(chunk)], **usage_field(chunk.completion_tokens)})
             if include and not last.error:

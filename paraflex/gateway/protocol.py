@@ -64,11 +64,12 @@ class _SamplingFields(_Strict):
     n: int = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension; `vllm bench serve` sends 1.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     @field_validator("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "presence_penalty", "frequency_penalty",
-                     mode="before")
+                     "repetition_penalty", mode="before")
     @classmethod
     def _a_number(cls, v):
         """Numbers only, as OpenAI checks them (pydantic would read "0" or true as 0 and 1)."""
@@ -94,6 +95,11 @@ class _SamplingFields(_Strict):
     @classmethod
     def _penalty(cls, v, info):
         return _neutral(info.field_name, v, 0.0)
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, v):
+        return _neutral("repetition_penalty", v, 1.0)
 
     @field_validator("logit_bias")
     @classmethod

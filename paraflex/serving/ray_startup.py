@@ -59,6 +59,10 @@ def _init_ray(ray_address: str | None, progress, gateway_host: str | None) -> tu
         join_ray(ray_address)
         return None, None
     host = bind_host(gateway_host, starts_local_ray=True)
+    # Ray runs its workers at nice 15 (a background priority for batch tasks); engine actors
+    # serve requests, so they run at the gateway's priority. On the 2-core VM shared with other
+    # jobs, nice 15 left the engine a fraction of a core beside nice-0 processes (vLLM's worker).
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray_dir = tempfile.mkdtemp(prefix="paraflex-ray-")
     progress(f"paraflex: starting a local Ray instance (temp dir {ray_dir}"
              + (f", on {host} only)" if host else ")"))

@@ -7,10 +7,10 @@ gate|up, down, LM head) in a `Linear` at load time and call it on the packed tok
 Layouts, in order of preference:
 * CPU, float32, the compiled kernel loads (csrc/linear_f32.c, through engine/kernels/native_build.py):
   the weight is packed once into column panels of 16 ([N/16][K][16]) and multiplied by the
-  kernel (6 x 16 register tiles, x broadcast from memory, the kernels' thread pool). SmolLM2's
-  projections on the 2-core AVX2 VM, one thread, all 30 layers with cold caches: 1.3x oneDNN's
-  packed kernel at 1 row (memory-bound: 19 vs 15 GB/s of weights) and 1.25x at 32 rows; level
-  to 1.2x at 512-4096 rows. A tied embedding reads its rows from the packed head (`rows`), so
+  kernel (6 x 16 register tiles, 8 x 32 on AVX-512, x broadcast from memory, the kernels'
+  thread pool). SmolLM2's projections on the 2-core AVX2 VM, one thread, all 30 layers with
+  cold caches: 1.3x oneDNN's packed kernel at 1 row (memory-bound: 19 vs 15 GB/s of weights)
+  and 1.25x at 32 rows; level to 1.2x at 512-4096 rows. A tied embedding reads its rows from the packed head (`rows`), so
   the table is held once. `PARAFLEX_NATIVE_LINEAR=0` turns it off.
 * CPU, float32, no compiler: oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
   the packing PyTorch's own CPU compiler uses for frozen linears), multiplied with

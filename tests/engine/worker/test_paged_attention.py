@@ -34,10 +34,11 @@ def test_paged_matches_contiguous_for_mixed_prefill_chunks_and_decodes(lens, tpb
     (new=1 is a decode; cached=0 a fresh prefill; both >0 a prompt chunk)."""
     g = torch.Generator().manual_seed(seed)
     num_layers = 2
-    cache = KVCache(num_blocks=200, block_bytes=tpb * 2 * HKV * D * 4 + 12, host_num_blocks=0)
+    # the largest draw needs 4 requests x 29 tokens x 2 layers = 232 blocks of one token
+    cache = KVCache(num_blocks=256, block_bytes=tpb * 2 * HKV * D * 4 + 12, host_num_blocks=0)
     kv = cache.model_view(HKV, D, torch.float32)
     assert kv.data_ptr() == cache.blocks.data_ptr()  # a view of the one byte tensor, no copy
-    free = torch.randperm(200, generator=g).tolist()
+    free = torch.randperm(256, generator=g).tolist()
     full_k, full_v, tables = [], [], [[] for _ in range(num_layers)]
     for cached, new in lens:
         n = cached + new

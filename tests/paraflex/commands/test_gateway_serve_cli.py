@@ -3,6 +3,7 @@ OpenAI client, and stops cleanly on Ctrl-C (SIGINT); bad flags exit 2 with one l
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import time
@@ -43,6 +44,44 @@ def test_serve_prints_url_answers_and_stops_on_ctrl_c(files):
         with socket.socket() as s:  # nothing listens there any more (TIME_WAIT aside)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in os.listdir(f"/proc/{p}/task"):
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    todo += [int(c) for c in fh.read().split()]
+            except OSError:
+                pass
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads the process tree from /proc (Linux)")
+def test_a_local_ray_runs_the_engine_actors_at_the_gateways_priority(files, monkeypatch):
+    """Ray starts its workers at nice 15 (batch priority); the engine actors of the Ray instance
+    `paraflex serve` starts run at the gateway's (nice 0 here), or a busy machine starves them."""
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    cfg, pl = files
+    with serving([cfg, "--placement", pl, "--port", "0"]) as (proc, lines):
+        read_until(lines, "/v1", timeout=300)
+        engines = []
+        for pid in _descendants(proc.pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    if b"EngineActor" not in fh.read():
+                        continue
+                with open(f"/proc/{pid}/stat") as fh:
+                    engines.append(int(fh.read().rsplit(")", 1)[1].split()[16]))  # field 19: nice
+            except OSError:
+                continue
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    assert engines and set(engines) == {os.nice(0)}, engines
 
 
 @pytest.mark.slow

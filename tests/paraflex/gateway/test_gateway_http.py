@@ -86,6 +86,22 @@ def test_chat_non_streaming_and_streaming(serve):
     assert stream[-1].choices[0].finish_reason == "length"
 
 
+def test_chat_stream_sends_its_role_chunk_with_the_first_token(serve):
+    """As vLLM does: a client timing the first token by the first chunk (`vllm bench serve`)
+    reads the time to the first token, not the request's arrival."""
+    url = serve(EchoBackend(delay=0.4))
+    body = {"model": "echo-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    start = time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=10) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        waited = time.monotonic() - start
+        rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert json.loads(first[6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert waited >= 0.35  # not sent on arrival: with the first token, 0.4 s in
+    assert rest[0]["choices"][0]["delta"]["content"]
+
+
 def test_chat_without_max_tokens_fills_the_context(serve):
     backend = EchoBackend(max_context=40)
     out = client(serve(backend)).chat.completions.create(model="echo-a", messages=[{"role": "user", "content": "x"}])

@@ -61,8 +61,14 @@ def test_nested_fields_are_named_like_openai():
     assert err.param == "stop"
     err = error_of(CompletionRequest, {"model": "m", "prompt": "p", "stream_options": {"include_usage": "x"}})
     assert err.param == "stream_options.include_usage"
+    err = error_of(CompletionRequest, {"model": "m", "prompt": "p", "min_tokens": 3})
+    assert err.param == "min_tokens" and "unknown field" in err.message
+    # vLLM's repetition_penalty: its neutral 1.0 (what `vllm bench serve` sends) passes, others are refused
     err = error_of(CompletionRequest, {"model": "m", "prompt": "p", "repetition_penalty": 1.1})
-    assert err.param == "repetition_penalty" and "unknown field" in err.message
+    assert err.param == "repetition_penalty" and "leave it at 1.0" in err.message
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "p", "repetition_penalty": 1.0})
+    assert ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "a"}],
+                                                 "repetition_penalty": 1.0})
     err = error_of(CompletionRequest, {"prompt": "p"})
     assert err.param == "model"
 
