@@ -39,7 +39,6 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
 
 import numpy as np
 

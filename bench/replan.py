@@ -31,7 +31,7 @@ import numpy as np
 
 from paraflex.config.schema import load_config
 from paraflex.planner.incremental import IncrementalPlanner
-from paraflex.planner.replan_controller import Replan, ReplanController
+from paraflex.planner.replan_controller import Replan
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.systems.layouts import build_system
 from paraflex.simulator.workload.schedule import RateSchedule

@@ -39,7 +39,6 @@ from serve_client import one_request  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
 
 from paraflex.config.schema import Config  # noqa: E402
-from paraflex.placement import Placement  # noqa: E402
 from paraflex.planner import plan  # noqa: E402
 from paraflex.simulator.runner import SimSettings, simulate  # noqa: E402
 from paraflex.simulator.systems.layouts import build_system  # noqa: E402

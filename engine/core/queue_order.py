@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from paraflex.engine.core.policies.base import Policy
     from paraflex.engine.core.scheduled import ScheduledBatch
 
-    Attempt = Callable[[Queue, float], "ScheduledBatch | None"]
+    Attempt = Callable[["Queue", float], "ScheduledBatch | None"]
 
 UNBOUNDED = 1 << 62  # repeatable_decisions: no other queue can interrupt
 

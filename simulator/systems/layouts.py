@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import paraflex.simulator.seeds.layouts  # noqa: F401  (registers aegaeon, prism, muxserve)
+from paraflex.simulator.seeds import layouts as seed_layouts  # noqa: F401  (registers aegaeon, prism, muxserve)
 from paraflex.errors import UserError
 from paraflex.placement import Placement
 from paraflex.simulator.systems.system_layout import SYSTEMS, SystemLayout

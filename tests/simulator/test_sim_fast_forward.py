@@ -7,7 +7,6 @@ k rounds of the driving protocol leave (same contexts, same blocks in the same o
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -211,8 +211,6 @@ def test_decode_steps_equal_one_batch_call_each(runs, before):
 def test_paper_base_case_pipeline_is_replayed(monkeypatch):
     """The §8.2 base case at 64 GPUs: llama-2-70b's 3-stage pipelines on engines 0-2 and 3-5
     share them with one-stage replicas; the joint replay takes most of their decisions."""
-    import os
-
     from paraflex.config.schema import load_config
     from paraflex.simulator.systems.layouts import build_system
 

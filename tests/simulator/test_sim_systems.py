@@ -3,8 +3,6 @@ case, and the ablations change exactly what they say."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from paraflex.config.schema import load_config
