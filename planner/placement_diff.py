@@ -69,19 +69,19 @@ def diff_placements(old: Placement, new: Placement, weights: Mapping[str, StageW
     for model in sorted(set(old.models) | set(new.models)):
         before, after = _shapes(old, model), _shapes(new, model)
         kept = Counter(before) & Counter(after)
-        left = Counter(kept)
-        for j, shape in enumerate(before):
-            if left[shape]:
-                left[shape] -= 1
-            else:
-                removes.append(_action("remove", model, j, shape, weights))
-        left = Counter(kept)
-        for j, shape in enumerate(after):
-            if left[shape]:
-                left[shape] -= 1
-            else:
-                adds.append(_action("add", model, j, shape, weights))
+        removes += [_action("remove", model, j, shape, weights) for j, shape in _not_kept(before, kept)]
+        adds += [_action("add", model, j, shape, weights) for j, shape in _not_kept(after, kept)]
     return removes + adds
+
+
+def _not_kept(shapes: list, kept: Counter):
+    """(index, shape) of the replicas in `shapes` past the `kept` count of their shape."""
+    left = Counter(kept)
+    for j, shape in enumerate(shapes):
+        if left[shape]:
+            left[shape] -= 1
+        else:
+            yield j, shape
 
 
 def _action(op: str, model: str, replica: int, shape, weights) -> ReplicaAction:

@@ -37,7 +37,6 @@ flag, without reading the context back or building its mask.
 from __future__ import annotations
 
 import array
-import logging
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -46,8 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from paraflex.engine.kernels import native_attention
-
-log = logging.getLogger(__name__)
+from paraflex.engine.kernels.optional import triton_module
 
 
 @dataclass
@@ -219,7 +217,7 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if q.is_cuda:
-        kernels = _triton_kernels()
+        kernels = triton_module("triton_paged_attention", "CUDA attention runs on the torch path")
         if kernels is not None and kernels.serves(q, kv):
             return kernels.paged_attention(q, k, v, kv, layer, meta, scale)
     if meta.query_index is None and native_attention.usable(q, kv):
@@ -248,21 +246,6 @@ def paged_attention(
         scale=scale, enable_gqa=num_heads != kv_heads,
     )  # [B, Hq, Q, D]
     return out.transpose(1, 2).reshape(b * max_q, num_heads * head_dim)[meta.query_index]
-
-
-_TRITON: list = []  # the kernel module once imported, or None when Triton cannot be imported here
-
-
-def _triton_kernels():
-    """The Triton kernel module, imported on the first CUDA batch (None, logged once, without Triton)."""
-    if not _TRITON:
-        try:
-            from paraflex.engine.kernels import triton_paged_attention
-        except ImportError as exc:
-            log.warning("Triton paged attention unavailable (%s); CUDA attention runs on the torch path", exc)
-            triton_paged_attention = None
-        _TRITON.append(triton_paged_attention)
-    return _TRITON[0]
 
 
 def _fresh_prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,

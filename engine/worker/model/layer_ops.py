@@ -12,31 +12,22 @@ rounding (sum order, the exponential).
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 import torch.nn.functional as F
 
 from paraflex.engine.kernels import native_ops
+from paraflex.engine.kernels.optional import triton_module
 from paraflex.engine.worker.model.rope import apply_rotary
 
-log = logging.getLogger(__name__)
-_TRITON: list = []  # the kernel module once imported, or None when Triton cannot be imported here
 
 
 def half_kernels(x: torch.Tensor):
     """The Triton layer-op kernels when they take `x` (a CUDA half-precision row batch), else None."""
     if not x.is_cuda or os.environ.get("PARAFLEX_TRITON_LAYER_OPS", "1") == "0":
         return None
-    if not _TRITON:
-        try:
-            from paraflex.engine.kernels import triton_layer_ops
-        except ImportError as exc:
-            log.warning("Triton layer ops unavailable (%s); CUDA layer ops run as torch formulas", exc)
-            triton_layer_ops = None
-        _TRITON.append(triton_layer_ops)
-    kernels = _TRITON[0]
+    kernels = triton_module("triton_layer_ops", "CUDA layer ops run as torch formulas")
     return kernels if kernels is not None and kernels.serves(x) else None
 
 

@@ -101,3 +101,27 @@ def test_layer_ops_dispatch_to_the_kernels_on_cuda(dtype):
     x, w = _rows(3, 64, dtype, "cuda"), _rows(1, 64, dtype, "cuda", 2)[0]
     assert layer_ops.half_kernels(x) is ops
     _close(layer_ops.rms_norm(x, w, 1e-5), _torch_norm(x.cpu(), w.cpu(), 1e-5))
+
+
+def test_without_triton_the_kernels_are_none_and_said_once(monkeypatch, caplog):
+    import builtins
+
+    from paraflex.engine.kernels import optional
+
+    real_import = builtins.__import__
+
+    def no_triton(name, *args, **kw):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("No module named 'triton'")
+        return real_import(name, *args, **kw)
+
+    optional.triton_module.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    monkeypatch.delitem(__import__("sys").modules, "paraflex.engine.kernels.triton_layer_ops")
+    try:
+        assert optional.triton_module("triton_layer_ops", "torch formulas") is None
+        assert optional.triton_module("triton_layer_ops", "torch formulas") is None
+        assert [r.getMessage() for r in caplog.records].count(
+            "Triton kernels triton_layer_ops unavailable (No module named 'triton'); torch formulas") == 1
+    finally:
+        optional.triton_module.cache_clear()
