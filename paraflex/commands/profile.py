@@ -7,18 +7,24 @@ writes ``DIR/compute/<cluster.device>/paraflex/<model>/mlp.csv`` plus ``DIR/prof
 (machine, torch, threads, dtypes, token counts) and says how to use them. Unless `--no-steps`,
 it then times whole engine steps of each model (paraflex/serving/step_profiler.py) and stores
 their residual over the tables' prediction in profile.json (`step_overheads`, read by the cost
-model: paraflex/costs/step_overheads.py).
+model: paraflex/costs/step_overheads.py). Unless `--no-hop`, it measures the Ray hop between two
+engine actors (paraflex/engine/transport/hop_probe.py) and stores it as `hop`, the link between
+engines of one node. `--gateway-log FILE` alone measures nothing: it reads a served request log
+and stores the gateway's per-request delay as `gateway` in an existing or new profile.json
+(paraflex/costs/serving_terms.py).
 """
 
 from __future__ import annotations
 
 import datetime
+from dataclasses import asdict
 import json
 import os
 import platform
 import sys
 
 from paraflex.config.schema import load_config
+from paraflex.costs.serving_terms import GATEWAY_KEY, HOP_KEY, GatewayTerm, HopTerm, store
 from paraflex.costs.step_overheads import KEY as STEP_KEY
 from paraflex.errors import UserError
 from paraflex.models.engine_support import require_runnable
@@ -37,6 +43,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA if visible), cpu, cuda, cuda:1")
     parser.add_argument("--no-steps", action="store_true",
                         help="skip timing whole engine steps (the per-step residual over the op tables)")
+    parser.add_argument("--no-hop", action="store_true",
+                        help="skip measuring the Ray hop between engine actors (the link between engines)")
+    parser.add_argument("--gateway-log", metavar="FILE",
+                        help="only store the gateway delay measured in this `paraflex serve --request-log` file "
+                             "in OUTPUT/profile.json (measures nothing else; CONFIG not needed)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
 
@@ -55,6 +66,8 @@ def _tokens(text: str | None) -> tuple[int, ...]:
 
 
 def run(args) -> int:
+    if args.gateway_log:
+        return _store_gateway(args.gateway_log, args.output)
     if not args.config:
         raise UserError("missing CONFIG: usage `paraflex profile CONFIG -o DIR`")
     if args.repeats < 1:
@@ -115,6 +128,8 @@ def run(args) -> int:
             "cluster_device": config.cluster.device, "hardware": hardware, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "tokens": list(tokens), "repeats": args.repeats, "tables": written,
             STEP_KEY: [o.to_dict() for o in overheads]}
+    if not args.no_hop:
+        meta[HOP_KEY] = asdict(_hop(progress))
     with open(os.path.join(args.output, "profile.json"), "w", encoding="utf-8") as fh:
         json.dump(meta, fh, indent=2)
     print(f"wrote {len(written)} table(s) under {args.output}; to use them, set `cluster.profile_dir: "
@@ -134,3 +149,22 @@ def _step_overheads(config, names, args, device, progress) -> list:
     cost.overheads = None  # the tables alone: an older profile.json's residuals must not count
     return [measure_steps(config, name, cost, repeats=max(1, args.repeats), progress=progress)
             for name in names]
+
+
+def _hop(progress) -> HopTerm:
+    """The Ray hop between two engine actors on this machine (a local Ray instance for the run)."""
+    from paraflex.engine.transport.hop_probe import measure_hop
+
+    hop = HopTerm.fit(measure_hop())
+    if progress:
+        bw = f"{hop.bandwidth_Bps / 1e9:.2f} GB/s" if hop.bandwidth_Bps else "no growth with bytes"
+        progress(f"Ray hop between engines: {1e6 * hop.latency_s:.0f} us + bytes at {bw}")
+    return hop
+
+
+def _store_gateway(log: str, output: str) -> int:
+    term = GatewayTerm.from_log(log)
+    store(output, GATEWAY_KEY, term)
+    print(f"gateway delay {1000 * term.delay_s:.2f} ms (median of {term.requests} requests in {log}) stored in "
+          f"{os.path.join(output, 'profile.json')}; the simulator adds it to every request")
+    return 0

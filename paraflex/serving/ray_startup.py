@@ -71,6 +71,7 @@ def _init_ray(ray_address: str | None, progress, gateway_host: str | None) -> tu
         join_ray(ray_address)
         return None, None
     host = bind_host(gateway_host, starts_local_ray=True)
+    os.environ.setdefault("RAY_worker_niceness", "0")  # Ray's default nice 15 starves engines under load
     ray_dir = tempfile.mkdtemp(prefix="paraflex-ray-")
     progress(f"paraflex: starting a local Ray instance (temp dir {ray_dir}"
              + (f", on {host} only)" if host else ")"))

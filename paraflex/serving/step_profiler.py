@@ -12,22 +12,22 @@ in-process transport), runs it synchronously, and times:
 
 Each time is the fastest of the repeats (a shared machine's other tenants only add time).
 
-The residual per step is the median of (measured - the cost model's prediction from the tables
-just written) over those points; paraflex/costs/step_overheads.py stores and applies it.
+The residual (measured - the cost model's prediction from the tables just written) is fitted as a
+line in P (prefill) and in B (decode) over those points (`fit_line`, Theil-Sen: one inflated
+point does not tilt it); paraflex/costs/step_overheads.py stores and applies it.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 
 from paraflex.config.schema import Config
 from paraflex.costs.costmodel import CostModel
-from paraflex.costs.step_overheads import StepOverhead
+from paraflex.costs.step_overheads import StepOverhead, fit_line
 from paraflex.engine.core.sampling_params import SamplingParams
 
-PREFILL_TOKENS = (16, 64)
-DECODE_BATCHES = (1, 4)
+PREFILL_TOKENS = (16, 64, 128)
+DECODE_BATCHES = (1, 4, 8)
 DECODE_STEPS = 8  # K
 DECODE_PROMPT = 8  # tokens per decode-test prompt
 NO_CUT_MS = 1e9  # a target stage time no model reaches: the model stays one stage
@@ -81,4 +81,9 @@ def measure_steps(config, name: str, cost: CostModel, repeats: int = 5, progress
         if progress:
             progress(f"{name}: decode step, batch {b}: {1000 * measured:.2f} ms served vs {1000 * predicted:.2f} ms ops")
     cluster.shutdown()
-    return StepOverhead.of(name, arch, statistics.median(prefill), statistics.median(decode))
+    p0, p1 = fit_line(PREFILL_TOKENS, prefill)
+    d0, d1 = fit_line(DECODE_BATCHES, decode)
+    if progress:
+        progress(f"{name}: residual prefill {1000 * p0:.2f} ms + {1e6 * p1:.1f} us/token, "
+                 f"decode {1000 * d0:.2f} ms + {1e6 * d1:.1f} us/request")
+    return StepOverhead.of(name, arch, p0, d0, p1, d1)
