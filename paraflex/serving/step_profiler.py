@@ -10,7 +10,10 @@ in-process transport), runs it synchronously, and times:
 - decode: B prompts with max_tokens 1 + K minus the same with max_tokens 1, divided by K (one
   decode step of batch B, with sampling), per B.
 
-Each time is the fastest of the repeats (a shared machine's other tenants only add time).
+Each time is the fastest of at least MIN_REPEATS repeats (a shared machine's other tenants only
+add time; whole steps of these models take milliseconds, so many tries to catch an undisturbed
+one cost little: a run with 2 repeats at load average 12 measured a 16-token prefill at 15 ms,
+one with 5 at load 6 at 1.5 ms).
 
 The residual (measured - the cost model's prediction from the tables just written) is fitted as a
 line in P (prefill) and in B (decode) over those points (`fit_line`, Theil-Sen: one inflated
@@ -30,6 +33,7 @@ PREFILL_TOKENS = (16, 64, 128)
 DECODE_BATCHES = (1, 4, 8)
 DECODE_STEPS = 8  # K
 DECODE_PROMPT = 8  # tokens per decode-test prompt
+MIN_REPEATS = 20
 NO_CUT_MS = 1e9  # a target stage time no model reaches: the model stays one stage
 
 
@@ -62,6 +66,7 @@ def measure_steps(config, name: str, cost: CostModel, repeats: int = 5, progress
 
     arch = config.model(name).arch
     cluster = LLMCluster(one_stage_config(config, name))
+    repeats = max(repeats, MIN_REPEATS)
     L = arch.num_layers
     prefill, decode = [], []
     for p in PREFILL_TOKENS:
