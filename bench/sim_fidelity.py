@@ -5,8 +5,8 @@ One command: profile the models on this machine (or reuse `--profile DIR`; `--no
 plain roofline): op tables, per-step residuals and the Ray hop between engines, all read by the
 simulator through `cluster.profile_dir`; plan a config of three models on two engines where tiny-8l is cut into two stages on different
 engines and both engines hold stages of several models, start `paraflex serve` on it (Ray
-backend, `--request-log`), send a few requests one at a time and store their gateway delay in
-the profile (`paraflex profile --gateway-log`), measure its saturation rate with a burst, then at
+backend, `--request-log`), send a few requests one at a time and store their per-request delays
+(gateway; frontend <-> engines) in the profile (`paraflex profile --gateway-log`), measure its saturation rate with a burst, then at
 three loads (light,
 ~60% and ~90% of saturation) write a request list (simulator/workload/requests_file.py), replay it
 open loop against the server (same arrival times, ignore_eos with fixed output lengths, token-id
@@ -119,7 +119,7 @@ def read_log(path: str) -> list[dict]:
 
 def calibrate_gateway(server, log_path: str, out: str, profile: str, rng, n: int = 8) -> None:
     """Send `n` requests one at a time, copy their log rows to gateway.csv and store their
-    gateway delay in the profile (`paraflex profile --gateway-log`)."""
+    per-request delays in the profile (`paraflex profile --gateway-log`)."""
     start = time.time()
     for req in make_requests(1.0, n, 2 * 10**6, rng):
         asyncio.run(replay(server.url, [dataclasses.replace(req, arrival=0.0)], rng))
@@ -129,7 +129,8 @@ def calibrate_gateway(server, log_path: str, out: str, profile: str, rng, n: int
         w = csv.DictWriter(fh, fieldnames=LOG_COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    print(run([sys.executable, "-m", "paraflex", "profile", "--gateway-log", path, "-o", profile]).strip(), flush=True)
+    print(run([sys.executable, "-m", "paraflex", "profile", os.path.join(out, "config.yaml"), "--gateway-log", path,
+               "--placement", os.path.join(out, "placement.json"), "-o", profile]).strip(), flush=True)
 
 
 def simulated_rows(config, placement, requests: list[SimRequest]) -> list[dict]:

@@ -9,9 +9,11 @@ it then times whole engine steps of each model (paraflex/serving/step_profiler.p
 their residual over the tables' prediction in profile.json (`step_overheads`, read by the cost
 model: paraflex/costs/step_overheads.py). Unless `--no-hop`, it measures the Ray hop between two
 engine actors (paraflex/engine/transport/hop_probe.py) and stores it as `hop`, the link between
-engines of one node. `--gateway-log FILE` alone measures nothing: it reads a served request log
-and stores the gateway's per-request delay as `gateway` in an existing or new profile.json
-(paraflex/costs/serving_terms.py).
+engines of one node. `--gateway-log FILE` measures nothing: it reads a served request log and
+stores per-request delays as `gateway` in OUTPUT/profile.json, keeping the rest
+(paraflex/costs/serving_terms.py): the gateway's share from the log alone, and the frontend <->
+engines path as the logged TTFT minus the TTFT the simulator predicts for the same request
+alone with this profile, on the config's placement (`--placement`, or planned).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import platform
 import sys
 
 from paraflex.config.schema import load_config
-from paraflex.costs.serving_terms import GATEWAY_KEY, HOP_KEY, GatewayTerm, HopTerm, store
+from paraflex.costs.serving_terms import GATEWAY_KEY, HOP_KEY, GatewayTerm, HopTerm, read_log, store
 from paraflex.costs.step_overheads import KEY as STEP_KEY
 from paraflex.errors import UserError
 from paraflex.models.engine_support import require_runnable
@@ -46,8 +48,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-hop", action="store_true",
                         help="skip measuring the Ray hop between engine actors (the link between engines)")
     parser.add_argument("--gateway-log", metavar="FILE",
-                        help="only store the gateway delay measured in this `paraflex serve --request-log` file "
-                             "in OUTPUT/profile.json (measures nothing else; CONFIG not needed)")
+                        help="only store the per-request delays measured in this `paraflex serve --request-log` "
+                             "file (log requests sent one at a time) in OUTPUT/profile.json")
+    parser.add_argument("--placement", metavar="FILE",
+                        help="with --gateway-log: the placement the logged server ran (default: plan CONFIG)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
 
@@ -66,13 +70,13 @@ def _tokens(text: str | None) -> tuple[int, ...]:
 
 
 def run(args) -> int:
-    if args.gateway_log:
-        return _store_gateway(args.gateway_log, args.output)
     if not args.config:
         raise UserError("missing CONFIG: usage `paraflex profile CONFIG -o DIR`")
     if args.repeats < 1:
         raise UserError("--repeats must be >= 1")
     config = load_config(args.config)
+    if args.gateway_log:
+        return _store_gateway(config, args)
     tokens = _tokens(args.tokens)
     names = [m.name for m in config.models]
     if args.models:
@@ -162,9 +166,43 @@ def _hop(progress) -> HopTerm:
     return hop
 
 
-def _store_gateway(log: str, output: str) -> int:
-    term = GatewayTerm.from_log(log)
-    store(output, GATEWAY_KEY, term)
-    print(f"gateway delay {1000 * term.delay_s:.2f} ms (median of {term.requests} requests in {log}) stored in "
-          f"{os.path.join(output, 'profile.json')}; the simulator adds it to every request")
+def _store_gateway(config, args) -> int:
+    """Store the gateway term of `args.gateway_log`: its own delay, and the engine path against
+    the simulated TTFT of each logged request alone, with OUTPUT's profile."""
+    rows = read_log(args.gateway_log)
+    term = GatewayTerm.from_log(rows, args.gateway_log, _alone_ttft(config, args, rows) if rows else None)
+    store(args.output, GATEWAY_KEY, term)
+    print(f"per-request delays (medians of {term.requests} requests in {args.gateway_log}): gateway "
+          f"{1000 * term.delay_s:.2f} ms, frontend <-> engines {1000 * term.engine_path_s:.2f} ms; stored in "
+          f"{os.path.join(args.output, 'profile.json')}; the simulator delays every request by their sum")
     return 0
+
+
+def _alone_ttft(config, args, rows: list[dict]) -> list[float]:
+    """The simulated TTFT of each logged request alone (a minute apart), without the delays."""
+    from dataclasses import replace
+
+    from paraflex.config.schema import Config
+    from paraflex.placement import Placement
+    from paraflex.simulator.runner import SimSettings, simulate
+    from paraflex.simulator.systems.layouts import build_system
+    from paraflex.simulator.workload import SimRequest
+
+    d = config.to_dict()
+    d["cluster"] = {**d["cluster"], "profile_dir": os.path.abspath(args.output)}
+    d.pop("workload", None)
+    profiled = Config.from_dict(d, source=f"{config.source} with {args.output}")
+    names = {m.name for m in profiled.models}
+    unknown = [r["model"] for r in rows if r["model"] not in names]
+    if unknown:
+        raise UserError(f"--gateway-log {args.gateway_log}: model {unknown[0]!r} is not in the config; pass the "
+                        f"config the logged server ran")
+    settings = SimSettings(rate=1.0)
+    layout = build_system(profiled, settings)
+    if args.placement:
+        layout = replace(layout, placement=Placement.load_for(args.placement, profiled))
+    requests = [SimRequest(i, r["model"], 60.0 * i, int(r["prompt_tokens"]), int(r["output_tokens"]))
+                for i, r in enumerate(rows)]
+    metrics = simulate(profiled, settings, layout=layout, requests=requests).metrics
+    return [metrics.requests[i].first_token - metrics.requests[i].arrival - metrics.request_delay
+            for i in range(len(rows))]

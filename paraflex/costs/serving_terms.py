@@ -7,10 +7,13 @@ Place in the data flow:
 - `paraflex profile` measures the hop (paraflex/engine/transport/hop_probe.py) and stores
   `HopTerm.fit(...)` under ``hop``; `ClusterConfig.interconnect()` then returns its link for
   engines of one node (planner and simulator alike), in place of `cluster.interconnect_*`.
-- `paraflex profile --gateway-log FILE` reads a served request log (`paraflex serve
-  --request-log`, whose ``http_arrival_s`` column the gateway stamps) and stores
-  `GatewayTerm.from_log(...)` under ``gateway``; the simulator (simulator/runner.py) delays
-  every request by it between its arrival and the engines taking it.
+- `paraflex profile CONFIG --gateway-log FILE` reads a served request log (`paraflex serve
+  --request-log`, whose ``http_arrival_s`` column the gateway stamps) and stores a
+  `GatewayTerm` under ``gateway``: the gateway's share (HTTP arrival -> frontend) and the
+  frontend <-> engines path (submission to the first engine and the tokens' way back through
+  the output router: logged TTFT minus the simulated TTFT of the same request alone, computed by
+  the profile command). The simulator (simulator/runner.py) delays every request by their sum
+  (`request_delay_s`) between its arrival and the engines taking it.
 """
 
 from __future__ import annotations
@@ -54,25 +57,36 @@ class HopTerm:
 
 @dataclass(frozen=True)
 class GatewayTerm:
-    """Median time from a request's HTTP arrival to the frontend taking it (parse, tokenize,
-    admission), over `requests` logged requests."""
+    """Per-request delays beyond the engines' steps, medians over `requests` logged requests:
+    `delay_s` from the HTTP arrival to the frontend taking the request (parse, tokenize,
+    admission), `engine_path_s` from the frontend to the engines and the first token back."""
 
     delay_s: float
     requests: int
+    engine_path_s: float = 0.0
 
     @classmethod
-    def from_log(cls, path: str) -> "GatewayTerm":
-        try:
-            with open(path, newline="", encoding="utf-8") as fh:
-                rows = list(csv.DictReader(fh))
-        except OSError as exc:
-            raise UserError(f"--gateway-log {path}: cannot read it ({exc.strerror}); pass a `paraflex serve "
-                            f"--request-log` file") from None
-        delays = [float(r["arrival_s"]) - float(r["http_arrival_s"]) for r in rows if r.get("http_arrival_s")]
-        if not delays:
+    def from_log(cls, rows: list[dict], path: str, engine_ttft_s: list[float] | None = None) -> "GatewayTerm":
+        """From the rows of request log `path` that carry an http_arrival_s; `engine_ttft_s`, one
+        per such row, the simulated TTFT of that request alone (None: no engine path)."""
+        rows = [r for r in rows if r.get("http_arrival_s")]
+        if not rows:
             raise UserError(f"--gateway-log {path}: no row has an http_arrival_s; log requests served over HTTP "
                             f"by `paraflex serve --request-log` (Ray backend)")
-        return cls(max(0.0, statistics.median(delays)), len(delays))
+        delay = statistics.median(float(r["arrival_s"]) - float(r["http_arrival_s"]) for r in rows)
+        path_s = 0.0 if engine_ttft_s is None else statistics.median(
+            float(r["ttft_s"]) - t for r, t in zip(rows, engine_ttft_s))
+        return cls(max(0.0, delay), len(rows), max(0.0, path_s))
+
+
+def read_log(path: str) -> list[dict]:
+    """The rows of a `paraflex serve --request-log` file that carry an http_arrival_s."""
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            return [r for r in csv.DictReader(fh) if r.get("http_arrival_s")]
+    except OSError as exc:
+        raise UserError(f"--gateway-log {path}: cannot read it ({exc.strerror}); pass a `paraflex serve "
+                        f"--request-log` file") from None
 
 
 def _read(profile_dir: str | None) -> dict:
@@ -88,10 +102,14 @@ def measured_hop(profile_dir: str | None) -> HopTerm | None:
     return HopTerm(**d) if d else None
 
 
-def gateway_delay_s(profile_dir: str | None) -> float:
-    """The measured gateway delay per request (0 without a profile or a measured one)."""
+def request_delay_s(profile_dir: str | None) -> float:
+    """The measured delay per request between its HTTP arrival and the engines (gateway plus
+    frontend <-> engines path); 0 without a profile or a measured one."""
     d = _read(profile_dir).get(GATEWAY_KEY)
-    return GatewayTerm(**d).delay_s if d else 0.0
+    if not d:
+        return 0.0
+    term = GatewayTerm(**d)
+    return term.delay_s + term.engine_path_s
 
 
 def store(profile_dir: str, key: str, term) -> None:

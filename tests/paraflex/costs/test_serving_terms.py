@@ -10,8 +10,8 @@ import pytest
 
 from paraflex.config.schema import Config
 from paraflex.costs.costmodel import CostModel
-from paraflex.costs.serving_terms import (GATEWAY_KEY, HOP_KEY, GatewayTerm, HopTerm, gateway_delay_s,
-                                          measured_hop, store)
+from paraflex.costs.serving_terms import (GATEWAY_KEY, HOP_KEY, GatewayTerm, HopTerm, measured_hop, read_log,
+                                          request_delay_s, store)
 from paraflex.errors import UserError
 from paraflex.serving.request_log import LOG_COLUMNS
 from paraflex.simulator.runner import SimSettings, simulate
@@ -45,7 +45,7 @@ def test_a_measured_hop_replaces_the_configs_link_between_engines(tmp_path):
     assert json.loads((tmp_path / "profile.json").read_text())["other"] == 1
     cl = _config(tmp_path).cluster
     assert cl.interconnect().latency_s == 0.0015 and cl.topology().link(0, 0).latency_s == 0.0015
-    assert measured_hop(str(tmp_path / "none")) is None and gateway_delay_s(None) == 0.0
+    assert measured_hop(str(tmp_path / "none")) is None and request_delay_s(None) == 0.0
 
 
 def _log(path, rows):
@@ -55,26 +55,32 @@ def _log(path, rows):
         w.writerows(rows)
 
 
-def test_the_gateway_delay_is_the_median_over_logged_http_requests(tmp_path):
-    _log(tmp_path / "log.csv", [{"arrival_s": 10.010, "http_arrival_s": 10.0}, {"arrival_s": 11.03, "http_arrival_s": 11.0},
-                                {"arrival_s": 12.02, "http_arrival_s": 12.0}, {"arrival_s": 13.0, "http_arrival_s": ""}])
-    term = GatewayTerm.from_log(str(tmp_path / "log.csv"))
+def test_the_delays_are_medians_over_logged_http_requests(tmp_path):
+    _log(tmp_path / "log.csv", [{"arrival_s": 10.010, "http_arrival_s": 10.0, "ttft_s": 0.012},
+                                {"arrival_s": 11.03, "http_arrival_s": 11.0, "ttft_s": 0.020},
+                                {"arrival_s": 12.02, "http_arrival_s": 12.0, "ttft_s": 0.015},
+                                {"arrival_s": 13.0, "http_arrival_s": ""}])
+    path = str(tmp_path / "log.csv")
+    rows = read_log(path)
+    assert len(rows) == 3  # the row without an HTTP arrival is left out
+    term = GatewayTerm.from_log(rows, path, engine_ttft_s=[0.002, 0.004, 0.005])
     assert term.delay_s == pytest.approx(0.02) and term.requests == 3
-    _log(tmp_path / "none.csv", [{"arrival_s": 1.0, "http_arrival_s": ""}])
+    assert term.engine_path_s == pytest.approx(0.010)  # median of 10, 16, 10 ms
+    assert GatewayTerm.from_log(rows, path).engine_path_s == 0.0
     with pytest.raises(UserError, match="--gateway-log .*no row has an http_arrival_s"):
-        GatewayTerm.from_log(str(tmp_path / "none.csv"))
+        GatewayTerm.from_log([], path)
     with pytest.raises(UserError, match="--gateway-log .*cannot read it"):
-        GatewayTerm.from_log(str(tmp_path / "missing.csv"))
+        read_log(str(tmp_path / "missing.csv"))
 
 
-def test_the_simulator_delays_every_request_by_the_gateway_term(tmp_path):
+def test_the_simulator_delays_every_request_by_the_gateway_and_engine_path(tmp_path):
     requests = [SimRequest(i, "a", 0.5 * i, 16, 4) for i in range(4)]
     cost, settings = CostModel("cpu"), SimSettings(rate=1.0)  # (the folder holds no op tables)
     layout = build_system(_config(), settings)
     plain = simulate(_config(), settings, layout=layout, requests=requests, cost=cost)
-    store(str(tmp_path), GATEWAY_KEY, GatewayTerm(0.25, 5))
+    store(str(tmp_path), GATEWAY_KEY, GatewayTerm(0.2, 5, engine_path_s=0.05))
     delayed = simulate(_config(tmp_path), settings, layout=layout, requests=requests, cost=cost)
-    assert delayed.summary["gateway_delay_s"] == 0.25
+    assert delayed.summary["request_delay_s"] == pytest.approx(0.25)
     for i in range(4):
         a, b = plain.metrics.requests[i], delayed.metrics.requests[i]
         assert b.arrival == a.arrival == 0.5 * i  # the record keeps the HTTP arrival
