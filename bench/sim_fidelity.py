@@ -3,18 +3,18 @@ simulator, compared number by number (issue 20).
 
 One command: profile the models on this machine (or reuse `--profile DIR`; `--no-profile`: the
 plain roofline): op tables, per-step residuals and the Ray hop between engines, all read by the
-simulator through `cluster.profile_dir`; plan a config of three models on two engines where tiny-8l is cut into two stages on different
-engines and both engines hold stages of several models, start `paraflex serve` on it (Ray
-backend, `--request-log`), send a few requests one at a time and store their per-request delays
-(gateway; frontend <-> engines) in the profile (`paraflex profile --gateway-log`), measure its saturation rate with a burst, then at
-three loads (light,
-~60% and ~90% of saturation) write a request list (simulator/workload/requests_file.py), replay it
-open loop against the server (same arrival times, ignore_eos with fixed output lengths, token-id
-prompts of the given lengths) and simulate the same file with the profiled cost model. Prints per
-load and model median and P99 of TTFT, TBT (per-request mean) and E2E, and throughput, real vs
-simulated with the relative error; writes fidelity.csv and fidelity_cdfs.png (fidelity_compare.py).
-Real times start at the HTTP arrival the server logs (`http_arrival_s`), as the simulator's do
-with the gateway delay.
+simulator through `cluster.profile_dir`. Plan a config of three models on two engines where
+tiny-8l is cut into two stages on different engines and both engines hold stages of several
+models, start `paraflex serve` on it (Ray backend, `--request-log`), send a few requests one at
+a time and store their per-request delays (gateway; frontend <-> engines) in the profile
+(`paraflex profile --gateway-log`; a reused `--profile DIR` gets them too), measure the
+saturation rate with a burst, then at three loads (light, ~60% and ~90% of saturation) write a
+request list (simulator/workload/requests_file.py), replay it open loop against the server (same
+arrival times, ignore_eos with fixed output lengths, token-id prompts of the given lengths) and
+simulate the same file with the profiled cost model. Prints per load and model median and P99
+of TTFT, TBT (per-request mean) and E2E, and throughput, real vs simulated with the relative
+error; writes fidelity.csv and fidelity_cdfs.png (fidelity_compare.py). Real times start at the
+HTTP arrival the server logs (`http_arrival_s`), as the simulator's do with the measured delays.
 
     python bench/sim_fidelity.py [--out DIR] [--requests 40] [--profile DIR | --no-profile]
                                  [--saturation RPS] [--tiny]
