@@ -2,20 +2,24 @@
 simulator, compared number by number (issue 20).
 
 One command: profile the models on this machine (or reuse `--profile DIR`; `--no-profile`: the
-plain roofline), measure the Ray hop between engines (bench/hop_latency.py; or `--hop-us`), plan
-a config of three models on two engines where tiny-8l is cut into two stages on different
-engines and both engines hold stages of several models, start `paraflex serve` on it (Ray
-backend, `--request-log`), measure its saturation rate with a burst, then at three loads (light,
-~60% and ~90% of saturation) write a request list (simulator/workload/requests_file.py), replay it
-open loop against the server (same arrival times, ignore_eos with fixed output lengths, token-id
-prompts of the given lengths) and simulate the same file with the profiled cost model. Prints per
-load and model median and P99 of TTFT, TBT (per-request mean) and E2E, and throughput, real vs
-simulated with the relative error; writes fidelity.csv and fidelity_cdfs.png (fidelity_compare.py).
+plain roofline): op tables, per-step residuals and the Ray hop between engines, all read by the
+simulator through `cluster.profile_dir`. Plan a config of three models on two engines where
+tiny-8l is cut into two stages on different engines and both engines hold stages of several
+models, start `paraflex serve` on it (Ray backend, `--request-log`), send a few requests one at
+a time and store their per-request delays (gateway; frontend <-> engines) in the profile
+(`paraflex profile --gateway-log`; a reused `--profile DIR` gets them too), measure the
+saturation rate with a burst, then at three loads (light, ~60% and ~90% of saturation) write a
+request list (simulator/workload/requests_file.py), replay it open loop against the server (same
+arrival times, ignore_eos with fixed output lengths, token-id prompts of the given lengths) and
+simulate the same file with the profiled cost model. Prints per load and model median and P99
+of TTFT, TBT (per-request mean) and E2E, and throughput, real vs simulated with the relative
+error; writes fidelity.csv and fidelity_cdfs.png (fidelity_compare.py). Real times start at the
+HTTP arrival the server logs (`http_arrival_s`), as the simulator's do with the measured delays.
 
     python bench/sim_fidelity.py [--out DIR] [--requests 40] [--profile DIR | --no-profile]
-                                 [--hop-us US] [--saturation RPS] [--tiny]
+                                 [--saturation RPS] [--tiny]
 
-`--tiny` (the CI test): a few requests per load, no profiling, no hop measurement.
+`--tiny` (the CI test): a few requests per load, no profiling (so no hop or gateway term).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from serve_client import one_request  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
 
 from paraflex.config.schema import Config  # noqa: E402
+from paraflex.costs.serving_terms import measured_hop  # noqa: E402
+from paraflex.serving.request_log import LOG_COLUMNS  # noqa: E402
 from paraflex.planner import plan  # noqa: E402
 from paraflex.simulator.runner import SimSettings, simulate  # noqa: E402
 from paraflex.simulator.systems.layouts import build_system  # noqa: E402
@@ -69,14 +75,6 @@ def run(cmd: list[str]) -> str:
     return done.stdout
 
 
-def measure_hop_us(out: str) -> float:
-    """Median one-way Ray hop of a decode-sized batch between two engine actors, in µs."""
-    path = os.path.join(out, "hop.csv")
-    run([sys.executable, os.path.join(HERE, "hop_latency.py"), "--iters", "60", "--cases", "decode1", "--csv", path])
-    with open(path, newline="") as fh:
-        return 1e6 * float(next(csv.DictReader(fh))["hop_median_s"])
-
-
 def make_requests(rate: float, n: int, first_id: int, rng) -> list[SimRequest]:
     times = np.cumsum(rng.exponential(1.0 / rate, n))
     times -= times[0]
@@ -102,9 +100,37 @@ async def replay(url: str, requests: list[SimRequest], rng) -> tuple[list, float
     return results, epoch
 
 
-def read_log(path: str) -> list[dict]:
+def raw_log(path: str) -> list[dict]:
     with open(path, newline="") as fh:
         return list(csv.DictReader(fh))
+
+
+def read_log(path: str) -> list[dict]:
+    """The server's rows, timed from the HTTP arrival where the gateway stamped one."""
+    rows = raw_log(path)
+    for r in rows:
+        if r.get("http_arrival_s"):
+            r["gateway_s"] = float(r["arrival_s"]) - float(r["http_arrival_s"])
+            r["arrival_s"] = r["http_arrival_s"]
+            r["ttft_s"] = float(r["first_token_s"]) - float(r["arrival_s"])
+            r["e2e_s"] = float(r["finish_s"]) - float(r["arrival_s"])
+    return rows
+
+
+def calibrate_gateway(server, log_path: str, out: str, profile: str, rng, n: int = 8) -> None:
+    """Send `n` requests one at a time, copy their log rows to gateway.csv and store their
+    per-request delays in the profile (`paraflex profile --gateway-log`)."""
+    start = time.time()
+    for req in make_requests(1.0, n, 2 * 10**6, rng):
+        asyncio.run(replay(server.url, [dataclasses.replace(req, arrival=0.0)], rng))
+    rows = [r for r in raw_log(log_path) if float(r["arrival_s"]) >= start]
+    path = os.path.join(out, "gateway.csv")
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=LOG_COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    print(run([sys.executable, "-m", "paraflex", "profile", os.path.join(out, "config.yaml"), "--gateway-log", path,
+               "--placement", os.path.join(out, "placement.json"), "-o", profile]).strip(), flush=True)
 
 
 def simulated_rows(config, placement, requests: list[SimRequest]) -> list[dict]:
@@ -122,10 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=40, help="requests per load (default 40)")
     ap.add_argument("--profile", help="reuse this `paraflex profile` folder instead of profiling now")
     ap.add_argument("--no-profile", action="store_true", help="simulate with the plain roofline")
-    ap.add_argument("--hop-us", type=float, help="one-way hop latency in µs (default: measure it)")
     ap.add_argument("--saturation", type=float, help="saturation rate in req/s (default: measure it with a burst)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tiny", action="store_true", help="CI size: 3 requests per load, no profiling, no hop run")
+    ap.add_argument("--tiny", action="store_true", help="CI size: 3 requests per load, no profiling")
     args = ap.parse_args(argv)
     n = 3 if args.tiny else args.requests
     out = os.path.abspath(args.out)
@@ -143,19 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     for name, mp in placement.models.items():
         print(f"  {name}: {mp.num_stages} stage(s), replicas on engines {mp.replicas}")
 
-    sim_cfg = {**base, "cluster": dict(base["cluster"])}
+    profile = None
     if not (args.no_profile or args.tiny):
-        profile = args.profile or os.path.join(out, "profile")
+        profile = os.path.abspath(args.profile or os.path.join(out, "profile"))
         if not args.profile:
             run([sys.executable, "-m", "paraflex", "profile", config_path, "-o", profile, "--tokens",
-                 "1,2,4,8,16,32,64,128,256", "--repeats", "5", "-q"])
-        sim_cfg["cluster"]["profile_dir"] = os.path.abspath(profile)
-    hop = args.hop_us if args.hop_us is not None else (None if args.tiny else measure_hop_us(out))
-    if hop is not None:
-        sim_cfg["cluster"]["interconnect_latency_us"] = hop
-        print(f"hop between engines: {hop:.0f} µs (simulated as the interconnect latency)", flush=True)
-    sim_config = Config.from_dict(sim_cfg, source="sim-fidelity (profiled)")
-    max_context = {m.name: m.arch.max_context for m in sim_config.models}
+                 "1,2,4,8,16,32,64,128,256", "--repeats", "10", "-q"])
+        hop = measured_hop(profile)
+        if hop is not None:
+            print(f"hop between engines (profiled): {1e6 * hop.latency_s:.0f} µs", flush=True)
+    max_context = {m.name: m.arch.max_context for m in Config.from_dict(base, source=config_path).models}
 
     log_path = os.path.join(out, "served_requests.csv")
     server = ServeProcess(config_path, backend="ray", who="sim_fidelity",
@@ -163,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     windows = []
     try:
+        if profile:
+            calibrate_gateway(server, log_path, out, profile, rng)
         sat = args.saturation
         if sat is None:  # a burst: every request at once, the server's best rate
             burst = [dataclasses.replace(r, arrival=0.0) for r in make_requests(1.0, max(4, n), 10**6, rng)]
@@ -183,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     served = read_log(log_path)
+    # the simulator reads the whole profile (tables, residuals, hop, gateway) through profile_dir
+    sim_config = Config.from_dict({**base, "cluster": {**base["cluster"], "profile_dir": profile}} if profile else base,
+                                  source="sim-fidelity" + (" (profiled)" if profile else ""))
     rows, runs = [], []
     print()
     for load, requests, results, start, end in windows:
@@ -192,8 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         runs.append((load, real, sim))
         client_ttft = float(np.median([r.ttft for r in results]))
         log_ttft = float(np.median([float(r["ttft_s"]) for r in real]))
-        print(f"{load}: {len(real)}/{len(requests)} logged; median TTFT at the client {1000 * client_ttft:.1f} ms vs "
-              f"{1000 * log_ttft:.1f} ms in the server log: HTTP + gateway + tokenize {1000 * (client_ttft - log_ttft):.1f} ms")
+        gateway = [r["gateway_s"] for r in real if "gateway_s" in r]
+        split = f"gateway (HTTP arrival -> frontend) {1000 * float(np.median(gateway)):.1f} ms; " if gateway else ""
+        print(f"{load}: {len(real)}/{len(requests)} logged; {split}median TTFT at the client {1000 * client_ttft:.1f} ms "
+              f"vs {1000 * log_ttft:.1f} ms in the server log: client + HTTP transport + response path "
+              f"{1000 * (client_ttft - log_ttft):.1f} ms")
     print()
     print_table(rows)
     write_csv(os.path.join(out, "fidelity.csv"), rows)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import gc
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
+from paraflex.costs.serving_terms import request_delay_s
 from paraflex.errors import ParaflexError, UserError
 from paraflex.simulator.core.cluster import Cluster
 from paraflex.simulator.core.event_loop import EventLoop
@@ -107,6 +108,11 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
     else:
         info = {"requests": len(requests), "given": True}
     metrics = MetricsStore(model_slos(config.models), layout.placement.num_engines, layout.gpus_per_engine)
+    # The measured gateway and frontend <-> engines share: the engines see each request that
+    # much after its arrival; its records keep the arrival (paraflex/costs/serving_terms.py).
+    metrics.request_delay = request_delay_s(config.cluster.profile_dir)
+    if metrics.request_delay:
+        requests = [replace(r, arrival=r.arrival + metrics.request_delay) for r in requests]
     loop = loop if loop is not None else EventLoop()
     cluster = (layout.seed.cluster if layout.seed is not None else Cluster)(config, layout, settings, loop, metrics, cost)
     sim = _Sim(loop, cluster)
@@ -148,7 +154,7 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
     wall = time.perf_counter() - wall0
     summary = metrics.summary()
     summary.update({
-        "system": layout.name, "rate": settings.rate, "seed": settings.seed, "workload": info,
+        "system": layout.name, "rate": settings.rate, "request_delay_s": metrics.request_delay, "seed": settings.seed, "workload": info,
         "simulated_s": max(loop.now, cluster.fast_path.until) if cluster.fast_path else loop.now, "events": loop.processed,
         # decode cycles the fast-forward replayed, plus decisions the joint replay replayed
         "fast_forward_cycles": cluster.fast_path.cycles if cluster.fast_path else 0,

@@ -7,18 +7,26 @@ writes ``DIR/compute/<cluster.device>/paraflex/<model>/mlp.csv`` plus ``DIR/prof
 (machine, torch, threads, dtypes, token counts) and says how to use them. Unless `--no-steps`,
 it then times whole engine steps of each model (paraflex/serving/step_profiler.py) and stores
 their residual over the tables' prediction in profile.json (`step_overheads`, read by the cost
-model: paraflex/costs/step_overheads.py).
+model: paraflex/costs/step_overheads.py). Unless `--no-hop`, it measures the Ray hop between two
+engine actors (paraflex/engine/transport/hop_probe.py) and stores it as `hop`, the link between
+engines of one node. `--gateway-log FILE` measures nothing: it reads a served request log and
+stores per-request delays as `gateway` in OUTPUT/profile.json, keeping the rest
+(paraflex/costs/serving_terms.py): the gateway's share from the log alone, and the frontend <->
+engines path as the logged TTFT minus the TTFT the simulator predicts for the same request
+alone with this profile, on the config's placement (`--placement`, or planned).
 """
 
 from __future__ import annotations
 
 import datetime
+from dataclasses import asdict
 import json
 import os
 import platform
 import sys
 
 from paraflex.config.schema import load_config
+from paraflex.costs.serving_terms import GATEWAY_KEY, HOP_KEY, GatewayTerm, HopTerm, read_log, store
 from paraflex.costs.step_overheads import KEY as STEP_KEY
 from paraflex.errors import UserError
 from paraflex.models.engine_support import require_runnable
@@ -37,6 +45,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA if visible), cpu, cuda, cuda:1")
     parser.add_argument("--no-steps", action="store_true",
                         help="skip timing whole engine steps (the per-step residual over the op tables)")
+    parser.add_argument("--no-hop", action="store_true",
+                        help="skip measuring the Ray hop between engine actors (the link between engines)")
+    parser.add_argument("--gateway-log", metavar="FILE",
+                        help="only store the per-request delays measured in this `paraflex serve --request-log` "
+                             "file (log requests sent one at a time) in OUTPUT/profile.json")
+    parser.add_argument("--placement", metavar="FILE",
+                        help="with --gateway-log: the placement the logged server ran (default: plan CONFIG)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
 
@@ -60,6 +75,8 @@ def run(args) -> int:
     if args.repeats < 1:
         raise UserError("--repeats must be >= 1")
     config = load_config(args.config)
+    if args.gateway_log:
+        return _store_gateway(config, args)
     tokens = _tokens(args.tokens)
     names = [m.name for m in config.models]
     if args.models:
@@ -115,6 +132,8 @@ def run(args) -> int:
             "cluster_device": config.cluster.device, "hardware": hardware, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "tokens": list(tokens), "repeats": args.repeats, "tables": written,
             STEP_KEY: [o.to_dict() for o in overheads]}
+    if not args.no_hop:
+        meta[HOP_KEY] = asdict(_hop(progress))
     with open(os.path.join(args.output, "profile.json"), "w", encoding="utf-8") as fh:
         json.dump(meta, fh, indent=2)
     print(f"wrote {len(written)} table(s) under {args.output}; to use them, set `cluster.profile_dir: "
@@ -134,3 +153,56 @@ def _step_overheads(config, names, args, device, progress) -> list:
     cost.overheads = None  # the tables alone: an older profile.json's residuals must not count
     return [measure_steps(config, name, cost, repeats=max(1, args.repeats), progress=progress)
             for name in names]
+
+
+def _hop(progress) -> HopTerm:
+    """The Ray hop between two engine actors on this machine (a local Ray instance for the run)."""
+    from paraflex.engine.transport.hop_probe import measure_hop
+
+    hop = HopTerm.fit(measure_hop())
+    if progress:
+        bw = f"{hop.bandwidth_Bps / 1e9:.2f} GB/s" if hop.bandwidth_Bps else "no growth with bytes"
+        progress(f"Ray hop between engines: {1e6 * hop.latency_s:.0f} us + bytes at {bw}")
+    return hop
+
+
+def _store_gateway(config, args) -> int:
+    """Store the gateway term of `args.gateway_log`: its own delay, and the engine path against
+    the simulated TTFT of each logged request alone, with OUTPUT's profile."""
+    rows = read_log(args.gateway_log)
+    term = GatewayTerm.from_log(rows, args.gateway_log, _alone_ttft(config, args, rows) if rows else None)
+    store(args.output, GATEWAY_KEY, term)
+    print(f"per-request delays (medians of {term.requests} requests in {args.gateway_log}): gateway "
+          f"{1000 * term.delay_s:.2f} ms, frontend <-> engines {1000 * term.engine_path_s:.2f} ms; stored in "
+          f"{os.path.join(args.output, 'profile.json')}; the simulator delays every request by their sum")
+    return 0
+
+
+def _alone_ttft(config, args, rows: list[dict]) -> list[float]:
+    """The simulated TTFT of each logged request alone (a minute apart), without the delays."""
+    from dataclasses import replace
+
+    from paraflex.config.schema import Config
+    from paraflex.placement import Placement
+    from paraflex.simulator.runner import SimSettings, simulate
+    from paraflex.simulator.systems.layouts import build_system
+    from paraflex.simulator.workload import SimRequest
+
+    d = config.to_dict()
+    d["cluster"] = {**d["cluster"], "profile_dir": os.path.abspath(args.output)}
+    d.pop("workload", None)
+    profiled = Config.from_dict(d, source=f"{config.source} with {args.output}")
+    names = {m.name for m in profiled.models}
+    unknown = [r["model"] for r in rows if r["model"] not in names]
+    if unknown:
+        raise UserError(f"--gateway-log {args.gateway_log}: model {unknown[0]!r} is not in the config; pass the "
+                        f"config the logged server ran")
+    settings = SimSettings(rate=1.0)
+    layout = build_system(profiled, settings)
+    if args.placement:
+        layout = replace(layout, placement=Placement.load_for(args.placement, profiled))
+    requests = [SimRequest(i, r["model"], 60.0 * i, int(r["prompt_tokens"]), int(r["output_tokens"]))
+                for i, r in enumerate(rows)]
+    metrics = simulate(profiled, settings, layout=layout, requests=requests).metrics
+    return [metrics.requests[i].first_token - metrics.requests[i].arrival - metrics.request_delay
+            for i in range(len(rows))]

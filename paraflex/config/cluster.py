@@ -39,8 +39,14 @@ class ClusterConfig:
         return int(self.host_memory_gb * GIB)
 
     def interconnect(self):
+        """The link between engines of one node: the Ray hop `paraflex profile` measured when
+        profile_dir has one (paraflex/costs/serving_terms.py), else interconnect_gbps/latency_us."""
         from paraflex.costs.costmodel import Interconnect
+        from paraflex.costs.serving_terms import measured_hop
 
+        hop = measured_hop(self.profile_dir)
+        if hop is not None:
+            return hop.link()
         return Interconnect(self.interconnect_gbps * 1e9 / 8, self.interconnect_latency_us * 1e-6)
 
     def topology(self):

@@ -204,7 +204,7 @@ class CostModel:
             total += self.embedding_time(arch, num_tokens)
         if last:
             total += self.head_time(arch, num_seqs)
-        return self._with_residual(total, arch, num_layers, prefill=True)
+        return self._with_residual(total, arch, num_layers, prefill=True, size=num_tokens)
 
     def decode_time(self, arch, num_layers: int, batch_size: int, total_context: int,
                     first: bool = False, last: bool = False) -> float:
@@ -222,13 +222,13 @@ class CostModel:
             total += self.embedding_time(arch, batch_size)
         if last:
             total += self.head_time(arch, batch_size)
-        return self._with_residual(total, arch, num_layers, prefill=False)
+        return self._with_residual(total, arch, num_layers, prefill=False, size=batch_size)
 
-    def _with_residual(self, total: float, arch, num_layers: int, prefill: bool) -> float:
+    def _with_residual(self, total: float, arch, num_layers: int, prefill: bool, size: int) -> float:
         """`total` plus the measured per-step residual of a served engine (step_overheads.py)."""
         if self.overheads is None:
             return total
-        return total + self.overheads.stage_residual(arch, num_layers, prefill)
+        return total + self.overheads.stage_residual(arch, num_layers, prefill, size)
 
     def model_time(self, arch) -> float:
         """Reference time of one whole-model iteration, used to shard models by time.

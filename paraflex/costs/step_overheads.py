@@ -6,16 +6,20 @@ Place in the data flow: `paraflex profile` measures whole engine steps of each m
 machine (paraflex/serving/step_profiler.py) and subtracts the cost model's prediction from its
 tables; `CostModel(profile_dir=...)` adds the residual to every prefill and decode stage time,
 pro rata to the stage's share of the model's layers, so the planner and the simulator predict a
-served engine rather than its bare ops. Entries are matched to a model by its shape, vocabulary
+served engine rather than its bare ops. Each residual is a line in the step's size, fitted over
+the sizes the profiler ran: `prefill_s + prefill_per_token_s * tokens` for a prefill and
+`decode_s + decode_per_seq_s * batch` for a decode step (`fit_line`; a profile.json written
+before the slopes were measured reads as flat lines). Entries are matched to a model by its shape, vocabulary
 and depth (tables match by shape alone: the residual also holds per-step costs that do not scale
 with layers). A negative residual (the tables over-predict a whole step) is written as measured
-and used as zero: a residual adds time, never removes it.
+and used as zero where the line is negative: a residual adds time, never removes it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 from dataclasses import asdict, dataclass
 
 from paraflex.costs.profile_tables import shape_of
@@ -36,14 +40,23 @@ class StepOverhead:
     use_gated_mlp: bool
     vocab_size: int
     num_layers: int
-    prefill_s: float
-    decode_s: float
+    prefill_s: float  # intercept of the prefill residual
+    decode_s: float  # intercept of the decode residual
+    prefill_per_token_s: float = 0.0
+    decode_per_seq_s: float = 0.0
 
     @classmethod
-    def of(cls, model: str, arch, prefill_s: float, decode_s: float) -> "StepOverhead":
+    def of(cls, model: str, arch, prefill_s: float, decode_s: float, prefill_per_token_s: float = 0.0,
+           decode_per_seq_s: float = 0.0) -> "StepOverhead":
         s = shape_of(arch)
         return cls(model, s.n_head, s.n_kv_head, s.n_embd, s.n_expanded_embd, s.use_gated_mlp, arch.vocab_size,
-                   arch.num_layers, prefill_s, decode_s)
+                   arch.num_layers, prefill_s, decode_s, prefill_per_token_s, decode_per_seq_s)
+
+    def whole_model(self, prefill: bool, size: int) -> float:
+        """Residual of one whole-model step of `size` tokens (prefill) or requests (decode), >= 0."""
+        line = (self.prefill_s + self.prefill_per_token_s * size if prefill
+                else self.decode_s + self.decode_per_seq_s * size)
+        return max(0.0, line)
 
     def key(self) -> tuple:
         return (self.n_head, self.n_kv_head, self.n_embd, self.n_expanded_embd, self.use_gated_mlp,
@@ -76,9 +89,19 @@ class StepOverheads:
             data = json.load(fh)
         return cls([StepOverhead(**e) for e in data.get(KEY, [])])
 
-    def stage_residual(self, arch, num_layers: int, prefill: bool) -> float:
-        """Residual of one stage execution of `num_layers` of `arch`'s layers (0 when unmeasured)."""
+    def stage_residual(self, arch, num_layers: int, prefill: bool, size: int) -> float:
+        """Residual of one stage execution of `num_layers` of `arch`'s layers over `size` tokens
+        (prefill) or requests (decode); 0 when unmeasured."""
         e = self.by_key.get(arch_key(arch))
         if e is None:
             return 0.0
-        return max(0.0, e.prefill_s if prefill else e.decode_s) * num_layers / e.num_layers
+        return e.whole_model(prefill, size) * num_layers / e.num_layers
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of a Theil-Sen line: the median of the pairwise slopes, then the median
+    intercept, so one point a busy machine inflated does not tilt it (one point: a flat line)."""
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
+              if xs[j] != xs[i]]
+    slope = statistics.median(slopes) if slopes else 0.0
+    return statistics.median(y - slope * x for x, y in zip(xs, ys)), slope

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from paraflex.errors import UserError
 from paraflex.gateway.api_error import ApiError
 from paraflex.serving.backend import Backend, ModelCard
+from paraflex.serving.request_log import HTTP_ARRIVAL
 from paraflex.gateway.generation import Admission, Chunk, Running, Ticket, generate
 from paraflex.gateway.guards import BearerAuth, HostCheck, RefuseWhenClosed
 from paraflex.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -289,6 +290,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
     @app.post("/v1/completions", openapi_extra=doc.json_body(CompletionRequest),
               responses={**STREAMED, **doc.errors(400, 401, 404, 408, 413, 415, 500, 503)})
     async def completions(request: Request):
+        HTTP_ARRIVAL.set(time.time())  # for `--request-log` (the gateway's share of each request)
         req = await parse(request, CompletionRequest)
         card = gw.card(req.model)
         ids = await gw.prompt_ids(card, req.prompt)
@@ -310,6 +312,7 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
     @app.post("/v1/chat/completions", openapi_extra=doc.json_body(ChatCompletionRequest),
               responses={**STREAMED, **doc.errors(400, 401, 404, 408, 413, 415, 500, 503)})
     async def chat_completions(request: Request):
+        HTTP_ARRIVAL.set(time.time())  # for `--request-log` (the gateway's share of each request)
         req = await parse(request, ChatCompletionRequest)
         card = gw.card(req.model)
         ids = await gw.chat_ids(card, req.chat_messages())

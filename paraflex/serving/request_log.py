@@ -9,13 +9,19 @@ token bookkeeping of `MetricsStore`, paraflex/simulator/metrics/records.py), so 
 compares a served run with a simulated one (bench/sim_fidelity.py).
 
 Times are Unix seconds (`time.time()`): arrival is when the frontend took the request (after
-the gateway parsed and tokenized it), token times when the frontend got them. `output_tokens`
+the gateway parsed and tokenized it), token times when the frontend got them. One more column
+than the simulator's, `http_arrival_s`: when the gateway's handler got the HTTP request (it sets
+`HTTP_ARRIVAL`, a context variable the frontend's `start` sees on the Ray backend; empty for
+requests that did not come over HTTP or whose start ran on another thread, as the in-process
+backend's does). arrival_s - http_arrival_s is the gateway's share (parse, tokenize,
+admission) that `paraflex profile --gateway-log` turns into the simulator's gateway delay. `output_tokens`
 is the request's max_tokens; `id` the client-visible request id. Aborted or failed requests are
 not logged. Thread-safe: the gateway's loop starts requests, the engines' output thread ends them.
 """
 
 from __future__ import annotations
 
+import contextvars
 import csv
 from array import array
 import threading
@@ -24,6 +30,10 @@ import time
 from paraflex.errors import UserError
 from paraflex.simulator.metrics.output import csv_cells
 from paraflex.simulator.metrics.records import REQUEST_COLUMNS, MetricsStore, model_slos, request_row
+
+
+HTTP_ARRIVAL: contextvars.ContextVar[float | None] = contextvars.ContextVar("http_arrival", default=None)
+LOG_COLUMNS = REQUEST_COLUMNS + ("http_arrival_s",)
 
 
 class RequestLog:
@@ -37,17 +47,21 @@ class RequestLog:
             raise UserError(f"--request-log {path}: cannot write it ({exc.strerror}); pass a file path you can write") from None
         self.path = path
         self.writer = csv.writer(self.file)
-        self.writer.writerow(REQUEST_COLUMNS)
+        self.writer.writerow(LOG_COLUMNS)
         self.file.flush()
         self.store = MetricsStore(model_slos(models), num_engines=0, gpus_per_engine=1)
         self.clock = clock
         self.lock = threading.Lock()
         self.written = 0
+        self.http_arrival: dict[str, float] = {}
 
     def started(self, rid: str, model: str, replica: int, prompt_tokens: int, max_tokens: int) -> None:
         with self.lock:
             rec = self.store.add_request(rid, model, self.clock(), prompt_tokens, max_tokens)
             rec.replica = replica
+            t_http = HTTP_ARRIVAL.get()
+            if t_http is not None:
+                self.http_arrival[rid] = t_http
 
     def tokens(self, rid: str, count: int) -> None:
         with self.lock:
@@ -60,10 +74,11 @@ class RequestLog:
     def finished(self, rid: str) -> None:
         with self.lock:
             rec = self.store.requests.pop(rid, None)
+            t_http = self.http_arrival.pop(rid, None)
             if rec is None or self.file.closed:
                 return
             rec.finish = self.clock()
-            self.writer.writerow(csv_cells(request_row(rec)))
+            self.writer.writerow(csv_cells(request_row(rec) + ("" if t_http is None else t_http,)))
             self.file.flush()
             self.written += 1
             self.store.tbt[rec.model] = array("d")  # its gaps are in the row: keep memory flat
@@ -71,6 +86,7 @@ class RequestLog:
     def dropped(self, rid: str) -> None:
         with self.lock:
             self.store.requests.pop(rid, None)
+            self.http_arrival.pop(rid, None)
 
     def close(self) -> None:
         with self.lock:

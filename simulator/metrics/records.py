@@ -117,11 +117,14 @@ class MetricsStore:
         self.hops = 0
         self.hop_bytes = 0
         self.switch_latencies = array("d")
+        # seconds between a request's arrival at the gateway and the engines taking it (the
+        # simulator delays every arrival by it; records keep the gateway arrival)
+        self.request_delay = 0.0
 
     # --- recording -------------------------------------------------------------------
     def add_request(self, rid: int, model: str, arrival: float, prompt_len: int, output_len: int) -> RequestRecord:
         slo = self.slos[model]
-        rec = RequestRecord(rid, model, arrival, prompt_len, output_len, slo.ttft_s, slo.tbt_s)
+        rec = RequestRecord(rid, model, arrival - self.request_delay, prompt_len, output_len, slo.ttft_s, slo.tbt_s)
         self.requests[rid] = rec
         return rec
 

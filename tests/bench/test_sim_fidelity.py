@@ -1,6 +1,7 @@
 """bench/sim_fidelity.py at CI size (--tiny: 3 requests per load, roofline, no hop run): the
 served (Ray) and simulated runs both finish every request, and every comparison row carries a
-computed relative error. No timing assertion: on a shared machine only the pipeline is checked."""
+computed relative error, and the server log carries the gateway's HTTP arrival. No timing
+assertion: on a shared machine only the pipeline is checked."""
 
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ def test_tiny_fidelity_run_compares_every_load_and_model(tmp_path, capsys):
     assert {(r["metric"], r["stat"]) for r in alls} >= {("TTFT", "median"), ("E2E", "p99"), ("throughput", "req/s")}
     assert all(math.isfinite(float(r["rel_err"])) and float(r["real"]) > 0 for r in alls)
     with open(tmp_path / "served_requests.csv", newline="") as fh:
-        assert len(list(csv.DictReader(fh))) == 9  # 3 loads x 3 requests, logged by the server
+        logged = list(csv.DictReader(fh))
+    assert len(logged) == 9  # 3 loads x 3 requests, logged by the server
+    # the gateway stamped each HTTP arrival, before the frontend took the request
+    assert all(0 <= float(r["arrival_s"]) - float(r["http_arrival_s"]) < 5 for r in logged)
     for load in ("light", "mid", "high"):
         assert f"{load}: 3/3 logged" in out
     assert (tmp_path / "requests-mid.csv").is_file()

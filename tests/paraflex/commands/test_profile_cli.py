@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from paraflex.cli import main
-from paraflex.config.schema import load_config
+from paraflex.config.schema import Config, load_config
 from paraflex.costs.costmodel import CostModel
 from paraflex.placement import Placement
 from paraflex.costs.profile_tables import ALL_OPS, ProfileIndex
@@ -20,7 +20,7 @@ DEMO, BASE = str(CONFIGS / "demo.yaml"), str(CONFIGS / "paper-base.yaml")
 def test_profile_writes_tables_the_cost_model_and_planner_use(tmp_path, capsys):
     out = tmp_path / "prof"
     assert main(["profile", DEMO, "-o", str(out), "--models", "tiny-2l,tiny-4l", "--tokens", "4,1",
-                 "--repeats", "2", "-q"]) == 0
+                 "--repeats", "2", "-q", "--no-hop"]) == 0
     assert "cluster.profile_dir" in capsys.readouterr().out
     meta = json.loads((out / "profile.json").read_text())
     assert meta["tokens"] == [1, 4] and meta["repeats"] == 2
@@ -42,7 +42,7 @@ def test_profile_writes_tables_the_cost_model_and_planner_use(tmp_path, capsys):
     arch = config.model("tiny-4l").arch
     tables_only = CostModel("cpu", profile_dir=str(out))
     tables_only.overheads = None
-    added = max(0.0, steps["tiny-4l"]["decode_s"]) / 2
+    added = max(0.0, steps["tiny-4l"]["decode_s"] + 3 * steps["tiny-4l"]["decode_per_seq_s"]) / 2  # batch 3
     assert CostModel("cpu", profile_dir=str(out)).decode_time(arch, 2, 3, 30) == pytest.approx(
         tables_only.decode_time(arch, 2, 3, 30) + added)
     raw = yaml.safe_load(Path(DEMO).read_text())
@@ -68,3 +68,27 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, message):
 def test_a_gpu_config_is_not_profiled_on_a_cpu(tmp_path, capsys):
     assert main(["profile", BASE, "-o", str(tmp_path), "--device", "cpu"]) == 2
     assert "cluster.device is 'a100-80g'" in capsys.readouterr().err
+
+
+def test_profile_measures_the_hop_and_a_served_log_gives_the_request_delays(tmp_path, capsys, ray_session):
+    """The hop through RayTransport (on the session's Ray) becomes the link between engines;
+    `--gateway-log` adds the gateway and frontend <-> engines delays of the logged requests."""
+    out = tmp_path / "prof"
+    assert main(["profile", DEMO, "-o", str(out), "--models", "tiny-2l", "--tokens", "1,8", "--repeats", "1",
+                 "--no-steps", "-q"]) == 0
+    hop = json.loads((out / "profile.json").read_text())["hop"]
+    assert 0 < hop["latency_s"] < 1 and len(hop["points"]) == 2
+    raw = yaml.safe_load(Path(DEMO).read_text())
+    raw["cluster"]["profile_dir"] = str(out)
+    assert Config.from_dict(raw).cluster.interconnect().latency_s == hop["latency_s"]
+    log = tmp_path / "log.csv"
+    log.write_text("id,model,replica,arrival_s,prompt_tokens,output_tokens,first_token_s,finish_s,e2e_s,ttft_s,"
+                   "mean_tbt_s,max_tbt_s,tokens_on_time,http_arrival_s\n"
+                   "a,tiny-2l,0,100.004,8,2,100.5,100.6,0.6,0.496,0.1,0.1,2,100.0\n")
+    assert main(["profile", DEMO, "--gateway-log", str(log), "-o", str(out)]) == 0
+    assert "gateway 4.00 ms" in capsys.readouterr().out
+    meta = json.loads((out / "profile.json").read_text())
+    assert meta["hop"] == hop  # the rest of the file is kept
+    assert meta["gateway"]["delay_s"] == pytest.approx(0.004) and 0.3 < meta["gateway"]["engine_path_s"] < 0.496
+    assert main(["profile", DEMO, "--gateway-log", str(tmp_path / "none.csv"), "-o", str(out)]) == 2
+    assert "--gateway-log" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from paraflex.engine.core.sampling_params import SamplingParams
 from paraflex.errors import UserError
 from paraflex.serving.frontend import Frontend
 from paraflex.serving.in_process import LLMCluster
-from paraflex.serving.request_log import RequestLog
+from paraflex.serving.request_log import HTTP_ARRIVAL, LOG_COLUMNS, RequestLog
 from paraflex.simulator.metrics.records import REQUEST_COLUMNS
 
 
@@ -37,7 +37,7 @@ class Clock:
 def _rows(path) -> list[dict]:
     with open(path, newline="") as fh:
         reader = csv.DictReader(fh)
-        assert tuple(reader.fieldnames) == REQUEST_COLUMNS
+        assert tuple(reader.fieldnames) == LOG_COLUMNS and LOG_COLUMNS[:len(REQUEST_COLUMNS)] == REQUEST_COLUMNS
         return list(reader)
 
 
@@ -64,7 +64,30 @@ def test_rows_carry_the_simulators_columns_and_times(tmp_path):
     assert got == pytest.approx({"arrival_s": 100.0, "first_token_s": 100.2, "finish_s": 100.55, "e2e_s": 0.55,
                                  "ttft_s": 0.2, "mean_tbt_s": 0.175, "max_tbt_s": 0.3})
     assert row["tokens_on_time"] == "2"
-    assert log.written == 1 and not log.store.requests
+    assert row["http_arrival_s"] == ""  # not started by the gateway
+    assert log.written == 1 and not log.store.requests and not log.http_arrival
+
+
+def test_the_gateways_http_arrival_is_logged_with_the_request_it_started(tmp_path):
+    placement = SimpleNamespace(models={"m": SimpleNamespace(replicas=[[0]])})
+    clock = Clock()
+    log = RequestLog(str(tmp_path / "log.csv"), [SimpleNamespace(name="m", slo_ttft_ms=None, slo_tbt_ms=None)],
+                     clock=clock)
+    f = Frontend(None, placement, Engines(), report=lambda line: None)
+    f.request_log = log
+    token = HTTP_ARRIVAL.set(99.98)  # as the gateway's handler sets it, 20 ms before the frontend
+    try:
+        f.start("a", "m", [1], SamplingParams(max_tokens=1), None)
+    finally:
+        HTTP_ARRIVAL.reset(token)
+    f.start("b", "m", [1], SamplingParams(max_tokens=1), None)  # outside a handler
+    clock.now = 100.1
+    f.on_output("a", [7], "length", None)
+    f.on_output("b", [7], "length", None)
+    log.close()
+    rows = {r["id"]: r for r in _rows(tmp_path / "log.csv")}
+    assert float(rows["a"]["arrival_s"]) - float(rows["a"]["http_arrival_s"]) == pytest.approx(0.02)
+    assert rows["b"]["http_arrival_s"] == ""
 
 
 def test_an_unwritable_path_is_a_user_error(tmp_path):

@@ -1,0 +1,121 @@
+"""Measured serving-path terms of a profile directory: the Ray hop between engines and the
+gateway's per-request delay, stored in ``profile.json`` next to the op tables and the per-step
+residuals (paraflex/costs/step_overheads.py).
+
+Place in the data flow:
+
+- `paraflex profile` measures the hop (paraflex/engine/transport/hop_probe.py) and stores
+  `HopTerm.fit(...)` under ``hop``; `ClusterConfig.interconnect()` then returns its link for
+  engines of one node (planner and simulator alike), in place of `cluster.interconnect_*`.
+- `paraflex profile CONFIG --gateway-log FILE` reads a served request log (`paraflex serve
+  --request-log`, whose ``http_arrival_s`` column the gateway stamps) and stores a
+  `GatewayTerm` under ``gateway``: the gateway's share (HTTP arrival -> frontend) and the
+  frontend <-> engines path (submission to the first engine and the tokens' way back through
+  the output router: logged TTFT minus the simulated TTFT of the same request alone, computed by
+  the profile command). The simulator (simulator/runner.py) delays every request by their sum
+  (`request_delay_s`) between its arrival and the engines taking it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+from dataclasses import asdict, dataclass
+
+from paraflex.costs.step_overheads import PROFILE_FILE
+from paraflex.errors import UserError
+
+HOP_KEY = "hop"
+GATEWAY_KEY = "gateway"
+
+
+@dataclass(frozen=True)
+class HopTerm:
+    """One engine-to-engine hop as latency + bytes / bandwidth (bandwidth None: no measurable
+    growth with bytes), fitted through the measured medians."""
+
+    latency_s: float
+    bandwidth_Bps: float | None
+    points: list  # [(tensor bytes, median seconds)] measured
+
+    @classmethod
+    def fit(cls, measured: dict[str, tuple[float, int]]) -> "HopTerm":
+        """A line through the smallest and largest payload of `measured` (case -> (s, bytes))."""
+        pts = sorted((b, s) for s, b in measured.values())
+        (b0, s0), (b1, s1) = pts[0], pts[-1]
+        slope = (s1 - s0) / (b1 - b0) if b1 > b0 and s1 > s0 else 0.0
+        return cls(max(0.0, s0 - slope * b0), 1.0 / slope if slope > 0 else None, [list(p) for p in pts])
+
+    def link(self):
+        from paraflex.costs.costmodel import Interconnect
+
+        return Interconnect(self.bandwidth_Bps or math.inf, self.latency_s)
+
+
+@dataclass(frozen=True)
+class GatewayTerm:
+    """Per-request delays beyond the engines' steps, medians over `requests` logged requests:
+    `delay_s` from the HTTP arrival to the frontend taking the request (parse, tokenize,
+    admission), `engine_path_s` from the frontend to the engines and the first token back."""
+
+    delay_s: float
+    requests: int
+    engine_path_s: float = 0.0
+
+    @classmethod
+    def from_log(cls, rows: list[dict], path: str, engine_ttft_s: list[float] | None = None) -> "GatewayTerm":
+        """From the rows of request log `path` that carry an http_arrival_s; `engine_ttft_s`, one
+        per such row, the simulated TTFT of that request alone (None: no engine path)."""
+        rows = [r for r in rows if r.get("http_arrival_s")]
+        if not rows:
+            raise UserError(f"--gateway-log {path}: no row has an http_arrival_s; log requests served over HTTP "
+                            f"by `paraflex serve --request-log` (Ray backend)")
+        delay = statistics.median(float(r["arrival_s"]) - float(r["http_arrival_s"]) for r in rows)
+        path_s = 0.0 if engine_ttft_s is None else statistics.median(
+            float(r["ttft_s"]) - t for r, t in zip(rows, engine_ttft_s))
+        return cls(max(0.0, delay), len(rows), max(0.0, path_s))
+
+
+def read_log(path: str) -> list[dict]:
+    """The rows of a `paraflex serve --request-log` file that carry an http_arrival_s."""
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            return [r for r in csv.DictReader(fh) if r.get("http_arrival_s")]
+    except OSError as exc:
+        raise UserError(f"--gateway-log {path}: cannot read it ({exc.strerror}); pass a `paraflex serve "
+                        f"--request-log` file") from None
+
+
+def _read(profile_dir: str | None) -> dict:
+    path = os.path.join(profile_dir, PROFILE_FILE) if profile_dir else None
+    if not path or not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def measured_hop(profile_dir: str | None) -> HopTerm | None:
+    d = _read(profile_dir).get(HOP_KEY)
+    return HopTerm(**d) if d else None
+
+
+def request_delay_s(profile_dir: str | None) -> float:
+    """The measured delay per request between its HTTP arrival and the engines (gateway plus
+    frontend <-> engines path); 0 without a profile or a measured one."""
+    d = _read(profile_dir).get(GATEWAY_KEY)
+    if not d:
+        return 0.0
+    term = GatewayTerm(**d)
+    return term.delay_s + term.engine_path_s
+
+
+def store(profile_dir: str, key: str, term) -> None:
+    """Set `key` of `profile_dir`'s profile.json to `term` (the rest of the file unchanged)."""
+    data = _read(profile_dir)
+    data[key] = asdict(term)
+    os.makedirs(profile_dir, exist_ok=True)
+    with open(os.path.join(profile_dir, PROFILE_FILE), "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2)
