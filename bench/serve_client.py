@@ -35,6 +35,13 @@ class Result:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    done: bool = False  # the stream ended with [DONE]
+    refused: bool = False  # the server said no: an HTTP error status or an error event
+
+    @property
+    def lost(self) -> bool:
+        """Neither [DONE] nor an explicit error: a cut stream, a reset, a hang past the timeout."""
+        return not self.done and not self.refused
 
     @property
     def tpot(self) -> float:
@@ -50,13 +57,16 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                res.refused = True
                 return res
             async for line in r.aiter_lines():
+                res.done = res.done or line == "data: [DONE]"
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])
                 if "error" in data:
                     res.error = data["error"]["message"]
+                    res.refused = True
                     return res
                 now = time.perf_counter()
                 if data.get("usage"):

@@ -9,7 +9,7 @@ the simulator and the server call this.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from paraflex.errors import ParaflexError, UserError
 from paraflex.placement import Placement
@@ -37,14 +37,19 @@ def plan(
     progress: Progress | None = None,
     cost_model=None,
     rates: Mapping[str, float] | None = None,
+    cuts: Mapping[str, Sequence[Sequence[int]]] | None = None,
 ) -> Placement:
     """Plan `config` with `solver`; raises UserError when no feasible plan exists. `rates`
-    (model -> rate > 0) replace the config's model rates (re-planning for measured traffic)."""
+    (model -> rate > 0) replace the config's model rates (re-planning for measured traffic);
+    `cuts` (model -> its stages' layer ranges) fix those models' stage cuts (live re-planning
+    keeps the serving cuts: a live change cannot re-cut a model)."""
     if solver not in SOLVERS:
         raise UserError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     problem, facts = build_problem(config, cost_model)
     if rates is not None:
         problem = problem.with_rates(rates)
+    if cuts is not None:
+        problem = problem.with_cuts(cuts)
     params = {"device": config.cluster.device, "tp": config.cluster.tp, "devices_per_engine": 1, **facts}
     if config.cluster.nodes:  # engines per node: `paraflex serve` packs each node's engines on one Ray node
         params["nodes"] = list(config.cluster.nodes)

@@ -23,6 +23,10 @@ Three candidates, all scored by it:
   missing ones added at their best start (`ReplicaPlacer.best_start`, Alg. 2's step, kappa
   kept) beside the replicas that stay: only added replicas move bytes;
 * fresh: the planner's placement for the new rates (every replica may move).
+With `keep_cuts` (the server's mode: a live change cannot re-cut a model) every candidate keeps
+each model's current stage cut: the planner plans with the current cuts fixed
+(`plan(cuts=...)`), so replicas are only added, removed or moved. Without it (the simulator,
+which can load a replica of another cut beside the old ones) the cuts are the config's.
 The current placement stays unless the best candidate beats it by more than `hysteresis`
 (relative); otherwise the candidate moving the fewest bytes among those within the margin of
 the best is taken, so a full re-layout is paid for only when it gains more than the margin.
@@ -104,12 +108,14 @@ def demand_objective(placement: Placement, rates: Mapping[str, float], memory_by
 class IncrementalPlanner:
     """Re-plans one config's placement for new rates (see the module docstring)."""
 
-    def __init__(self, config, hysteresis: float = DEFAULT_HYSTERESIS, host_link_gbps: float = HOST_LINK_GBPS):
+    def __init__(self, config, hysteresis: float = DEFAULT_HYSTERESIS, host_link_gbps: float = HOST_LINK_GBPS,
+                 keep_cuts: bool = False):
         if not 0 <= hysteresis < float("inf"):
             raise UserError(f"hysteresis must be a number >= 0 (a relative margin, e.g. 0.1), got {hysteresis}")
         self.config = config
         self.hysteresis = hysteresis
         self.host_link_gbps = host_link_gbps
+        self.keep_cuts = keep_cuts
         self.problem, _ = build_problem(config)
         self.weights = {m.name: m.arch for m in config.models}
         self.memory_bytes = config.cluster.memory_bytes
@@ -121,11 +127,14 @@ class IncrementalPlanner:
             raise UserError(f"the current placement ({sorted(current.models)} on {current.num_engines} engines) is not "
                             f"for this config ({sorted(names)} on {self.problem.num_engines} engines); re-plan with its own config")
         rates = planning_rates(rates, names)
+        cuts = {m: mp.stages for m, mp in current.models.items()} if self.keep_cuts else None
         try:
-            fresh = plan(self.config, rates=rates)
+            fresh = plan(self.config, rates=rates, cuts=cuts)
         except UserError as exc:
             raise UserError(f"re-planning for rates {_fmt(rates)}: {exc}") from None
         problem = self.problem.with_rates(rates)
+        if cuts is not None:
+            problem = problem.with_cuts(cuts)
         candidates = {"kept": current, "fresh": fresh}
         incremental = self._incremental(problem, current, fresh)
         if incremental is not None:

@@ -66,7 +66,11 @@ class ModelSpec:
 
     def resplit(self, num_stages: int) -> "ModelSpec":
         """The same model cut into `num_stages` even stages (baselines use other cuts)."""
-        stages = split_layers(self.num_layers, num_stages)
+        return self.recut(split_layers(self.num_layers, num_stages))
+
+    def recut(self, stages) -> "ModelSpec":
+        """The same model cut at `stages` ((first layer, end layer) per stage, as a checked placement holds them)."""
+        stages = tuple((int(a), int(b)) for a, b in stages)
         last = len(stages) - 1
         weights = tuple(
             self.arch.stage_weight_bytes(a, b, k == 0, k == last) for k, (a, b) in enumerate(stages)
@@ -109,6 +113,11 @@ class Problem:
         if missing:
             raise UserError(f"no rate given for model {missing[0]!r}; give a rate for every planned model")
         return replace(self, models=tuple(replace(m, rate=rates[m.name]) for m in self.models))
+
+    def with_cuts(self, cuts) -> "Problem":
+        """The same problem with the stage cut of each model named in `cuts` (name -> stages) fixed
+        to the one given (live re-planning keeps the serving cuts)."""
+        return replace(self, models=tuple(m.recut(cuts[m.name]) if m.name in cuts else m for m in self.models))
 
     @property
     def ratios(self) -> list[float]:

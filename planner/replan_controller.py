@@ -12,7 +12,8 @@ in (now - window, now] / window. `ReplanController.maybe_replan(now)` re-plans w
 by more than `threshold` (relative to its rate at the last plan, a floor of 10% of the mean rate
 keeping idle models from triggering on one request); it waits for one full window after start
 and after every plan so the meter describes the traffic since. The incremental planner
-(planner/incremental.py) decides whether anything moves: None when the placement stays.
+(planner/incremental.py) decides whether anything moves: None when the placement stays;
+`keep_cuts` is its mode that keeps each model's stage cut (the server's: it cannot re-cut live).
 """
 
 from __future__ import annotations
@@ -67,12 +68,13 @@ class ReplanController:
     """Meters rates and re-plans on an interval or a rate jump (see the module docstring)."""
 
     def __init__(self, config, placement: Placement, interval: float, threshold: float = DEFAULT_THRESHOLD,
-                 hysteresis: float = DEFAULT_HYSTERESIS, window: float | None = None, start: float = 0.0):
+                 hysteresis: float = DEFAULT_HYSTERESIS, window: float | None = None, start: float = 0.0,
+                 keep_cuts: bool = False):
         if not 0 < interval < float("inf"):
             raise UserError(f"--replan-interval must be a number of seconds > 0, got {interval}")
         if not 0 < threshold < float("inf"):
             raise UserError(f"the re-planning threshold must be a relative rate change > 0 (e.g. 0.5), got {threshold}")
-        self.planner = IncrementalPlanner(config, hysteresis)
+        self.planner = IncrementalPlanner(config, hysteresis, keep_cuts=keep_cuts)
         self.placement = placement
         self.interval = interval
         self.threshold = threshold

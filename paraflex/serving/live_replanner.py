@@ -12,7 +12,9 @@ through the backend's `change_placement` (paraflex/serving/live_placement.py, th
 `POST /v1/placement` takes: checked, one change at a time, each action logged, a failure rolled
 back so the old placement serves). A refused or failed change is logged and the server goes on
 with the placement it serves; the controller re-plans from the serving placement at every tick,
-so a change an operator posted meanwhile is its starting point too.
+so a change an operator posted meanwhile is its starting point too. The planner runs in its
+keep-cuts mode: it only adds, removes and moves replicas of each model's serving stage cut,
+the changes the changer can make live.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class LiveReplanner:
         self.clock = clock
         self.report = report
         self.controller = ReplanController(config, backend.placement(), interval, threshold, hysteresis,
-                                           start=clock())
+                                           start=clock(), keep_cuts=True)  # a live change cannot re-cut a model
         self.description = (f"arrivals in the last {self.controller.meter.window:g} s: the rates the live "
                             "re-planner decides on")
         self.applied: list[dict] = []  # each change's `change_placement` report

@@ -13,13 +13,18 @@ from repo_paths import CONFIGS
 PAPER_BASE = CONFIGS / "paper-base.yaml"
 
 
-def _two_models(rate_a: float, rate_b: float, kappa_gb: float = 1) -> Config:
-    """Four engines, two one-stage llama-20b models (23.1 GiB of weights each): two replicas fit an engine."""
+def _two_models(rate_a: float, rate_b: float, kappa_gb: float = 1, stage_time: str = "auto") -> Config:
+    """Four engines, two one-stage llama-20b models (23.1 GiB of weights each): two replicas fit an
+    engine; `stage_time` "/2" cuts each into two stages instead."""
     return Config.from_dict({
         "cluster": {"num_engines": 4, "device": "a100-80g", "tp": 1, "memory_gb": 48},
         "models": [{"name": "a", "arch": "llama-20b", "rate": rate_a}, {"name": "b", "arch": "llama-20b", "rate": rate_b}],
-        "planner": {"kappa_gb": kappa_gb},
+        "planner": {"kappa_gb": kappa_gb, "target_stage_time": stage_time},
     })
+
+
+def _cuts(placement):
+    return {m: [tuple(s) for s in mp.stages] for m, mp in placement.models.items()}
 
 
 def _replicas(placement):
@@ -105,3 +110,26 @@ def test_a_placement_of_another_config_and_bad_rates_are_user_errors():
         IncrementalPlanner(config).replan(plan(other), {"a": 1, "b": 1})
     with pytest.raises(UserError, match="rate of 'a'"):
         IncrementalPlanner(config).replan(plan(config), {"a": -1, "b": 1})
+
+
+def test_keep_cuts_moves_replicas_of_the_serving_cut_where_the_configs_cut_would_do_nothing():
+    current = plan(_two_models(3, 1))  # one stage each: a on 3 engines, b on 1
+    config = _two_models(3, 1, stage_time="/2")  # the config's own cut is two stages
+    shift = {"a": 1, "b": 3}
+    assert not IncrementalPlanner(config).replan(current, shift).changed  # re-cutting gains too little
+    result = IncrementalPlanner(config, keep_cuts=True).replan(current, shift)
+    assert result.candidate == "incremental" and _cuts(result.placement) == _cuts(current)
+    assert _replicas(result.placement) == {"a": 1, "b": 3}
+    assert sorted((p.action.op, p.action.model) for p in result.actions) == [("add", "b"), ("add", "b"), ("remove", "a"), ("remove", "a")]
+    assert all([tuple(s) for s in p.action.stages] == _cuts(current)[p.action.model] for p in result.actions)
+
+
+@pytest.mark.parametrize("shift", [{"a": 1, "b": 3}, {"a": 1, "b": 9}, {"a": 5, "b": 0}])
+def test_keep_cuts_never_re_cuts_where_the_default_mode_does(shift):
+    current = plan(_two_models(3, 1, stage_time="/2"))  # two stages each
+    config = _two_models(3, 1)  # the config's own cut is one stage
+    default = IncrementalPlanner(config, hysteresis=0.0).replan(current, shift)
+    assert default.changed and _cuts(default.placement) != _cuts(current)  # the gap keep_cuts closes
+    kept = IncrementalPlanner(config, hysteresis=0.0, keep_cuts=True).replan(current, shift)
+    assert _cuts(kept.placement) == _cuts(current)
+    assert all([tuple(s) for s in p.action.stages] == _cuts(current)[p.action.model] for p in kept.actions)
