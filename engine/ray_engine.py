@@ -150,8 +150,12 @@ class EngineActor:
         self._post(("call", model, lambda: self.loop.remove_stage(model)))
 
     def stage_change(self, model: str) -> str | None:
-        """The state of `model`'s last stage change here: "loading", "unloading", "done", "failed: ..."."""
-        return self._changes.get(model)
+        """The state of `model`'s last stage change here: "loading", "unloading", "done", "failed: ..."
+        (also when the engine loop died: the change can never be applied then)."""
+        state = self._changes.get(model)
+        if state in ("loading", "unloading") and self.state == FAILED:
+            return f"failed: {self.error}"
+        return state
 
     def leave_group(self, model: str, engines: list) -> None:
         """Drop the process group of `model`'s replica on `engines` (a removed replica)."""

@@ -16,7 +16,7 @@ from paraflex.config.schema import Config
 from paraflex.engine.core.sampling_params import SamplingParams
 from paraflex.serving.ray_startup import start_cluster
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # a stuck stage change fails, not hangs CI
 
 NUM_ENGINES, KV = 4, 4 << 20
 OLD = {"tiny-2l": (2, [(0, 2)], [[2], [3]]), "tiny-8l": (8, [(0, 4), (4, 8)], [[0, 1]])}
