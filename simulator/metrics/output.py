@@ -68,6 +68,15 @@ def csv_cells(row) -> list:
     return [f"{v:.6f}" if isinstance(v, float) else v for v in row]
 
 
+def _save(plt, fig, out_dir: str, name: str) -> str:
+    """Lay out, write and close one figure; its path."""
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_run(out_dir: str, result) -> list[str]:
     plt = pyplot()
     paths = []
@@ -84,11 +93,7 @@ def plot_run(out_dir: str, result) -> list[str]:
     b.set_ylabel("CDF")
     b.set_xlim(0, 105)
     b.set_title("CDF of active GPU share (Fig. 16)")
-    fig.tight_layout()
-    p = os.path.join(out_dir, "active_gpus.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(plt, fig, out_dir, "active_gpus.png"))
     sizes = np.frombuffer(result.metrics.decode_batch_sizes, dtype=np.int32) if len(result.metrics.decode_batch_sizes) else np.zeros(0)
     fig, ax = plt.subplots(figsize=(5, 3.5))
     if len(sizes):
@@ -96,11 +101,7 @@ def plot_run(out_dir: str, result) -> list[str]:
     ax.set_xlabel("decode batch size")
     ax.set_ylabel("stage executions")
     ax.set_title(f"{result.system}: decode batch sizes")
-    fig.tight_layout()
-    p = os.path.join(out_dir, "batch_sizes.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(plt, fig, out_dir, "batch_sizes.png"))
     if len(result.metrics.switch_latencies):
         lat = np.sort(np.frombuffer(result.metrics.switch_latencies, dtype=float))
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -108,9 +109,5 @@ def plot_run(out_dir: str, result) -> list[str]:
         ax.set_xlabel("switch / activation latency (s)")
         ax.set_ylabel("CDF")
         ax.set_title(f"{result.system}: model switch latency (Aegaeon Fig. 15)")
-        fig.tight_layout()
-        p = os.path.join(out_dir, "switch_latency.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save(plt, fig, out_dir, "switch_latency.png"))
     return paths
