@@ -6,7 +6,8 @@ plain roofline): op tables, per-step residuals and the Ray hop between engines, 
 simulator through `cluster.profile_dir`. Plan a config of three models on two engines where
 tiny-8l is cut into two stages on different engines and both engines hold stages of several
 models, start `paraflex serve` on it (Ray backend, `--request-log`), send a few requests one at
-a time and store their per-request delays (gateway; frontend <-> engines) in the profile
+a time and store their per-request delays (gateway; frontend <-> engines) and the Ray engine
+loop's time per stage step in the profile
 (`paraflex profile --gateway-log`; a reused `--profile DIR` gets them too), measure the
 saturation rate with a burst, then at three loads (light, ~60% and ~90% of saturation) write a
 request list (simulator/workload/requests_file.py), replay it open loop against the server (same

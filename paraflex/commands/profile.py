@@ -13,7 +13,9 @@ engines of one node. `--gateway-log FILE` measures nothing: it reads a served re
 stores per-request delays as `gateway` in OUTPUT/profile.json, keeping the rest
 (paraflex/costs/serving_terms.py): the gateway's share from the log alone, and the frontend <->
 engines path as the logged TTFT minus the TTFT the simulator predicts for the same request
-alone with this profile, on the config's placement (`--placement`, or planned).
+alone with this profile, on the config's placement (`--placement`, or planned); and first, as
+`engine_loop`, what the served engine loop adds per stage step: the logged mean TBT minus the
+simulated one of the same request alone, over the model's stages.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import platform
 import sys
 
 from paraflex.config.schema import load_config
-from paraflex.costs.serving_terms import GATEWAY_KEY, HOP_KEY, GatewayTerm, HopTerm, read_log, store
+from paraflex.costs.serving_terms import (ENGINE_LOOP_KEY, GATEWAY_KEY, HOP_KEY, EngineLoopTerm, GatewayTerm, HopTerm,
+                                          read_log, store)
 from paraflex.costs.step_overheads import KEY as STEP_KEY
 from paraflex.errors import UserError
 from paraflex.models.engine_support import require_runnable
@@ -150,7 +153,7 @@ def _step_overheads(config, names, args, device, progress) -> list:
     if device.type != "cpu" and config.cluster.device == "cpu":
         return []
     cost = CostModel(config.cluster.device, tp=1, profile_dir=args.output)
-    cost.overheads = None  # the tables alone: an older profile.json's residuals must not count
+    cost.overheads = cost.engine_loop = None  # the tables alone: an older profile.json's terms must not count
     return [measure_steps(config, name, cost, repeats=max(1, args.repeats), progress=progress)
             for name in names]
 
@@ -167,19 +170,37 @@ def _hop(progress) -> HopTerm:
 
 
 def _store_gateway(config, args) -> int:
-    """Store the gateway term of `args.gateway_log`: its own delay, and the engine path against
-    the simulated TTFT of each logged request alone, with OUTPUT's profile."""
+    """Store the served terms of `args.gateway_log`: the engine loop's time per stage step (logged
+    TBT against the simulated TBT of each request alone, without an earlier engine loop term), then
+    the gateway's delay and the engine path (logged TTFT against the simulated TTFT alone, now with
+    the engine loop term), both in OUTPUT's profile."""
     rows = read_log(args.gateway_log)
-    term = GatewayTerm.from_log(rows, args.gateway_log, _alone_ttft(config, args, rows) if rows else None)
+    names = {m.name for m in config.models}
+    unknown = [r["model"] for r in rows if r["model"] not in names]
+    if unknown:
+        raise UserError(f"--gateway-log {args.gateway_log}: model {unknown[0]!r} is not in the config; pass the "
+                        f"config the logged server ran")
+    loop = None
+    if rows:
+        store(args.output, ENGINE_LOOP_KEY, None)
+        profiled, stages, alone = _alone(config, args, rows)
+        loop = EngineLoopTerm.fit(rows, [tbt for _, tbt in alone], stages, {m.name: m.arch for m in profiled.models})
+        store(args.output, ENGINE_LOOP_KEY, loop)
+    ttft = [t for t, _ in _alone(config, args, rows)[2]] if rows else None
+    term = GatewayTerm.from_log(rows, args.gateway_log, ttft)
     store(args.output, GATEWAY_KEY, term)
+    steps = ", ".join(f"{e['model']} {1000 * e['step_s']:.2f}" for e in loop.per_model) if loop else ""
     print(f"per-request delays (medians of {term.requests} requests in {args.gateway_log}): gateway "
-          f"{1000 * term.delay_s:.2f} ms, frontend <-> engines {1000 * term.engine_path_s:.2f} ms; stored in "
-          f"{os.path.join(args.output, 'profile.json')}; the simulator delays every request by their sum")
+          f"{1000 * term.delay_s:.2f} ms, frontend <-> engines {1000 * term.engine_path_s:.2f} ms; engine loop per "
+          f"stage step (ms): {steps or 'no request of 2+ tokens'}; stored in "
+          f"{os.path.join(args.output, 'profile.json')}; the simulator delays every request by the first two and "
+          f"adds the last to every stage step")
     return 0
 
 
-def _alone_ttft(config, args, rows: list[dict]) -> list[float]:
-    """The simulated TTFT of each logged request alone (a minute apart), without the delays."""
+def _alone(config, args, rows: list[dict]) -> tuple:
+    """(the config with OUTPUT's profile, stages per model, the simulated (TTFT without the
+    per-request delays, mean TBT) of each logged request alone, a minute apart)."""
     from dataclasses import replace
 
     from paraflex.config.schema import Config
@@ -192,11 +213,6 @@ def _alone_ttft(config, args, rows: list[dict]) -> list[float]:
     d["cluster"] = {**d["cluster"], "profile_dir": os.path.abspath(args.output)}
     d.pop("workload", None)
     profiled = Config.from_dict(d, source=f"{config.source} with {args.output}")
-    names = {m.name for m in profiled.models}
-    unknown = [r["model"] for r in rows if r["model"] not in names]
-    if unknown:
-        raise UserError(f"--gateway-log {args.gateway_log}: model {unknown[0]!r} is not in the config; pass the "
-                        f"config the logged server ran")
     settings = SimSettings(rate=1.0)
     layout = build_system(profiled, settings)
     if args.placement:
@@ -204,5 +220,8 @@ def _alone_ttft(config, args, rows: list[dict]) -> list[float]:
     requests = [SimRequest(i, r["model"], 60.0 * i, int(r["prompt_tokens"]), int(r["output_tokens"]))
                 for i, r in enumerate(rows)]
     metrics = simulate(profiled, settings, layout=layout, requests=requests).metrics
-    return [metrics.requests[i].first_token - metrics.requests[i].arrival - metrics.request_delay
-            for i in range(len(rows))]
+    alone = [metrics.requests[i] for i in range(len(rows))]
+    times = [(r.first_token - r.arrival - metrics.request_delay,
+              (r.last_token - r.first_token) / (r.tokens - 1) if r.tokens > 1 else 0.0) for r in alone]
+    stages = {name: mp.num_stages for name, mp in layout.placement.models.items()}
+    return profiled, stages, times

@@ -21,28 +21,14 @@ in seconds. Formulas and calibration: docs/costmodel.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from paraflex.costs.devices import DeviceSpec, get_device
+from paraflex.costs.interconnect import Interconnect  # noqa: F401  (its importers' name for the link)
 from paraflex.errors import UserError
 
 # Reference workload of `model_time` (see its docstring and docs/costmodel.md).
 REF_PREFILL_TOKENS = 512
 REF_DECODE_BATCH = 32
 REF_DECODE_CONTEXT = 512
-
-
-@dataclass(frozen=True)
-class Interconnect:
-    """A point-to-point link between engines (pipeline hops)."""
-
-    bandwidth_Bps: float
-    latency_s: float
-
-    def transfer_time(self, nbytes: int) -> float:
-        if nbytes <= 0:
-            return 0.0
-        return self.latency_s + nbytes / self.bandwidth_Bps
 
 
 class CostModel:
@@ -55,12 +41,15 @@ class CostModel:
         self.tp = tp
         self.profiles = None
         self.overheads = None
+        self.engine_loop = None
         if profile_dir is not None:
             from paraflex.costs.profile_tables import ProfileIndex
+            from paraflex.costs.serving_terms import engine_loop
             from paraflex.costs.step_overheads import StepOverheads
 
             self.profiles = ProfileIndex(profile_dir)
             self.overheads = StepOverheads.load(profile_dir) or None
+            self.engine_loop = engine_loop(profile_dir)
         self._table_cache: dict = {}
         self._layer_cache: dict = {}  # (kind, arch, tokens[, ...]) -> seconds; simulators repeat
 
@@ -225,10 +214,13 @@ class CostModel:
         return self._with_residual(total, arch, num_layers, prefill=False, size=batch_size)
 
     def _with_residual(self, total: float, arch, num_layers: int, prefill: bool, size: int) -> float:
-        """`total` plus the measured per-step residual of a served engine (step_overheads.py)."""
-        if self.overheads is None:
-            return total
-        return total + self.overheads.stage_residual(arch, num_layers, prefill, size)
+        """`total` plus the measured per-step residual of a served engine (step_overheads.py)
+        and what its engine loop adds per stage step (serving_terms.py, `engine_loop`)."""
+        if self.overheads is not None:
+            total += self.overheads.stage_residual(arch, num_layers, prefill, size)
+        if self.engine_loop is not None:
+            total += self.engine_loop.stage_step_s(arch)
+        return total
 
     def model_time(self, arch) -> float:
         """Reference time of one whole-model iteration, used to shard models by time.

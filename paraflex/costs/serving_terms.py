@@ -13,7 +13,12 @@ Place in the data flow:
   frontend <-> engines path (submission to the first engine and the tokens' way back through
   the output router: logged TTFT minus the simulated TTFT of the same request alone, computed by
   the profile command). The simulator (simulator/runner.py) delays every request by their sum
-  (`request_delay_s`) between its arrival and the engines taking it.
+  (`request_delay_s`) between its arrival and the engines taking it. From the same requests it
+  stores an `EngineLoopTerm` under ``engine_loop``: what the served engine loop (the Ray engine
+  actor's inbox, transport polling and output push, which the in-process step profiler does not
+  run) adds to every engine step of a stage: per model, the logged mean TBT minus the simulated
+  mean TBT of the same request alone, over the model's stages. `CostModel(profile_dir=...)` adds
+  it to every stage execution (prefill and decode), so TBT and E2E see it too.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ import os
 import statistics
 from dataclasses import asdict, dataclass
 
-from paraflex.costs.step_overheads import PROFILE_FILE
+from paraflex.costs.interconnect import Interconnect
+from paraflex.costs.step_overheads import PROFILE_FILE, arch_key
 from paraflex.errors import UserError
 
 HOP_KEY = "hop"
 GATEWAY_KEY = "gateway"
+ENGINE_LOOP_KEY = "engine_loop"
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,6 @@ class HopTerm:
         return cls(max(0.0, s0 - slope * b0), 1.0 / slope if slope > 0 else None, [list(p) for p in pts])
 
     def link(self):
-        from paraflex.costs.costmodel import Interconnect
-
         return Interconnect(self.bandwidth_Bps or math.inf, self.latency_s)
 
 
@@ -79,6 +84,37 @@ class GatewayTerm:
         return cls(max(0.0, delay), len(rows), max(0.0, path_s))
 
 
+@dataclass(frozen=True)
+class EngineLoopTerm:
+    """Seconds the served engine loop adds to each engine step of a stage, per model (`per_model`:
+    [{model, key (its arch_key), step_s}]), and `step_s` for a model not logged (the median of
+    the logged models'), fitted from `requests` logged requests."""
+
+    per_model: list
+    step_s: float
+    requests: int
+
+    @classmethod
+    def fit(cls, rows: list[dict], alone_tbt_s: list[float], stages: dict[str, int], archs: dict) -> "EngineLoopTerm":
+        """From log `rows` (requests sent one at a time) and `alone_tbt_s`, one per row, the
+        simulated mean TBT of that request alone without this term; `stages` and `archs` by model.
+        Per model the median of (logged - simulated) / stages over its rows of >= 2 output tokens;
+        a negative median (the simulator is already slower) counts as zero."""
+        extra: dict[str, list[float]] = {}
+        for r, tbt in zip(rows, alone_tbt_s):
+            if int(r["output_tokens"]) > 1 and r.get("mean_tbt_s"):
+                extra.setdefault(r["model"], []).append((float(r["mean_tbt_s"]) - tbt) / stages[r["model"]])
+        per_model = [{"model": m, "key": list(arch_key(archs[m])), "step_s": max(0.0, statistics.median(v))}
+                     for m, v in sorted(extra.items())]
+        step = statistics.median(e["step_s"] for e in per_model) if per_model else 0.0
+        return cls(per_model, step, sum(len(v) for v in extra.values()))
+
+    def stage_step_s(self, arch) -> float:
+        """What the engine loop adds to one stage execution of `arch`."""
+        key = list(arch_key(arch))
+        return next((e["step_s"] for e in self.per_model if e["key"] == key), self.step_s)
+
+
 def read_log(path: str) -> list[dict]:
     """The rows of a `paraflex serve --request-log` file that carry an http_arrival_s."""
     try:
@@ -102,6 +138,11 @@ def measured_hop(profile_dir: str | None) -> HopTerm | None:
     return HopTerm(**d) if d else None
 
 
+def engine_loop(profile_dir: str | None) -> EngineLoopTerm | None:
+    d = _read(profile_dir).get(ENGINE_LOOP_KEY)
+    return EngineLoopTerm(**d) if d else None
+
+
 def request_delay_s(profile_dir: str | None) -> float:
     """The measured delay per request between its HTTP arrival and the engines (gateway plus
     frontend <-> engines path); 0 without a profile or a measured one."""
@@ -113,9 +154,13 @@ def request_delay_s(profile_dir: str | None) -> float:
 
 
 def store(profile_dir: str, key: str, term) -> None:
-    """Set `key` of `profile_dir`'s profile.json to `term` (the rest of the file unchanged)."""
+    """Set `key` of `profile_dir`'s profile.json to `term`, or drop it where `term` is None (the
+    rest of the file unchanged)."""
     data = _read(profile_dir)
-    data[key] = asdict(term)
+    if term is None:
+        data.pop(key, None)
+    else:
+        data[key] = asdict(term)
     os.makedirs(profile_dir, exist_ok=True)
     with open(os.path.join(profile_dir, PROFILE_FILE), "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2)

@@ -90,5 +90,7 @@ def test_profile_measures_the_hop_and_a_served_log_gives_the_request_delays(tmp_
     meta = json.loads((out / "profile.json").read_text())
     assert meta["hop"] == hop  # the rest of the file is kept
     assert meta["gateway"]["delay_s"] == pytest.approx(0.004) and 0.3 < meta["gateway"]["engine_path_s"] < 0.496
+    loop = meta["engine_loop"]  # logged TBT 100 ms against a simulated one of a few ms, one stage
+    assert loop["requests"] == 1 and 0.09 < loop["step_s"] < 0.1 and loop["per_model"][0]["model"] == "tiny-2l"
     assert main(["profile", DEMO, "--gateway-log", str(tmp_path / "none.csv"), "-o", str(out)]) == 2
     assert "--gateway-log" in capsys.readouterr().err

@@ -10,9 +10,10 @@ import pytest
 
 from paraflex.config.schema import Config
 from paraflex.costs.costmodel import CostModel
-from paraflex.costs.serving_terms import (GATEWAY_KEY, HOP_KEY, GatewayTerm, HopTerm, measured_hop, read_log,
-                                          request_delay_s, store)
+from paraflex.costs.serving_terms import (ENGINE_LOOP_KEY, GATEWAY_KEY, HOP_KEY, EngineLoopTerm, GatewayTerm, HopTerm,
+                                          engine_loop, measured_hop, read_log, request_delay_s, store)
 from paraflex.errors import UserError
+from paraflex.models.catalog import get_arch
 from paraflex.serving.request_log import LOG_COLUMNS
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.systems.layouts import build_system
@@ -86,3 +87,47 @@ def test_the_simulator_delays_every_request_by_the_gateway_and_engine_path(tmp_p
         assert b.arrival == a.arrival == 0.5 * i  # the record keeps the HTTP arrival
         assert b.first_token - b.arrival == pytest.approx(a.first_token - a.arrival + 0.25)
         assert b.finish - b.arrival == pytest.approx(a.finish - a.arrival + 0.25)
+
+
+def _row(model, output_tokens, mean_tbt_s):
+    return {"model": model, "output_tokens": str(output_tokens), "mean_tbt_s": str(mean_tbt_s)}
+
+
+def test_the_engine_loop_term_is_the_served_tbt_over_the_alone_one_per_stage_step():
+    archs = {"a": get_arch("tiny-2l"), "b": get_arch("tiny-8l"), "c": get_arch("tiny-4l")}
+    rows = [_row("a", 8, 0.0021), _row("a", 9, 0.0025), _row("a", 1, 0.0),  # one token: no TBT, left out
+            _row("a", 6, 0.0023),
+            _row("b", 8, 0.0081), _row("b", 4, 0.0071),  # two stages: the extra per stage step is half
+            _row("c", 8, 0.001)]  # served faster than simulated: adds nothing
+    alone = [0.0007, 0.0007, 0.0, 0.0007, 0.0043, 0.0043, 0.002]
+    term = EngineLoopTerm.fit(rows, alone, {"a": 1, "b": 2, "c": 1}, archs)
+    steps = {e["model"]: e["step_s"] for e in term.per_model}
+    assert steps["a"] == pytest.approx(0.0016)  # median of 1.4, 1.8, 1.6 ms
+    assert steps["b"] == pytest.approx(0.00165)  # median of 1.9, 1.4 ms
+    assert steps["c"] == 0.0
+    assert term.requests == 6 and term.step_s == pytest.approx(0.0016)  # median of the models: 1.6, 1.65, 0
+    assert term.stage_step_s(archs["b"]) == pytest.approx(0.00165)
+    assert term.stage_step_s(get_arch("llama-20b")) == term.step_s  # a model not logged: the median
+    assert EngineLoopTerm.fit([_row("a", 1, 0.0)], [0.0], {"a": 1}, archs).step_s == 0.0
+
+
+def test_the_cost_model_adds_the_engine_loop_to_every_stage_step(tmp_path):
+    arch = get_arch("tiny-2l")
+    bare, looped = CostModel("cpu"), CostModel("cpu")  # (no op tables here; CostModel(profile_dir) reads it so)
+    store(str(tmp_path), ENGINE_LOOP_KEY, EngineLoopTerm.fit([_row("a", 8, 0.0031)], [0.0011], {"a": 1}, {"a": arch}))
+    assert engine_loop(str(tmp_path)).step_s == pytest.approx(0.002)
+    looped.engine_loop = engine_loop(str(tmp_path))
+    for layers in (1, 2):  # per stage execution, whatever the stage's share of layers
+        assert looped.decode_time(arch, layers, 4, 64) == pytest.approx(bare.decode_time(arch, layers, 4, 64) + 0.002)
+        assert looped.prefill_time(arch, layers, 32, last=True) == pytest.approx(
+            bare.prefill_time(arch, layers, 32, last=True) + 0.002)
+    # a request alone: the simulated TBT grows by the term (one stage), which the fit subtracted
+    requests = [SimRequest(0, "a", 0.0, 16, 8)]
+    settings = SimSettings(rate=1.0)
+    layout = build_system(_config(), settings)
+    tbt = [(r.last_token - r.first_token) / (r.tokens - 1) for r in
+           (simulate(_config(tmp_path), settings, layout=layout, requests=requests, cost=c).metrics.requests[0]
+            for c in (bare, looped))]
+    assert tbt[1] == pytest.approx(tbt[0] + 0.002)
+    store(str(tmp_path), ENGINE_LOOP_KEY, None)  # dropped: the cost model adds nothing again
+    assert engine_loop(str(tmp_path)) is None and engine_loop(None) is None
