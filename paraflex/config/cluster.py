@@ -41,7 +41,7 @@ class ClusterConfig:
     def interconnect(self):
         """The link between engines of one node: the Ray hop `paraflex profile` measured when
         profile_dir has one (paraflex/costs/serving_terms.py), else interconnect_gbps/latency_us."""
-        from paraflex.costs.costmodel import Interconnect
+        from paraflex.costs.interconnect import Interconnect
         from paraflex.costs.serving_terms import measured_hop
 
         hop = measured_hop(self.profile_dir)
@@ -51,7 +51,7 @@ class ClusterConfig:
 
     def topology(self):
         """Which node each engine is on, and the links inside and between nodes."""
-        from paraflex.costs.costmodel import Interconnect
+        from paraflex.costs.interconnect import Interconnect
         from paraflex.costs.topology import Topology
 
         inter = Interconnect(_or(self.node_interconnect_gbps, self.interconnect_gbps) * 1e9 / 8,

@@ -15,14 +15,13 @@ Per transformer layer, on one GPU of a TP group of degree ``tp`` (weights sharde
   a ring all-reduce over the device's intra-group link (NVLink).
 
 First stage adds the embedding gather; last stage adds the final norm and the LM head for
-one row per sequence. PP hops cost `Interconnect.transfer_time(hidden_bytes(...))`. All times
+one row per sequence. PP hops cost `Interconnect.transfer_time(hidden_bytes(...))` (paraflex/costs/interconnect.py). All times
 in seconds. Formulas and calibration: docs/costmodel.md.
 """
 
 from __future__ import annotations
 
 from paraflex.costs.devices import DeviceSpec, get_device
-from paraflex.costs.interconnect import Interconnect  # noqa: F401  (its importers' name for the link)
 from paraflex.errors import UserError
 
 # Reference workload of `model_time` (see its docstring and docs/costmodel.md).

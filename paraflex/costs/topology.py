@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paraflex.costs.costmodel import Interconnect
+from paraflex.costs.interconnect import Interconnect
 
 
 def nodes_of(engines_per_node: tuple[int, ...]) -> tuple[int, ...]:

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paraflex.models.catalog import get_arch
-from paraflex.costs.costmodel import CostModel, Interconnect
+from paraflex.costs.costmodel import CostModel
+from paraflex.costs.interconnect import Interconnect
 from paraflex.costs.devices import device_names, get_device
 from paraflex.errors import UserError
 from paraflex.costs.profile_tables import LAYER_OPS, ProfileIndex
