@@ -1,24 +1,20 @@
 """The Triton layer-op kernels against the torch formulas of engine/worker/model/layer_ops.py.
 
 On CPU they run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where
-no GPU is visible); the `gpu` twins run the same cases compiled on CUDA, and a decode step of a
-half-precision stage runs through them (test_gpu_runtime.py)."""
+no GPU is visible); the `gpu` twins run the same cases compiled on CUDA. Whole bf16 models run
+through them in bench/gpu_check.py (greedy tokens against `transformers`, decode step speed)."""
 
 import os
 
 import pytest
 import torch
+from kernel_devices import DEVICES, needs_cuda
 
 from paraflex.engine.worker.model import layer_ops
 from paraflex.engine.worker.model.rope import Rotary, apply_rotary
 
 ops = pytest.importorskip("paraflex.engine.kernels.triton_layer_ops")
 
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU tensors need the Triton interpreter")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-DEVICES = [pytest.param("cpu", marks=interpreted),
-           pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
 DTYPES = [torch.bfloat16, torch.float16]
 
 

@@ -3,19 +3,12 @@
 On CPU they run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where
 no GPU is visible); the `gpu` twins run the same cases compiled on CUDA."""
 
-import os
-
 import pytest
 import torch
 from kernel_cases import LAYER, TOLERANCE, make_case, written_slots
+from kernel_devices import DEVICES
 
 tpa = pytest.importorskip("paraflex.engine.kernels.triton_paged_attention")
-
-interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU tensors need the Triton interpreter")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-DEVICES = [pytest.param("cpu", marks=interpreted),
-           pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
 
 
 def _check(case, out):

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 from live_placement_case import KV, NEW, OLD, live_config as _config, placement
+from stream_sink import StreamSink
 
 from paraflex.config.schema import Config
 from paraflex.engine.core.sampling_params import SamplingParams
@@ -21,17 +22,6 @@ torch.set_num_threads(1)
 PARAMS = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 
 
-class Sink:
-    def __init__(self):
-        self.tokens, self.end, self.done = [], None, threading.Event()
-
-    def on_output(self, rid, token_ids, finish_reason, error, **extra):
-        self.tokens.extend(token_ids)
-        if finish_reason is not None:
-            self.end = (finish_reason, error)
-            self.done.set()
-
-
 @pytest.fixture
 def backend():
     b = InProcessBackend(LLMCluster(_config(), placement(OLD, 3, KV), kv_bytes=KV))
@@ -42,7 +32,7 @@ def backend():
 def _submit(cluster, n, tag):
     sinks = {}
     for i in range(n):
-        sinks[f"{tag}{i}"] = s = Sink()
+        sinks[f"{tag}{i}"] = s = StreamSink()
         cluster.submit("tiny-2l", [256, 10 + i, 20 + i], PARAMS, request_id=f"{tag}{i}", sink=s)
     return sinks
 

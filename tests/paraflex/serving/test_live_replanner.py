@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from stream_sink import StreamSink
 
 from paraflex.config.schema import Config
 from paraflex.engine.core.sampling_params import SamplingParams
@@ -31,17 +32,6 @@ def tight_config() -> Config:
         "scheduler": {"block_bytes": 4096, "max_batch_size": 4},
         "planner": {"kappa_gb": 0.0002},
     }, source="replan-test")
-
-
-class Sink:
-    def __init__(self):
-        self.tokens, self.end, self.done = [], None, threading.Event()
-
-    def on_output(self, rid, token_ids, finish_reason, error, **extra):
-        self.tokens.extend(token_ids)
-        if finish_reason is not None:
-            self.end = (finish_reason, error)
-            self.done.set()
 
 
 class Clock:
@@ -72,7 +62,7 @@ def _arrive(backend, replanner, clock, model, n, until, sinks=None, tag=""):
         replanner.observe(model)
         if sinks is not None:
             rid = f"{tag}{len(sinks)}"
-            sinks[rid] = s = Sink()
+            sinks[rid] = s = StreamSink()
             backend.cluster.submit(model, [256, 10 + i, 20 + i], PARAMS, request_id=rid, sink=s)
 
 
@@ -90,7 +80,7 @@ def test_a_model_whose_traffic_jumps_gets_a_replica_while_its_streams_run(served
     change.start()
     during = 0
     while change.is_alive() or during < 4:  # streams start while the change is under way, and after
-        sink = sinks[f"b{during}"] = Sink()
+        sink = sinks[f"b{during}"] = StreamSink()
         backend.cluster.submit("tiny-4l", [256, 7, during], PARAMS, request_id=f"b{during}", sink=sink)
         during += 1
         change.join(0.01)
