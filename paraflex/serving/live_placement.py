@@ -15,7 +15,8 @@ paraflex/serving/ray_stages.py) and the serving frontend (paraflex/serving/front
 - remove: the replica leaves dispatch (`retire_replica`), drains for up to `drain_timeout_s`,
   and what is still running then restarts by recompute on the model's other replicas
   (`move_off`: the tokens already streamed are kept, the stream pauses and goes on); then it
-  leaves the serving placement and its engines free its weights and KV.
+  leaves the serving placement, its engines drop its stages (weights, KV, leftover requests) and
+  only then its process group (a stage still stepping would send into a group gone).
 
 Order: first the adds whose engines hold no stage of their model (make before break), then the
 removes, then the adds that needed a removed replica's engine; a change that would leave a
@@ -218,11 +219,13 @@ class PlacementChanger:
         self.frontend.move_off(model, engines, f"replica of {model} on engines {engines} removed by a placement "
                                                "change, and no other replica of it could take the request")
         self.frontend.drop_replica(model, engines)
-        self.stages.leave_replica(model, engines)
+        # the stages first (none of their batches runs after), then their group: an engine still
+        # stepping a leftover batch of the model would otherwise send into a group that is gone
         down = self.frontend.down_engines()
         for e in engines:
             if e not in down:
                 self.stages.unload_stage(e, model)
+        self.stages.leave_replica(model, engines)
         self.frontend.kv_limits = kv_limits_by_model(self.stages.kv_token_limits())
 
     def _rolled_back(self, failed: ReplicaAction, exc: BaseException, done: list[ReplicaAction]) -> PlacementRejected:

@@ -143,3 +143,15 @@ def test_a_model_left_without_a_replica_in_between_is_refused(backend):
     with pytest.raises(PlacementRejected, match="tiny-4l: every replica moves onto engines") as err:
         backend.change_placement(new)
     assert err.value.status == 409
+
+
+def test_a_removed_replica_drops_its_stages_before_its_process_group(backend, monkeypatch):
+    """A Ray engine still stepping a leftover batch of the model sends into its replica's group:
+    the group may go only once every stage of the replica has left its engine."""
+    calls = []
+    for name in ("unload_stage", "leave_replica"):
+        real = getattr(InProcessStages, name)
+        monkeypatch.setattr(InProcessStages, name,
+                            lambda self, *args, _real=real, _name=name: calls.append((_name, args[0])) or _real(self, *args))
+    backend.change_placement(placement(NEW, 3, KV))
+    assert calls == [("unload_stage", 2), ("leave_replica", "tiny-2l")]
