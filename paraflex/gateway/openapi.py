@@ -37,9 +37,13 @@ WHEN = {
 }
 
 
-# The 200 of a generation route: JSON, or server-sent events with `stream: true`.
+# The 200 of a generation route: JSON, or server-sent events with `stream: true`. Before
+# OpenAPI 3.2 (`itemSchema`), the schema of an event-stream media type describes one event:
+# its fields (`data` a JSON chunk or `[DONE]`), as client generators and schemathesis read it.
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                              "id": {"type": "string"}, "retry": {"type": "integer"}}}
 STREAMED = {200: {"description": "the completion, or with `stream: true` server-sent events ending in `data: [DONE]`",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 class ErrorDetail(BaseModel):
