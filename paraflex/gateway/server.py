@@ -12,6 +12,7 @@ by handle.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import functools
 import signal
@@ -87,7 +88,11 @@ class _Server(uvicorn.Server):
             if self.gateway is not None:
                 await self.gateway.drain()
         finally:
-            await super().shutdown(sockets)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if self.gateway is not None:  # after the connections: no request waits on a worker
+                    await asyncio.to_thread(self.gateway.body_workers.close)
 
 
 # How long an idle keep-alive connection stays open. uvicorn's default (5 s) equals the idle
