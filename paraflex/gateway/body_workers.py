@@ -12,7 +12,9 @@ rendered JSON body.
 
 The pool starts on the first large body (the worker processes are spawned, not forked: the
 server holds threads and perhaps a Ray driver) with the served models' cards (tokenizers
-included) and is shut down with the server (server.py).
+included), pickled once when the gateway is built: a process starts from the thread that
+submits to the pool, here the event loop's, and pickling a 50k-entry tokenizer holds the GIL
+for ~0.3 s. The pool is shut down with the server (server.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import pickle
 from concurrent.futures import Executor, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -34,10 +37,10 @@ WORKER_PROCESSES = max(1, min(2, (os.cpu_count() or 1) - 1))  # leave a core to 
 worker_cards: dict[str, ModelCard] = {}  # in a worker process: the served models (adopt_cards)
 
 
-def adopt_cards(cards: dict[str, ModelCard]) -> None:
-    """A worker process's initializer: the models it prepares requests for."""
+def adopt_cards(pickled_cards: bytes) -> None:
+    """A worker process's initializer: the models it prepares requests for (pickled)."""
     worker_cards.clear()
-    worker_cards.update(cards)
+    worker_cards.update(pickle.loads(pickled_cards))
 
 
 def prepare_body(body: bytes, schema) -> Generation | RenderedJson:
@@ -53,6 +56,7 @@ class BodyWorkers:
     def __init__(self, cards: dict[str, ModelCard], processes: int = WORKER_PROCESSES,
                  large_body_bytes: int = LARGE_BODY_BYTES, executor=ProcessPoolExecutor):
         self.cards = cards
+        self.pickled_cards = pickle.dumps(cards)  # once, at start-up (see the module docstring)
         self.processes = processes
         self.large_body_bytes = large_body_bytes
         self.executor = executor
@@ -62,7 +66,7 @@ class BodyWorkers:
         if self.pool is None:
             kwargs = {"mp_context": multiprocessing.get_context("spawn")} if self.executor is ProcessPoolExecutor else {}
             self.pool = self.executor(max_workers=self.processes, initializer=adopt_cards,
-                                      initargs=(self.cards,), **kwargs)
+                                      initargs=(self.pickled_cards,), **kwargs)
         return self.pool
 
     async def prepare(self, body: bytes, schema) -> Generation | RenderedJson:

@@ -109,7 +109,7 @@ def test_a_large_body_gets_the_answer_of_its_small_twin(echo_server, request_bod
 
 def test_a_worker_sends_back_little_for_an_8_mib_body(monkeypatch):
     monkeypatch.setattr(body_workers, "worker_cards", {})
-    adopt_cards({c.name: c for c in EchoBackend().cards})
+    adopt_cards(pickle.dumps({c.name: c for c in EchoBackend().cards}))
     refused = json.dumps({"model": "echo-a", "prompt": [65] * 2_700_000}, separators=(",", ":")).encode()
     assert MAX_BODY_BYTES - (1 << 20) < len(refused) <= MAX_BODY_BYTES
     with pytest.raises(ApiError) as err:
