@@ -10,7 +10,7 @@ What comes back from a worker is cheap to unpickle: the error of a refused reque
 bodies are refused: a prompt longer than the context), a prompt that fits the context, or a
 rendered JSON body.
 
-The pool starts on the first large body (the worker processes are spawned, not forked: the
+The pool starts with `paraflex serve` (`start_processes`), or else at the first large body (the worker processes are spawned, not forked: the
 server holds threads and perhaps a Ray driver) with the served models' cards (tokenizers
 included), pickled once when the gateway is built: a process starts from the thread that
 submits to the pool, here the event loop's, and pickling a 50k-entry tokenizer holds the GIL
@@ -68,6 +68,14 @@ class BodyWorkers:
             self.pool = self.executor(max_workers=self.processes, initializer=adopt_cards,
                                       initargs=(self.pickled_cards,), **kwargs)
         return self.pool
+
+    def start_processes(self) -> None:
+        """Start every worker process now (`paraflex serve` does before it serves): a process
+        starts by a fork of this one from the thread that submits, and forking a server that
+        holds the engines' weights held the event loop up to 1.5 s at the first large body."""
+        pool = self.start_pool()
+        for _ in range(self.processes):
+            pool.submit(int)
 
     async def prepare(self, body: bytes, schema) -> Generation | RenderedJson:
         """The JSON text `body` as what its route runs, or an ApiError naming what is wrong."""

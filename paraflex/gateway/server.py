@@ -129,6 +129,8 @@ def serve(app: FastAPI, sock: socket.socket, announce=None, read_timeout: float 
     SIGINT becomes a cancellation in asyncio's runner, lost when its main task has already
     finished, so the interrupt is raised here instead."""
     server = _server(app, read_timeout, drain_s)
+    if server.gateway is not None:  # before any request can wait on the fork (body_workers.py)
+        server.gateway.body_workers.start_processes()
     previous = signal.signal(signal.SIGTERM, server.handle_exit)
     try:
         if announce is not None:
