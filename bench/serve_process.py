@@ -19,13 +19,14 @@ class ServeProcess:
     """`paraflex serve CONFIG --port 0` (in-process engines, or Ray engine actors). `threads`
     sets the in-process engines' torch threads (Ray gives each engine actor the threads of its
     CPU share instead); `echo` prints the server's start-up lines; `extra_args` go to `serve`
-    (e.g. --placement FILE, --request-log FILE)."""
+    (e.g. --placement FILE, --request-log FILE); `launcher` replaces `python -m paraflex` (e.g.
+    `python -c CODE`, CODE running paraflex.cli.main on sys.argv[1:] after setting something up)."""
 
     def __init__(self, config: str, *, backend: str = "in-process", threads: int | None = None,
                  max_outstanding: int = 4096, echo: bool = False, who: str = "bench",
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), launcher: tuple[str, ...] = ()) -> None:
         env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-        cmd = [sys.executable, "-m", "paraflex", "serve", config, "--port", "0",
+        cmd = [*(launcher or (sys.executable, "-m", "paraflex")), "serve", config, "--port", "0",
                "--max-outstanding", str(max_outstanding), *extra_args] + (["--in-process"] if backend == "in-process" else [])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.url = None

@@ -2,4 +2,5 @@
 
 from paraflex.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # a spawned worker process (gateway/body_workers.py) imports this module too
+    raise SystemExit(main())

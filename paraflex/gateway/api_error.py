@@ -21,6 +21,9 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
         super().__init__(message)
 
+    def __reduce__(self):  # pickled by its fields: it comes back from body_workers.py's processes
+        return ApiError, (self.status, self.message, self.param, self.code, self.headers)
+
     def response(self) -> JSONResponse:
         headers = dict(self.headers)
         if self.status == 503:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI): the front door of `paraflex serve`.
 
-Data flow: client JSON -> request_body.py: protocol.py schema (400 naming a bad field, 413 over
-8 MiB) -> model lookup (404)
+Data flow: client JSON -> request_body.py (413 over 8 MiB, 415) -> body_workers.py, off the
+event loop: protocol.py schema (400 naming a bad field) -> request_prep.py: model lookup (404)
 -> tokenize (chat template for chat) -> context check (400) -> admission (503 when too many
 requests are outstanding) -> generation.generate over the Backend -> OpenAI JSON, or SSE
 chunks ending in `data: [DONE]`. Non-streaming requests watch for the client going away and
@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from paraflex.errors import UserError
 from paraflex.gateway.api_error import ApiError
 from paraflex.serving.backend import Backend, ModelCard
 from paraflex.serving.request_log import HTTP_ARRIVAL
@@ -36,25 +34,10 @@ from paraflex.gateway.guards import BearerAuth, HostCheck, RefuseWhenClosed
 from paraflex.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from paraflex.gateway.openapi import STREAMED, OpenApiDocument
 from paraflex.gateway.placement_routes import add_placement_routes
-from paraflex.gateway.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    FieldError,
-    StreamOptions,
-    TokenizeRequest,
-    sampling_params,
-)
-from paraflex.gateway.request_body import parse
-
-DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-
-
-def _param_of(message: str) -> str | None:
-    """The field a `UserError` message starts with ("max_tokens: ..."), if it names one."""
-    m = re.match(r"([A-Za-z_][\w.\[\]]*):", message)
-    return m.group(1) if m else None
-
+from paraflex.gateway.body_workers import BodyWorkers
+from paraflex.gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, StreamOptions, TokenizeRequest
+from paraflex.gateway.request_body import check_json_media_type, read_body
+from paraflex.gateway.request_prep import card_of, param_of
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
@@ -63,16 +46,6 @@ def _sse(obj) -> str:
 def _model_entry(card: ModelCard, created: int) -> dict:
     return {"id": card.name, "object": "model", "created": created, "owned_by": "paraflex",
             "root": card.name, "parent": None, "max_model_len": card.max_context}
-
-
-async def _encode(card: ModelCard, text: str, add_special_tokens: bool) -> list[int]:
-    """Tokenize on a worker thread: a long prompt must not stall the event loop."""
-    return await asyncio.to_thread(card.tokenizer.encode, text, add_special_tokens=add_special_tokens)
-
-
-def _chat_ids(card: ModelCard, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    text = card.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    return card.tokenizer.encode(text, add_special_tokens=False)
 
 
 class _TicketedStream(StreamingResponse):
@@ -102,6 +75,7 @@ class Gateway:
         self.admission = Admission(max_outstanding)
         self.created = int(time.time())
         self.running = Running()  # generation.generate keeps it
+        self.body_workers = BodyWorkers(self.cards)  # closed by server.py when the server stops
 
     def stop_admitting(self) -> None:
         """The server is about to shut down (SIGTERM's drain window, server.py): /health answers
@@ -122,52 +96,13 @@ class Gateway:
             await self.backend.abort(rid, error=SHUTTING_DOWN)
 
     def card(self, name: str) -> ModelCard:
-        if name not in self.cards:
-            raise ApiError(404, f"model: {name!r} is not served here; GET /v1/models lists "
-                           f"{sorted(self.cards)}", param="model", code="model_not_found")
-        return self.cards[name]
+        return card_of(self.cards, name)
 
-    # -- request preparation -------------------------------------------------------------
-
-    async def prompt_ids(self, card: ModelCard, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            ids = await _encode(card, prompt, True)
-        else:
-            ids = list(prompt)
-            vocab = card.tokenizer.vocab_size
-            if ids and max(ids) >= vocab:  # max() runs in C: millions of ids take milliseconds
-                bad = next(t for t in ids if t >= vocab)
-                raise ApiError(400, f"prompt: token id {bad} is out of range for {card.name} "
-                               f"(vocab size {vocab})", param="prompt")
-        if not ids:
-            raise ApiError(400, "prompt: encodes to zero tokens; send some text", param="prompt")
-        return ids
-
-    async def chat_ids(self, card: ModelCard, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return await asyncio.to_thread(_chat_ids, card, messages, add_generation_prompt)
-
-    def budget(self, card: ModelCard, n_prompt: int, requested: int | None, default: int | None,
-               field: str = "max_tokens") -> int:
-        room = card.max_context - n_prompt
-        if room < 1:
-            raise ApiError(400, f"prompt: {n_prompt} tokens leave no room in {card.name}'s context of "
-                           f"{card.max_context} tokens; shorten the prompt", param="prompt")
-        if requested is None:
-            return min(default, room) if default is not None else room
-        if requested > room:
-            raise ApiError(400, f"{field}: prompt ({n_prompt} tokens) + {field} ({requested}) exceeds "
-                           f"{card.name}'s context of {card.max_context} tokens; ask for at most {room}",
-                           param=field)
-        return requested
-
-    def params(self, req, max_tokens: int):
-        try:
-            req.check_stream_options()
-            return sampling_params(req, max_tokens)
-        except FieldError as exc:
-            raise ApiError(400, str(exc), param=exc.param)
-        except UserError as exc:
-            raise ApiError(400, str(exc), param=_param_of(str(exc)))
+    async def prepare(self, request: Request, schema):
+        """The POST body of `request` decoded as `schema` and prepared for its route
+        (request_prep.py), off the event loop (body_workers.py); an ApiError if it cannot run."""
+        check_json_media_type(request)
+        return await self.body_workers.prepare(await read_body(request), schema)
 
     def admit(self) -> Ticket:
         if self.running.closed:
@@ -201,7 +136,7 @@ class Gateway:
             await gen.aclose()
             ticket.release()
         if last.rejected:
-            raise ApiError(400, last.error, param=_param_of(last.error))
+            raise ApiError(400, last.error, param=param_of(last.error))
         if last.unavailable:
             raise ApiError(503, last.error)
         if last.error:
@@ -291,75 +226,57 @@ def build_app(backend: Backend, *, api_key: str | None = None, max_outstanding: 
               responses={**STREAMED, **doc.errors(400, 401, 404, 408, 413, 415, 500, 503)})
     async def completions(request: Request):
         HTTP_ARRIVAL.set(time.time())  # for `--request-log` (the gateway's share of each request)
-        req = await parse(request, CompletionRequest)
-        card = gw.card(req.model)
-        ids = await gw.prompt_ids(card, req.prompt)
-        params = gw.params(req, gw.budget(card, len(ids), req.max_tokens, DEFAULT_COMPLETION_TOKENS))
+        job = await gw.prepare(request, CompletionRequest)
+        card = gw.cards[job.model]
         rid = f"cmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": card.name}
         ticket = gw.admit()
-        if req.stream:
-            chunks = generate(gw.backend, gw.metrics, card, ids, params, rid, gw.running)
+        if job.stream:
+            chunks = generate(gw.backend, gw.metrics, card, job.ids, job.params, rid, gw.running)
 
             def choice(c: Chunk) -> dict:
                 return {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-            return _TicketedStream(gw.sse(chunks, choice, head, len(ids), req.stream_options), ticket)
-        text, last = await gw.collect(request, ticket, card, ids, params, rid)
+            return _TicketedStream(gw.sse(chunks, choice, head, len(job.ids), job.stream_options), ticket)
+        text, last = await gw.collect(request, ticket, card, job.ids, job.params, rid)
         return {**head, "choices": [{"index": 0, "text": text, "logprobs": None,
                                      "finish_reason": last.finish_reason}],
-                "usage": gw.usage(len(ids), last.completion_tokens)}
+                "usage": gw.usage(len(job.ids), last.completion_tokens)}
 
     @app.post("/v1/chat/completions", openapi_extra=doc.json_body(ChatCompletionRequest),
               responses={**STREAMED, **doc.errors(400, 401, 404, 408, 413, 415, 500, 503)})
     async def chat_completions(request: Request):
         HTTP_ARRIVAL.set(time.time())  # for `--request-log` (the gateway's share of each request)
-        req = await parse(request, ChatCompletionRequest)
-        card = gw.card(req.model)
-        ids = await gw.chat_ids(card, req.chat_messages())
-        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = gw.params(req, gw.budget(card, len(ids), getattr(req, field), None, field))
+        job = await gw.prepare(request, ChatCompletionRequest)
+        card = gw.cards[job.model]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": card.name}
         ticket = gw.admit()
-        if req.stream:
-            chunks = generate(gw.backend, gw.metrics, card, ids, params, rid, gw.running)
+        if job.stream:
+            chunks = generate(gw.backend, gw.metrics, card, job.ids, job.params, rid, gw.running)
 
             def choice(c: Chunk) -> dict:
                 return {"index": 0, "delta": {"content": c.text} if c.text else {}, "logprobs": None,
                         "finish_reason": c.finish_reason}
             first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}
-            return _TicketedStream(gw.sse(chunks, choice, head, len(ids), req.stream_options, first), ticket)
-        text, last = await gw.collect(request, ticket, card, ids, params, rid)
+            return _TicketedStream(gw.sse(chunks, choice, head, len(job.ids), job.stream_options, first), ticket)
+        text, last = await gw.collect(request, ticket, card, job.ids, job.params, rid)
         return {**head, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "logprobs": None, "finish_reason": last.finish_reason}],
-                "usage": gw.usage(len(ids), last.completion_tokens)}
+                "usage": gw.usage(len(job.ids), last.completion_tokens)}
 
     @app.post("/tokenize", openapi_extra=doc.json_body(TokenizeRequest),
               responses=doc.errors(400, 401, 404, 408, 413, 415, 503))
     async def tokenize(request: Request):
-        req = await parse(request, TokenizeRequest)
-        card = gw.card(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise ApiError(400, "prompt: send exactly one of `prompt` or `messages`", param="prompt")
-        if req.messages is not None:
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = await gw.chat_ids(card, msgs, req.add_generation_prompt)
-        else:
-            ids = await _encode(card, req.prompt, req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": card.max_context, "tokens": ids}
+        rendered = await gw.prepare(request, TokenizeRequest)
+        return Response(rendered.body, media_type="application/json")
 
     @app.post("/detokenize", openapi_extra=doc.json_body(DetokenizeRequest),
               responses=doc.errors(400, 401, 404, 408, 413, 415, 503))
     async def detokenize(request: Request):
-        req = await parse(request, DetokenizeRequest)
-        card = gw.card(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < card.tokenizer.vocab_size]
-        if bad:
-            raise ApiError(400, f"tokens: token id {bad[0]} is out of range (vocab size "
-                           f"{card.tokenizer.vocab_size})", param="tokens")
-        return {"prompt": card.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        rendered = await gw.prepare(request, DetokenizeRequest)
+        return Response(rendered.body, media_type="application/json")
 
     @app.api_route("/health", methods=["GET", "HEAD"], responses={
         503: {"description": "an engine has failed (`ok` false), or the server is shutting down (`shutting_down` true)",

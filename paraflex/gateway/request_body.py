@@ -2,19 +2,17 @@
 what is wrong: 415 unless declared `application/json`, 413 past MAX_BODY_BYTES (counted as the body streams in), 400 for a body that is
 not JSON Python can read (syntax, encoding, huge integers, deep nesting), not an object, holding
 text with an unpaired UTF-16 surrogate, or failing the schema (the field path and the fix).
-A body over OFF_LOOP_BYTES is decoded and validated on a worker thread, so that a few large
-bodies (an 8 MiB list of token ids takes ~0.5 s) do not hold up `/health` and other clients.
 
-Place in the data flow: every POST route of app.py starts with `parse(request, Schema)`.
+Place in the data flow: every POST route of app.py checks the media type and reads the body
+here, then hands it to body_workers.py, which runs `decode` on the loop (small bodies) or in a
+worker process (large ones).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -34,11 +32,6 @@ from paraflex.gateway.protocol import (
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of text, ~1 MB as token ids
-OFF_LOOP_BYTES = 64 << 10  # larger bodies are decoded on a worker thread (smaller: microseconds)
-# One thread decodes the large bodies of this process, one at a time: json and pydantic hold the
-# GIL, so a second thread would add no throughput, only more threads for the event loop's thread
-# to win the GIL from (8 concurrent 8 MiB bodies on the default pool: /health took seconds).
-_LARGE_BODY_DECODER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paraflex-body-decoder")
 
 _FIELD_NAMES = {name for schema in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
                                     ChatMessage, TextPart, StreamOptions) for name in schema.model_fields}
@@ -158,11 +151,3 @@ def check_json_media_type(request: Request) -> None:
         raise ApiError(415, f"Content-Type: {declared or 'missing'}; send the body as JSON with "
                             "'Content-Type: application/json'")
 
-
-async def parse(request: Request, schema):
-    """The body of `request` as a valid `schema` instance, or an ApiError naming what is wrong."""
-    check_json_media_type(request)
-    body = await read_body(request)
-    if len(body) > OFF_LOOP_BYTES:
-        return await asyncio.get_running_loop().run_in_executor(_LARGE_BODY_DECODER, decode, body, schema)
-    return decode(body, schema)

@@ -12,6 +12,7 @@ by handle.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import functools
 import signal
@@ -87,7 +88,11 @@ class _Server(uvicorn.Server):
             if self.gateway is not None:
                 await self.gateway.drain()
         finally:
-            await super().shutdown(sockets)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if self.gateway is not None:  # after the connections: no request waits on a worker
+                    await asyncio.to_thread(self.gateway.body_workers.close)
 
 
 # How long an idle keep-alive connection stays open. uvicorn's default (5 s) equals the idle
@@ -124,6 +129,8 @@ def serve(app: FastAPI, sock: socket.socket, announce=None, read_timeout: float 
     SIGINT becomes a cancellation in asyncio's runner, lost when its main task has already
     finished, so the interrupt is raised here instead."""
     server = _server(app, read_timeout, drain_s)
+    if server.gateway is not None:  # before any request can wait on the fork (body_workers.py)
+        server.gateway.body_workers.start_processes()
     previous = signal.signal(signal.SIGTERM, server.handle_exit)
     try:
         if announce is not None:

@@ -8,6 +8,8 @@ KV held on the engines, so tests can check that every path frees it.
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 
 from paraflex.serving.backend import BackendMetrics, ModelCard, Output, Unavailable
 
@@ -32,10 +34,27 @@ class ByteTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
+class GatedTokenizer(ByteTokenizer):
+    """A ByteTokenizer whose `encode` writes its process id to the file `started` and then waits
+    (up to a minute, a hang guard) until the file `gate` exists: a test holds a request in the
+    middle of its preparation, in whatever process runs it (it pickles by its two paths)."""
+
+    def __init__(self, started: str, gate: str):
+        self.started, self.gate = started, gate
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        with open(self.started, "w") as f:
+            f.write(str(os.getpid()))
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return super().encode(text, add_special_tokens)
+
+
 class EchoBackend:
     def __init__(self, names=("echo-a", "echo-b"), max_context: int = 64, delay: float = 0.0,
-                 fail_after: int | None = None, unavailable: str | None = None):
-        self.tokenizer = ByteTokenizer()
+                 fail_after: int | None = None, unavailable: str | None = None, tokenizer=None):
+        self.tokenizer = tokenizer or ByteTokenizer()
         self.cards = [ModelCard(n, max_context, self.tokenizer) for n in names]
         self.delay = delay
         self.fail_after = fail_after

@@ -3,6 +3,8 @@ gateway does, and the process groups' rendezvous store listens on the host it is
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from paraflex.engine.transport.ray_groups import is_loopback, start_store
@@ -54,3 +56,81 @@ def test_the_store_listens_on_the_given_host_only_and_serves_keys():
         assert store.get("key") == b"value"
     finally:
         del store
+
+
+LOCAL_RAY_LISTENERS = r'''
+import json, os, sys, time
+import ray
+from paraflex.serving.ray_startup import keep_ray_on_loopback
+
+keep_ray_on_loopback()
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False,
+         _temp_dir=sys.argv[1], _node_ip_address="127.0.0.1")
+
+
+@ray.remote
+class Echo:
+    def ping(self):
+        return 1
+
+
+ray.get(Echo.remote().ping.remote())  # a core worker (an engine actor's kind) is up
+time.sleep(1)
+listening = {}
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in open(table).read().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A":  # LISTEN
+            listening[fields[9]] = fields[1].split(":")[0]
+parents = {}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        parents[int(pid)] = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        pass
+
+
+def descends(pid):
+    while pid > 1:
+        if pid == os.getpid():
+            return True
+        pid = parents.get(pid, 0)
+    return False
+
+
+found = []
+for pid in [p for p in parents if descends(p)]:
+    try:
+        links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    except OSError:
+        continue
+    found += [listening[link[8:-1]] for link in links if link.startswith("socket:[") and link[8:-1] in listening]
+ray.shutdown()
+print(json.dumps(found))
+'''
+
+LOOPBACK_HEX = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+
+
+def test_a_local_ray_kept_on_loopback_listens_on_loopback_only(tmp_path):
+    """The GCS, raylet, driver, an actor's core worker and the dashboard agent of a local Ray
+    (in a subprocess: the tests' own Ray instance is already up) listen on 127.0.0.1 only."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    script = tmp_path / "local_ray.py"
+    script.write_text(LOCAL_RAY_LISTENERS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    ray_dir = tempfile.mkdtemp(prefix="pfx-ray-")  # short: Ray's socket paths live under it
+    try:
+        done = subprocess.run([sys.executable, str(script), ray_dir], capture_output=True, text=True,
+                              timeout=240, env=env)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(found) >= 5  # GCS, raylet (2), driver, the actor's core worker, agents
+    assert set(found) <= LOOPBACK_HEX, found
