@@ -27,7 +27,8 @@ import time
 
 from paraflex.config.schema import Config
 from paraflex.costs.costmodel import CostModel
-from paraflex.costs.step_overheads import StepOverhead, fit_line
+from paraflex.costs.robust_timing import fit_line
+from paraflex.costs.step_overheads import StepOverhead
 from paraflex.engine.core.sampling_params import SamplingParams
 
 PREFILL_TOKENS = (16, 64, 128)
