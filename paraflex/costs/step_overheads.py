@@ -25,6 +25,7 @@ from paraflex.costs.profile_tables import shape_of
 
 PROFILE_FILE = "profile.json"
 KEY = "step_overheads"
+NOISE_KEY = "noise"  # how noisy the op tables and step timings were (written by `paraflex profile`)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,11 @@ def test_profile_writes_tables_the_cost_model_and_planner_use(tmp_path, capsys):
         assert model.linear_time(arch, 4) != CostModel("cpu").linear_time(arch, 4)  # not the roofline
     # whole served steps: a residual per model, added pro rata to the stage's layers
     steps = {o["model"]: o for o in meta["step_overheads"]}
+    noise = meta["noise"]  # the rounds' spread and what was re-measured / pooled, per model
+    assert set(noise["ops"]) == set(noise["steps"]) == {"tiny-2l", "tiny-4l"}
+    assert noise["ops"]["tiny-2l"]["spread"] >= 0 and noise["steps"]["tiny-4l"]["decode_spread"] >= 0
+    for table in (ProfileIndex(str(out)).lookup("cpu", config.model(n).arch, 1) for n in ("tiny-2l", "tiny-4l")):
+        assert all(a <= b for op in ALL_OPS for a, b in zip(table.times[op], table.times[op][1:]))  # monotone
     assert set(steps) == {"tiny-2l", "tiny-4l"} and steps["tiny-4l"]["num_layers"] == 4
     arch = config.model("tiny-4l").arch
     tables_only = CostModel("cpu", profile_dir=str(out))
