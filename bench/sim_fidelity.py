@@ -5,17 +5,20 @@ One command: profile the models on this machine (or reuse `--profile DIR`; `--no
 plain roofline): op tables, per-step residuals and the Ray hop between engines, all read by the
 simulator through `cluster.profile_dir`. Plan a config of three models on two engines where
 tiny-8l is cut into two stages on different engines and both engines hold stages of several
-models, start `paraflex serve` on it (Ray backend, `--request-log`), send a few requests one at
-a time and store their per-request delays (gateway; frontend <-> engines) and the Ray engine
-loop's time per stage step in the profile
-(`paraflex profile --gateway-log`; a reused `--profile DIR` gets them too), measure the
-saturation rate with a burst, then at three loads (light, ~60% and ~90% of saturation) write a
+models, start `paraflex serve` on it (Ray backend, `--request-log`, `--step-log`), send a few
+requests one at a time, then a burst (the saturation rate), and store the lone requests'
+per-request delays (gateway; frontend <-> engines) and the Ray engine loop's time per stage
+step, fitted from every engine step of both as lines in the step's size, in the profile
+(`paraflex profile --gateway-log --step-log`; a reused `--profile DIR` gets them too), then at three loads (light, ~60% and ~90% of saturation) write a
 request list (simulator/workload/requests_file.py), replay it open loop against the server (same
 arrival times, ignore_eos with fixed output lengths, token-id prompts of the given lengths) and
 simulate the same file with the profiled cost model. Prints per load and model median and P99
 of TTFT, TBT (per-request mean) and E2E, and throughput, real vs simulated with the relative
 error; writes fidelity.csv and fidelity_cdfs.png (fidelity_compare.py). Real times start at the
 HTTP arrival the server logs (`http_arrival_s`), as the simulator's do with the measured delays.
+Per load it also prints the mean served decode step per stage (the step log) against the
+simulator's time for the very same steps, and warns where the profile's `noise` says its rounds
+disagreed.
 
     python bench/sim_fidelity.py [--out DIR] [--requests 40] [--profile DIR | --no-profile]
                                  [--saturation RPS] [--tiny]

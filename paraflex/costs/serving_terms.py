@@ -19,6 +19,9 @@ Place in the data flow:
   run) adds to every engine step of a stage: per model, the logged mean TBT minus the simulated
   mean TBT of the same request alone, over the model's stages. `CostModel(profile_dir=...)` adds
   it to every stage execution (prefill and decode), so TBT and E2E see it too.
+- `paraflex profile CONFIG --step-log DIR` fits the same term from an engine step log instead
+  (paraflex/costs/loop_fit.py): per model and kind a line in the step's size
+  (`EngineLoopTerm.from_lines`), which the cost model adds at each stage execution's size.
 """
 
 from __future__ import annotations
