@@ -16,6 +16,9 @@ back to the first stage as metadata only, and the token stream to the gateway th
 `OutputRouter` (paraflex.engine.ray_output). A finished or aborted request's KV is freed on
 every stage by the loop's free messages.
 
+With `start_step_log(DIR)` (`paraflex serve --step-log DIR`) the engine thread logs every loop
+iteration that ran a batch to DIR/engine-<id>.csv (engine/step_log.py).
+
 Actor methods never block for long: a sync actor runs `deliver` only between other calls, so
 loading happens on a thread and the engine loop runs on its own thread.
 """

@@ -84,12 +84,13 @@ class RayEngines:
                 del self.groups[key]
         ray.get([self.actors[e].leave_group.remote(model, list(engines)) for e in live], timeout=timeout_s)
 
-    # ------------------------------------------------------------------ shutdown
+    # ------------------------------------------------------------------ step logs
     def start_step_logs(self, directory: str, timeout_s: float = 30.0) -> list[str]:
         """Every engine logs the batches it runs under `directory` (engine/step_log.py); the paths."""
         return ray.get([a.start_step_log.remote(os.path.abspath(directory)) for a in self.actors.values()],
                        timeout=timeout_s)
 
+    # ------------------------------------------------------------------ shutdown
     def stop(self, timeout_s: float) -> None:
         """Stop every actor (waiting up to `timeout_s`), then kill them and the router."""
         refs = [a.stop.remote() for a in self.actors.values()]
