@@ -46,12 +46,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fidelity_compare import compare, plot_cdfs, print_table, write_csv  # noqa: E402
 from serve_client import one_request  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
+from served_split import PARTS, hops, ttft_parts  # noqa: E402
 
 from paraflex.config.schema import Config  # noqa: E402
 from paraflex.costs.loop_fit import read_step_log, stage_time_fn  # noqa: E402
 from paraflex.engine.ray_engine import STATS_EVERY_S  # noqa: E402
 from paraflex.engine.step_log import STEP_LOG_COLUMNS  # noqa: E402
-from paraflex.costs.serving_terms import measured_hop  # noqa: E402
+from paraflex.costs.serving_terms import measured_hop, request_delay_s  # noqa: E402
 from paraflex.serving.request_log import LOG_COLUMNS  # noqa: E402
 from paraflex.planner import plan  # noqa: E402
 from paraflex.simulator.runner import SimSettings, simulate  # noqa: E402
@@ -203,6 +204,21 @@ def step_split(config, placement, steps_dir: str, start: float, end: float) -> s
     return "decode stage step, served vs simulated for the same steps: " + "; ".join(out)
 
 
+def served_parts(log_path: str, steps_dir: str, ids: set, start: float, end: float, profile: str) -> str:
+    """The served TTFT in parts and the served hop of a window (bench/served_split.py) against
+    the simulator's per-request delay and hop."""
+    steps = [r for r in read_step_log(steps_dir) if start <= float(r["start_s"]) <= end]
+    parts = ttft_parts([r for r in raw_log(log_path) if r["id"] in ids], steps)
+    text = "; ".join(f"{m} " + "/".join(f"{1000 * p[k]:.1f}" for k in PARTS) for m, p in parts.items())
+    served = hops(steps)
+    hop = measured_hop(profile)
+    hop_text = (f"served hop (receiver idle) median {1000 * float(np.median(served)):.2f} ms over {len(served)}"
+                if served else "no served hop")
+    return (f"served TTFT parts, median ms ({' / '.join(PARTS)}): {text}; simulated: "
+            f"{1000 * request_delay_s(profile):.1f} ms per request before the engines; {hop_text} vs "
+            f"{1000 * hop.latency_s if hop else float('nan'):.2f} ms simulated")
+
+
 def simulated_rows(config, placement, requests: list[SimRequest]) -> list[dict]:
     settings = SimSettings(rate=1.0)
     layout = dataclasses.replace(build_system(config, settings), placement=placement)
@@ -289,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         split = f"gateway (HTTP arrival -> frontend) {1000 * float(np.median(gateway)):.1f} ms; " if gateway else ""
         if profile:
             print(f"{load}: {step_split(sim_config, placement, os.path.join(out, 'steps'), start, end)}")
+            print(f"{load}: {served_parts(log_path, os.path.join(out, 'steps'), {r['id'] for r in real}, start, end, profile)}")
         print(f"{load}: {len(real)}/{len(requests)} logged; {split}median TTFT at the client {1000 * client_ttft:.1f} ms "
               f"vs {1000 * log_ttft:.1f} ms in the server log: client + HTTP transport + response path "
               f"{1000 * (client_ttft - log_ttft):.1f} ms")
