@@ -97,6 +97,16 @@ def load_placement(config, path: str | None):
     return plan(config)
 
 
+def _require_writable_dir(path: str) -> None:
+    """--step-log's folder exists (made if need be) and can be written, before any engine starts."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--step-log {path}: cannot make it ({exc.strerror}); pass a folder you can write") from None
+    if not os.access(path, os.W_OK):
+        raise UserError(f"--step-log {path}: cannot write in it; pass a folder you can write")
+
+
 def start_backend(config, placement, args):
     if args.in_process:
         from paraflex.serving.in_process_backend import InProcessBackend
@@ -163,6 +173,8 @@ def run(args) -> int:
             from paraflex.serving.request_log import RequestLog
 
             request_log = RequestLog(args.request_log, config.models)
+        if args.step_log:
+            _require_writable_dir(args.step_log)
         print(f"starting {len(placement.engines)} engines ({'in-process' if args.in_process else 'Ray'}) ...",
               flush=True)
         backend = start_backend(config, placement, args)
