@@ -5,17 +5,20 @@ One command: profile the models on this machine (or reuse `--profile DIR`; `--no
 plain roofline): op tables, per-step residuals and the Ray hop between engines, all read by the
 simulator through `cluster.profile_dir`. Plan a config of three models on two engines where
 tiny-8l is cut into two stages on different engines and both engines hold stages of several
-models, start `paraflex serve` on it (Ray backend, `--request-log`), send a few requests one at
-a time and store their per-request delays (gateway; frontend <-> engines) and the Ray engine
-loop's time per stage step in the profile
-(`paraflex profile --gateway-log`; a reused `--profile DIR` gets them too), measure the
-saturation rate with a burst, then at three loads (light, ~60% and ~90% of saturation) write a
+models, start `paraflex serve` on it (Ray backend, `--request-log`, `--step-log`), send a few
+requests one at a time, then a burst (the saturation rate), and store the lone requests'
+per-request delays (gateway; frontend <-> engines) and the Ray engine loop's time per stage
+step, fitted from every engine step of both as lines in the step's size, in the profile
+(`paraflex profile --gateway-log --step-log`; a reused `--profile DIR` gets them too), then at three loads (light, ~60% and ~90% of saturation) write a
 request list (simulator/workload/requests_file.py), replay it open loop against the server (same
 arrival times, ignore_eos with fixed output lengths, token-id prompts of the given lengths) and
 simulate the same file with the profiled cost model. Prints per load and model median and P99
 of TTFT, TBT (per-request mean) and E2E, and throughput, real vs simulated with the relative
 error; writes fidelity.csv and fidelity_cdfs.png (fidelity_compare.py). Real times start at the
 HTTP arrival the server logs (`http_arrival_s`), as the simulator's do with the measured delays.
+Per load it also prints the mean served decode step per stage (the step log) against the
+simulator's time for the very same steps, and warns where the profile's `noise` says its rounds
+disagreed.
 
     python bench/sim_fidelity.py [--out DIR] [--requests 40] [--profile DIR | --no-profile]
                                  [--saturation RPS] [--tiny]
@@ -29,6 +32,7 @@ import argparse
 import asyncio
 import csv
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -42,9 +46,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fidelity_compare import compare, plot_cdfs, print_table, write_csv  # noqa: E402
 from serve_client import one_request  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
+from served_split import PARTS, hops, ttft_parts  # noqa: E402
 
 from paraflex.config.schema import Config  # noqa: E402
-from paraflex.costs.serving_terms import measured_hop  # noqa: E402
+from paraflex.costs.loop_fit import read_step_log, stage_time_fn  # noqa: E402
+from paraflex.engine.ray_engine import STATS_EVERY_S  # noqa: E402
+from paraflex.engine.step_log import STEP_LOG_COLUMNS  # noqa: E402
+from paraflex.costs.serving_terms import measured_hop, request_delay_s  # noqa: E402
 from paraflex.serving.request_log import LOG_COLUMNS  # noqa: E402
 from paraflex.planner import plan  # noqa: E402
 from paraflex.simulator.runner import SimSettings, simulate  # noqa: E402
@@ -57,6 +65,7 @@ MODELS = ("tiny-2l", "tiny-4l", "tiny-8l")
 LOADS = (("light", 0.2), ("mid", 0.6), ("high", 0.9))  # fractions of the measured saturation rate
 PROMPT_RANGE, OUTPUT_RANGE = (8, 48), (8, 24)
 TOKEN_IDS = (3, 250)  # inside the tiny models' byte vocabulary
+NOISY = 0.5  # a profile whose rounds disagree by more than this share gets a warning
 # 12 ms cuts tiny-8l (~18 ms on the `cpu` roofline) into two stages and keeps the others whole.
 CONFIG = {
     "name": "sim-fidelity",
@@ -118,20 +127,96 @@ def read_log(path: str) -> list[dict]:
     return rows
 
 
-def calibrate_gateway(server, log_path: str, out: str, profile: str, rng, n: int = 8) -> None:
-    """Send `n` requests one at a time, copy their log rows to gateway.csv and store their
-    per-request delays in the profile (`paraflex profile --gateway-log`)."""
+def calibrate(server, log_path: str, out: str, profile: str, rng, n: int, lone: int = 8) -> float:
+    """Send `lone` requests one at a time, then a burst of `n` at once (the saturation rate, which
+    it returns); store the lone requests' per-request delays (`paraflex profile --gateway-log`)
+    and the engine loop's lines fitted from every engine step of both
+    (`--step-log`, steps copied to calib-steps/) in the profile."""
     start = time.time()
-    for req in make_requests(1.0, n, 2 * 10**6, rng):
+    for req in make_requests(1.0, lone, 2 * 10**6, rng):
         asyncio.run(replay(server.url, [dataclasses.replace(req, arrival=0.0)], rng))
     rows = [r for r in raw_log(log_path) if float(r["arrival_s"]) >= start]
+    sat = burst(server, n, rng)
     path = os.path.join(out, "gateway.csv")
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=LOG_COLUMNS)
         w.writeheader()
         w.writerows(rows)
+    steps = copy_steps(os.path.join(out, "steps"), os.path.join(out, "calib-steps"), start, time.time())
     print(run([sys.executable, "-m", "paraflex", "profile", os.path.join(out, "config.yaml"), "--gateway-log", path,
-               "--placement", os.path.join(out, "placement.json"), "-o", profile]).strip(), flush=True)
+               "--step-log", steps, "--placement", os.path.join(out, "placement.json"), "-o", profile]).strip(),
+          flush=True)
+    return sat
+
+
+def burst(server, n: int, rng) -> float:
+    """Every request at once: the server's best rate (req/s)."""
+    requests = [dataclasses.replace(r, arrival=0.0) for r in make_requests(1.0, max(4, n), 10**6, rng)]
+    results, _ = asyncio.run(replay(server.url, requests, rng))
+    sat = len(results) / max(r.e2e for r in results)
+    print(f"saturation (burst of {len(requests)}): {sat:.2f} req/s", flush=True)
+    return sat
+
+
+def copy_steps(src: str, dst: str, start: float, end: float) -> str:
+    """The engine step rows logged between `start` and `end` (Unix s), from src/ to dst/."""
+    time.sleep(2 * STATS_EVERY_S)  # the engines flush their step logs with their stats refresh
+    os.makedirs(dst, exist_ok=True)
+    for name in sorted(os.listdir(src)):
+        rows = [r for r in raw_log(os.path.join(src, name)) if start <= float(r["start_s"]) <= end]
+        with open(os.path.join(dst, name), "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=STEP_LOG_COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+    return dst
+
+
+def warn_noise(profile: str) -> None:
+    """Say where the profile's rounds disagreed or points had to be pooled (profile.json `noise`)."""
+    with open(os.path.join(profile, "profile.json")) as fh:
+        noise = json.load(fh).get("noise", {})
+    for model, n in noise.get("steps", {}).items():
+        worst = max(n["prefill_spread"], n["decode_spread"])
+        if worst > NOISY or n["adjusted"]:
+            print(f"warning: profile of {model}: step timings' blocks disagree by up to {worst:.0%}"
+                  + (f"; pooled to stay monotone: {', '.join(n['adjusted'])}" if n["adjusted"] else "")
+                  + " (a busy machine: profile again in a quieter minute)", flush=True)
+    for model, n in noise.get("ops", {}).items():
+        if n["spread"] > NOISY or n["adjusted"]:
+            print(f"warning: op table of {model}: typical spread {n['spread']:.0%}, {len(n['adjusted'])} point(s) "
+                  f"pooled to stay monotone in tokens", flush=True)
+
+
+def step_split(config, placement, steps_dir: str, start: float, end: float) -> str:
+    """Where a window's decode time goes: the served engine steps (mean loop iteration per stage
+    step, from the step log) against the simulator's time for the very same steps."""
+    rows = [r for r in read_step_log(steps_dir) if start <= float(r["start_s"]) <= end and r["kind"] == "decode"]
+    if not rows:
+        return "no decode steps logged"
+    stage_time = stage_time_fn(config.cluster.cost_model(), placement, {m.name: m.arch for m in config.models})
+    out = []
+    for model in MODELS:
+        mine = [r for r in rows if r["model"] == model]
+        if mine:
+            served = float(np.mean([float(r["busy_s"]) for r in mine]))
+            sim = float(np.mean([stage_time(r) for r in mine]))
+            out.append(f"{model} {1000 * served:.2f} vs {1000 * sim:.2f} ms ({(sim - served) / served:+.0%})")
+    return "decode stage step, served vs simulated for the same steps: " + "; ".join(out)
+
+
+def served_parts(log_path: str, steps_dir: str, ids: set, start: float, end: float, profile: str) -> str:
+    """The served TTFT in parts and the served hop of a window (bench/served_split.py) against
+    the simulator's per-request delay and hop."""
+    steps = [r for r in read_step_log(steps_dir) if start <= float(r["start_s"]) <= end]
+    parts = ttft_parts([r for r in raw_log(log_path) if r["id"] in ids], steps)
+    text = "; ".join(f"{m} " + "/".join(f"{1000 * p[k]:.1f}" for k in PARTS) for m, p in parts.items())
+    served = hops(steps)
+    hop = measured_hop(profile)
+    hop_text = (f"served hop (receiver idle) median {1000 * float(np.median(served)):.2f} ms over {len(served)}"
+                if served else "no served hop")
+    return (f"served TTFT parts, median ms ({' / '.join(PARTS)}): {text}; simulated: "
+            f"{1000 * request_delay_s(profile):.1f} ms per request before the engines; {hop_text} vs "
+            f"{1000 * hop.latency_s if hop else float('nan'):.2f} ms simulated")
 
 
 def simulated_rows(config, placement, requests: list[SimRequest]) -> list[dict]:
@@ -175,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.profile:
             run([sys.executable, "-m", "paraflex", "profile", config_path, "-o", profile, "--tokens",
                  "1,2,4,8,16,32,64,128,256", "--repeats", "10", "-q"])
+        warn_noise(profile)
         hop = measured_hop(profile)
         if hop is not None:
             print(f"hop between engines (profiled): {1e6 * hop.latency_s:.0f} µs", flush=True)
@@ -182,18 +268,13 @@ def main(argv: list[str] | None = None) -> int:
 
     log_path = os.path.join(out, "served_requests.csv")
     server = ServeProcess(config_path, backend="ray", who="sim_fidelity",
-                          extra_args=("--placement", placement_path, "--request-log", log_path))
+                          extra_args=("--placement", placement_path, "--request-log", log_path,
+                                      "--step-log", os.path.join(out, "steps")))
     rng = np.random.default_rng(args.seed)
     windows = []
     try:
-        if profile:
-            calibrate_gateway(server, log_path, out, profile, rng)
-        sat = args.saturation
-        if sat is None:  # a burst: every request at once, the server's best rate
-            burst = [dataclasses.replace(r, arrival=0.0) for r in make_requests(1.0, max(4, n), 10**6, rng)]
-            results, _ = asyncio.run(replay(server.url, burst, rng))
-            sat = len(results) / max(r.e2e for r in results)
-            print(f"saturation (burst of {len(burst)}): {sat:.2f} req/s", flush=True)
+        measured = calibrate(server, log_path, out, profile, rng, n) if profile else None
+        sat = args.saturation or measured or burst(server, n, rng)
         next_id = 0
         for load, frac in LOADS:
             requests = make_requests(frac * sat, n, next_id, rng)
@@ -222,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         log_ttft = float(np.median([float(r["ttft_s"]) for r in real]))
         gateway = [r["gateway_s"] for r in real if "gateway_s" in r]
         split = f"gateway (HTTP arrival -> frontend) {1000 * float(np.median(gateway)):.1f} ms; " if gateway else ""
+        if profile:
+            print(f"{load}: {step_split(sim_config, placement, os.path.join(out, 'steps'), start, end)}")
+            print(f"{load}: {served_parts(log_path, os.path.join(out, 'steps'), {r['id'] for r in real}, start, end, profile)}")
         print(f"{load}: {len(real)}/{len(requests)} logged; {split}median TTFT at the client {1000 * client_ttft:.1f} ms "
               f"vs {1000 * log_ttft:.1f} ms in the server log: client + HTTP transport + response path "
               f"{1000 * (client_ttft - log_ttft):.1f} ms")

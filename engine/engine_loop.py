@@ -70,6 +70,7 @@ class EngineLoop:
         self._stoppers: dict[str, StopChecker] = {}
         self._params: dict[str, SamplingParams] = {}
         self.stats = {"batches": 0, "tokens": 0, "sampled": 0}
+        self.last_run: tuple | None = None  # (batch, seconds of forward pass and sampling) of the last step that ran one
         # per resident model: batches [started, finished] (the KV-stall watch reads them from
         # another thread: a stage joining or leaving replaces the dict, never resizes it)
         self.runs: dict[str, list[int]] = {m: [0, 0] for m in routes}
@@ -170,8 +171,10 @@ class EngineLoop:
         count = self.runs[batch.model]
         count[0] += 1
         try:
+            t0 = time.perf_counter()
             out = self.worker.run(batch, hidden)
             sampled = self._sample(batch, out) if batch.is_last else None
+            self.last_run = (batch, time.perf_counter() - t0)
         except Exception as exc:  # a failed batch (forward pass or sampling) fails its requests, not the engine
             count[1] += 1
             log.exception("engine %d: batch %s failed", self.engine_id, batch.batch_id)

@@ -16,6 +16,9 @@ back to the first stage as metadata only, and the token stream to the gateway th
 `OutputRouter` (paraflex.engine.ray_output). A finished or aborted request's KV is freed on
 every stage by the loop's free messages.
 
+With `start_step_log(DIR)` (`paraflex serve --step-log DIR`) the engine thread logs every loop
+iteration that ran a batch to DIR/engine-<id>.csv (engine/step_log.py).
+
 Actor methods never block for long: a sync actor runs `deliver` only between other calls, so
 loading happens on a thread and the engine loop runs on its own thread.
 """
@@ -68,6 +71,7 @@ class EngineActor:
         self._engine_thread: threading.Thread | None = None
         self._build_args = (config, placement, device, dtype, kv_bytes, seed)
         self._changes: dict[str, str] = {}  # model -> its live stage change: "loading", "done", "failed: ..."
+        self.step_log = None  # a StepLog once `start_step_log` (paraflex serve --step-log)
         threading.Thread(target=self._load, name="pf-load", daemon=True).start()
 
     # ------------------------------------------------------------------ start-up
@@ -172,6 +176,13 @@ class EngineActor:
             return
         self._post(("call", model, lambda: self.loop.add_stage(model, stage, num_stages, route, *loaded)))
 
+    def start_step_log(self, directory: str) -> str:
+        """Log every batch this engine runs to DIR/engine-<id>.csv (engine/step_log.py); its path."""
+        from paraflex.engine.step_log import StepLog
+
+        self.step_log = StepLog(directory, self.engine_id)
+        return self.step_log.path
+
     def stop(self) -> None:
         self._stop.set()
         self.transport.notify()
@@ -179,6 +190,8 @@ class EngineActor:
             self._engine_thread.join(5.0)
         self.transport.close()
         self.sink.close()
+        if self.step_log is not None:
+            self.step_log.close()
         self.state = STOPPED
 
     # ------------------------------------------------------------------ the engine thread
@@ -214,11 +227,17 @@ class EngineActor:
         try:
             last = 0.0
             while not self._stop.is_set():
+                start, t0 = time.time(), time.perf_counter()
                 worked = self._apply_inbox()
-                worked |= self.loop.step()
+                ran = self.loop.step()
+                worked |= ran
+                if ran and self.step_log is not None and self.loop.last_run is not None:
+                    self._log_step(start, time.perf_counter() - t0)
                 now = time.monotonic()
                 if now - last > STATS_EVERY_S:
                     self._snapshot()
+                    if self.step_log is not None:
+                        self.step_log.flush()
                     last = now
                 if not worked and not self.loop.has_work():
                     self.transport.wait(STATS_EVERY_S)
@@ -226,6 +245,12 @@ class EngineActor:
             self.error = f"engine loop: {type(exc).__name__}: {exc}"
             self._say(f"engine {self.engine_id}: {self.error}\n{traceback.format_exc()}")
             self.state = FAILED
+
+    def _log_step(self, start: float, busy_s: float) -> None:
+        batch, run_s = self.loop.last_run
+        self.loop.last_run = None
+        route = self.loop.routes.get(batch.model, [self.engine_id])
+        self.step_log.record(batch, route, len(self.loop.routes), start, busy_s, run_s)
 
     def _transport_error(self, model: str, peer: int, exc: BaseException) -> None:
         self._say(f"engine {self.engine_id}: transfer of {model} with engine {peer} failed: {exc}")

@@ -7,7 +7,9 @@ writes ``DIR/compute/<cluster.device>/paraflex/<model>/mlp.csv`` plus ``DIR/prof
 (machine, torch, threads, dtypes, token counts) and says how to use them. Unless `--no-steps`,
 it then times whole engine steps of each model (paraflex/serving/step_profiler.py) and stores
 their residual over the tables' prediction in profile.json (`step_overheads`, read by the cost
-model: paraflex/costs/step_overheads.py). Unless `--no-hop`, it measures the Ray hop between two
+model: paraflex/costs/step_overheads.py). Both measurements run in rounds and re-measure points
+that break monotonicity (paraflex/costs/robust_timing.py); profile.json's `noise` keeps the
+rounds' spread and what was re-measured or pooled, per model, so a bench can warn. Unless `--no-hop`, it measures the Ray hop between two
 engine actors (paraflex/engine/transport/hop_probe.py) and stores it as `hop`, the link between
 engines of one node. `--gateway-log FILE` measures nothing: it reads a served request log and
 stores per-request delays as `gateway` in OUTPUT/profile.json, keeping the rest
@@ -30,7 +32,7 @@ import sys
 from paraflex.config.schema import load_config
 from paraflex.costs.serving_terms import (ENGINE_LOOP_KEY, GATEWAY_KEY, HOP_KEY, EngineLoopTerm, GatewayTerm, HopTerm,
                                           read_log, store)
-from paraflex.costs.step_overheads import KEY as STEP_KEY
+from paraflex.costs.step_overheads import KEY as STEP_KEY, NOISE_KEY
 from paraflex.errors import UserError
 from paraflex.models.engine_support import require_runnable
 
@@ -53,8 +55,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--gateway-log", metavar="FILE",
                         help="only store the per-request delays measured in this `paraflex serve --request-log` "
                              "file (log requests sent one at a time) in OUTPUT/profile.json")
+    parser.add_argument("--step-log", metavar="DIR",
+                        help="only store the engine loop's time per stage step fitted from this `paraflex serve "
+                             "--step-log DIR` (lines in the step's size; with --gateway-log, in place of its "
+                             "constant) in OUTPUT/profile.json")
     parser.add_argument("--placement", metavar="FILE",
-                        help="with --gateway-log: the placement the logged server ran (default: plan CONFIG)")
+                        help="with --gateway-log / --step-log: the placement the logged server ran (default: plan CONFIG)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
 
@@ -78,7 +84,7 @@ def run(args) -> int:
     if args.repeats < 1:
         raise UserError("--repeats must be >= 1")
     config = load_config(args.config)
-    if args.gateway_log:
+    if args.gateway_log or args.step_log:
         return _store_gateway(config, args)
     tokens = _tokens(args.tokens)
     names = [m.name for m in config.models]
@@ -113,6 +119,7 @@ def run(args) -> int:
         progress(f"{hardware} ({device}), torch {torch.__version__}, {torch.get_num_threads()} threads; "
                  f"tokens {','.join(map(str, tokens))}, {args.repeats} repeats")
     done: dict = {}  # (shape, dtype) -> model whose table covers it
+    noise: dict = {"ops": {}, "steps": {}}  # what the rounds' spread was, what was re-measured or pooled
     written = []
     for name in names:
         arch = config.model(name).arch
@@ -125,16 +132,17 @@ def run(args) -> int:
             if progress:
                 progress(f"{name}: same shape and dtype as {done[key]}, its table covers it")
             continue
-        rows = profile_layer_ops(arch, device, dtype, tokens, repeats=args.repeats, progress=progress)
+        ops = profile_layer_ops(arch, device, dtype, tokens, repeats=args.repeats, progress=progress)
+        noise["ops"][name] = ops.noise()
         path = table_path(args.output, config.cluster.device, f"paraflex/{name}")
-        write_mlp_csv(path, rows)
+        write_mlp_csv(path, ops.rows)
         done[key] = name
         written.append({"model": name, "table": os.path.relpath(path, args.output), "dtype": str(dtype).split(".")[-1]})
-    overheads = [] if args.no_steps else _step_overheads(config, names, args, device, progress)
+    overheads, noise["steps"] = ([], {}) if args.no_steps else _step_overheads(config, names, args, device, progress)
     meta = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cluster_device": config.cluster.device, "hardware": hardware, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "tokens": list(tokens), "repeats": args.repeats, "tables": written,
-            STEP_KEY: [o.to_dict() for o in overheads]}
+            STEP_KEY: [o.to_dict() for o in overheads], NOISE_KEY: noise}
     if not args.no_hop:
         meta[HOP_KEY] = asdict(_hop(progress))
     with open(os.path.join(args.output, "profile.json"), "w", encoding="utf-8") as fh:
@@ -144,18 +152,18 @@ def run(args) -> int:
     return 0
 
 
-def _step_overheads(config, names, args, device, progress) -> list:
-    """Each model's served-step residual over the op tables just written (CPU runs only: the
-    in-process cluster runs where the config's device is)."""
+def _step_overheads(config, names, args, device, progress) -> tuple[list, dict]:
+    """Each model's served-step residual over the op tables just written, and the noise seen per
+    model (CPU runs only: the in-process cluster runs where the config's device is)."""
     from paraflex.costs.costmodel import CostModel
     from paraflex.serving.step_profiler import measure_steps
 
     if device.type != "cpu" and config.cluster.device == "cpu":
-        return []
+        return [], {}
     cost = CostModel(config.cluster.device, tp=1, profile_dir=args.output)
     cost.overheads = cost.engine_loop = None  # the tables alone: an older profile.json's terms must not count
-    return [measure_steps(config, name, cost, repeats=max(1, args.repeats), progress=progress)
-            for name in names]
+    overheads, noise = measure_steps(config, names, cost, repeats=max(1, args.repeats), progress=progress)
+    return overheads, {name: n.to_dict() for name, n in noise.items()}
 
 
 def _hop(progress) -> HopTerm:
@@ -170,58 +178,88 @@ def _hop(progress) -> HopTerm:
 
 
 def _store_gateway(config, args) -> int:
-    """Store the served terms of `args.gateway_log`: the engine loop's time per stage step (logged
-    TBT against the simulated TBT of each request alone, without an earlier engine loop term), then
-    the gateway's delay and the engine path (logged TTFT against the simulated TTFT alone, now with
-    the engine loop term), both in OUTPUT's profile."""
-    rows = read_log(args.gateway_log)
+    """Store the served terms: the engine loop's time per stage step (from `args.step_log`'s
+    steps against the cost model's stage times, else from `args.gateway_log`'s TBT against the
+    simulated TBT of each request alone, without an earlier engine loop term), then the
+    gateway's delay and the engine path (logged TTFT against the simulated TTFT alone, now with
+    the engine loop term), all in OUTPUT's profile."""
+    rows = read_log(args.gateway_log) if args.gateway_log else []
     names = {m.name for m in config.models}
     unknown = [r["model"] for r in rows if r["model"] not in names]
     if unknown:
         raise UserError(f"--gateway-log {args.gateway_log}: model {unknown[0]!r} is not in the config; pass the "
                         f"config the logged server ran")
+    store(args.output, ENGINE_LOOP_KEY, None)
+    profiled, layout = _profiled(config, args)
+    archs = {m.name: m.arch for m in profiled.models}
     loop = None
-    if rows:
-        store(args.output, ENGINE_LOOP_KEY, None)
-        profiled, stages, alone = _alone(config, args, rows)
-        loop = EngineLoopTerm.fit(rows, [tbt for _, tbt in alone], stages, {m.name: m.arch for m in profiled.models})
-        store(args.output, ENGINE_LOOP_KEY, loop)
-    ttft = [t for t, _ in _alone(config, args, rows)[2]] if rows else None
+    if args.step_log:
+        loop = EngineLoopTerm.from_lines(_loop_lines(profiled, layout, args.step_log), archs)
+    elif rows:
+        stages = {name: mp.num_stages for name, mp in layout.placement.models.items()}
+        loop = EngineLoopTerm.fit(rows, [tbt for _, tbt in _alone(profiled, layout, rows)], stages, archs)
+    store(args.output, ENGINE_LOOP_KEY, loop)
+    if loop is not None:
+        steps = ", ".join(_describe(e) for e in loop.per_model)
+        print(f"engine loop per stage step, fitted from {loop.requests} logged {loop.source}: {steps or 'none'}")
+    if not args.gateway_log:
+        return 0
+    ttft = [t for t, _ in _alone(*_profiled(config, args), rows)] if rows else None
     term = GatewayTerm.from_log(rows, args.gateway_log, ttft)
     store(args.output, GATEWAY_KEY, term)
-    steps = ", ".join(f"{e['model']} {1000 * e['step_s']:.2f}" for e in loop.per_model) if loop else ""
     print(f"per-request delays (medians of {term.requests} requests in {args.gateway_log}): gateway "
-          f"{1000 * term.delay_s:.2f} ms, frontend <-> engines {1000 * term.engine_path_s:.2f} ms; engine loop per "
-          f"stage step (ms): {steps or 'no request of 2+ tokens'}; stored in "
-          f"{os.path.join(args.output, 'profile.json')}; the simulator delays every request by the first two and "
-          f"adds the last to every stage step")
+          f"{1000 * term.delay_s:.2f} ms, frontend <-> engines {1000 * term.engine_path_s:.2f} ms; stored in "
+          f"{os.path.join(args.output, 'profile.json')}; the simulator delays every request by both and adds the "
+          f"engine loop term to every stage step")
     return 0
 
 
-def _alone(config, args, rows: list[dict]) -> tuple:
-    """(the config with OUTPUT's profile, stages per model, the simulated (TTFT without the
-    per-request delays, mean TBT) of each logged request alone, a minute apart)."""
+def _describe(e: dict) -> str:
+    if "decode_s" not in e:
+        return f"{e['model']} {1000 * e['step_s']:.2f} ms"
+    return (f"{e['model']} decode {1000 * e['decode_s']:.2f} ms {1e6 * e['decode_per_seq_s']:+.0f} us/request, prefill "
+            f"{1000 * e['prefill_s']:.2f} ms {1e6 * e['prefill_per_token_s']:+.1f} us/token")
+
+
+def _profiled(config, args) -> tuple:
+    """(the config with OUTPUT's profile, its system layout on the served placement)."""
     from dataclasses import replace
 
     from paraflex.config.schema import Config
     from paraflex.placement import Placement
-    from paraflex.simulator.runner import SimSettings, simulate
+    from paraflex.simulator.runner import SimSettings
     from paraflex.simulator.systems.layouts import build_system
-    from paraflex.simulator.workload import SimRequest
 
     d = config.to_dict()
     d["cluster"] = {**d["cluster"], "profile_dir": os.path.abspath(args.output)}
     d.pop("workload", None)
     profiled = Config.from_dict(d, source=f"{config.source} with {args.output}")
-    settings = SimSettings(rate=1.0)
-    layout = build_system(profiled, settings)
+    layout = build_system(profiled, SimSettings(rate=1.0))
     if args.placement:
         layout = replace(layout, placement=Placement.load_for(args.placement, profiled))
+    return profiled, layout
+
+
+def _loop_lines(profiled, layout, step_log: str) -> dict:
+    """The engine loop's lines per model from the step log against the profiled cost model's
+    stage time of each logged step (no engine loop term: OUTPUT's was dropped)."""
+    from paraflex.costs.loop_fit import fit_loop_lines, read_step_log, stage_time_fn
+
+    models = layout.placement.models
+    rows = [r for r in read_step_log(step_log) if r["model"] in models]
+    archs = {m.name: m.arch for m in profiled.models}
+    return fit_loop_lines(rows, stage_time_fn(profiled.cluster.cost_model(), layout.placement, archs))
+
+
+def _alone(profiled, layout, rows: list[dict]) -> list[tuple[float, float]]:
+    """The simulated (TTFT without the per-request delays, mean TBT) of each logged request
+    alone, a minute apart, with `profiled`'s profile on `layout`."""
+    from paraflex.simulator.runner import SimSettings, simulate
+    from paraflex.simulator.workload import SimRequest
+
     requests = [SimRequest(i, r["model"], 60.0 * i, int(r["prompt_tokens"]), int(r["output_tokens"]))
                 for i, r in enumerate(rows)]
-    metrics = simulate(profiled, settings, layout=layout, requests=requests).metrics
+    metrics = simulate(profiled, SimSettings(rate=1.0), layout=layout, requests=requests).metrics
     alone = [metrics.requests[i] for i in range(len(rows))]
-    times = [(r.first_token - r.arrival - metrics.request_delay,
-              (r.last_token - r.first_token) / (r.tokens - 1) if r.tokens > 1 else 0.0) for r in alone]
-    stages = {name: mp.num_stages for name, mp in layout.placement.models.items()}
-    return profiled, stages, times
+    return [(r.first_token - r.arrival - metrics.request_delay,
+             (r.last_token - r.first_token) / (r.tokens - 1) if r.tokens > 1 else 0.0) for r in alone]

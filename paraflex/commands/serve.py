@@ -50,6 +50,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--request-log", metavar="FILE",
                         help="write one CSV row per finished request (arrival, first token, finish, E2E, TTFT, TBT, "
                              "tokens) in the columns of `paraflex simulate`'s requests.csv (docs/serve.md)")
+    parser.add_argument("--step-log", metavar="DIR",
+                        help="Ray backend: every engine writes one CSV row per batch it runs (what it carried, "
+                             "how long its loop took) to DIR/engine-<id>.csv, for `paraflex profile --step-log` "
+                             "(docs/costmodel.md)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="Ray restarts of a dead engine actor before its replicas stay down (default 0)")
     from paraflex.planner.incremental import DEFAULT_HYSTERESIS
@@ -93,6 +97,16 @@ def load_placement(config, path: str | None):
     return plan(config)
 
 
+def _require_writable_dir(path: str) -> None:
+    """--step-log's folder exists (made if need be) and can be written, before any engine starts."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--step-log {path}: cannot make it ({exc.strerror}); pass a folder you can write") from None
+    if not os.access(path, os.W_OK):
+        raise UserError(f"--step-log {path}: cannot write in it; pass a folder you can write")
+
+
 def start_backend(config, placement, args):
     if args.in_process:
         from paraflex.serving.in_process_backend import InProcessBackend
@@ -119,6 +133,8 @@ def run(args) -> int:
                         "fastapi uvicorn); `paraflex generate` runs without it") from None
     from paraflex.models.engine_support import require_runnable
 
+    if args.in_process and args.step_log:
+        raise UserError("--step-log: the engine step log is written by Ray engine actors; drop --in-process")
     if args.in_process and (args.ray_address or args.max_restarts):
         raise UserError("--in-process: cannot be combined with --ray-address or --max-restarts (Ray only)")
     if args.max_restarts < 0:
@@ -157,11 +173,16 @@ def run(args) -> int:
             from paraflex.serving.request_log import RequestLog
 
             request_log = RequestLog(args.request_log, config.models)
+        if args.step_log:
+            _require_writable_dir(args.step_log)
         print(f"starting {len(placement.engines)} engines ({'in-process' if args.in_process else 'Ray'}) ...",
               flush=True)
         backend = start_backend(config, placement, args)
         if request_log is not None:
             backend.frontend.request_log = request_log
+        if args.step_log:
+            paths = backend.engines.start_step_logs(args.step_log)
+            print(f"engine step log: {', '.join(paths)}", flush=True)
         replanner = None
         try:
             if args.replan_interval is not None:

@@ -214,12 +214,13 @@ class CostModel:
 
     def _with_residual(self, total: float, arch, num_layers: int, prefill: bool, size: int) -> float:
         """`total` plus the measured per-step residual of a served engine (step_overheads.py)
-        and what its engine loop adds per stage step (serving_terms.py, `engine_loop`)."""
-        if self.overheads is not None:
-            total += self.overheads.stage_residual(arch, num_layers, prefill, size)
-        if self.engine_loop is not None:
-            total += self.engine_loop.stage_step_s(arch)
-        return total
+        and what its engine loop adds per stage step (serving_terms.py, `engine_loop`); a loop
+        line fitted from a step log may be negative (the served steps were faster than the
+        residual says), but the two never take time off the ops."""
+        residual = self.overheads.stage_residual(arch, num_layers, prefill, size) if self.overheads is not None else 0.0
+        if self.engine_loop is not None:  # fitted against the stage time with the residual: may correct it down
+            residual = max(0.0, residual + self.engine_loop.stage_step_s(arch, prefill, size))
+        return total + residual
 
     def model_time(self, arch) -> float:
         """Reference time of one whole-model iteration, used to shard models by time.

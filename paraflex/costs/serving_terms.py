@@ -19,6 +19,9 @@ Place in the data flow:
   run) adds to every engine step of a stage: per model, the logged mean TBT minus the simulated
   mean TBT of the same request alone, over the model's stages. `CostModel(profile_dir=...)` adds
   it to every stage execution (prefill and decode), so TBT and E2E see it too.
+- `paraflex profile CONFIG --step-log DIR` fits the same term from an engine step log instead
+  (paraflex/costs/loop_fit.py): per model and kind a line in the step's size
+  (`EngineLoopTerm.from_lines`), which the cost model adds at each stage execution's size.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from paraflex.errors import UserError
 HOP_KEY = "hop"
 GATEWAY_KEY = "gateway"
 ENGINE_LOOP_KEY = "engine_loop"
+LINE_KEYS = ("prefill_s", "prefill_per_token_s", "decode_s", "decode_per_seq_s")
 
 
 @dataclass(frozen=True)
@@ -87,12 +91,15 @@ class GatewayTerm:
 @dataclass(frozen=True)
 class EngineLoopTerm:
     """Seconds the served engine loop adds to each engine step of a stage, per model (`per_model`:
-    [{model, key (its arch_key), step_s}]), and `step_s` for a model not logged (the median of
-    the logged models'), fitted from `requests` logged requests."""
+    [{model, key (its arch_key), step_s}], and, fitted from an engine step log, lines in the
+    step's size: prefill_s + prefill_per_token_s * tokens, decode_s + decode_per_seq_s * batch),
+    and `step_s` for a model not logged (the median of the logged models' step_s), fitted from
+    `requests` logged requests (or `steps` logged steps: `source` "requests" or "steps")."""
 
     per_model: list
     step_s: float
     requests: int
+    source: str = "requests"
 
     @classmethod
     def fit(cls, rows: list[dict], alone_tbt_s: list[float], stages: dict[str, int], archs: dict) -> "EngineLoopTerm":
@@ -109,10 +116,26 @@ class EngineLoopTerm:
         step = statistics.median(e["step_s"] for e in per_model) if per_model else 0.0
         return cls(per_model, step, sum(len(v) for v in extra.values()))
 
-    def stage_step_s(self, arch) -> float:
-        """What the engine loop adds to one stage execution of `arch`."""
+    @classmethod
+    def from_lines(cls, lines: dict[str, dict], archs: dict) -> "EngineLoopTerm":
+        """From `paraflex.costs.loop_fit.fit_loop_lines`' lines per model (`archs` by model);
+        `step_s` of an entry (and for a model not logged) is its decode line at batch 1."""
+        per_model = [{"model": m, "key": list(arch_key(archs[m])), "step_s": max(0.0, e["decode_s"] + e["decode_per_seq_s"]),
+                      **{k: e[k] for k in LINE_KEYS}} for m, e in sorted(lines.items())]
+        step = statistics.median(e["step_s"] for e in per_model) if per_model else 0.0
+        return cls(per_model, step, sum(e["steps"] for e in lines.values()), "steps")
+
+    def stage_step_s(self, arch, prefill: bool = False, size: int = 1) -> float:
+        """What the engine loop adds to one stage execution of `arch` over `size` prompt tokens
+        (prefill) or requests (decode): the model's line where one was fitted from a step log (may be
+        negative: the cost model keeps residual + loop >= 0), else a constant >= 0."""
         key = list(arch_key(arch))
-        return next((e["step_s"] for e in self.per_model if e["key"] == key), self.step_s)
+        e = next((e for e in self.per_model if e["key"] == key), None)
+        if e is None:
+            return self.step_s
+        if "decode_s" not in e:
+            return e["step_s"]
+        return e["prefill_s"] + e["prefill_per_token_s"] * size if prefill else e["decode_s"] + e["decode_per_seq_s"] * size
 
 
 def read_log(path: str) -> list[dict]:

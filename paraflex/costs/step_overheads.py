@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 from dataclasses import asdict, dataclass
 
 from paraflex.costs.profile_tables import shape_of
 
 PROFILE_FILE = "profile.json"
 KEY = "step_overheads"
+NOISE_KEY = "noise"  # how noisy the op tables and step timings were (written by `paraflex profile`)
 
 
 @dataclass(frozen=True)
@@ -97,11 +97,3 @@ class StepOverheads:
             return 0.0
         return e.whole_model(prefill, size) * num_layers / e.num_layers
 
-
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """(intercept, slope) of a Theil-Sen line: the median of the pairwise slopes, then the median
-    intercept, so one point a busy machine inflated does not tilt it (one point: a flat line)."""
-    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
-              if xs[j] != xs[i]]
-    slope = statistics.median(slopes) if slopes else 0.0
-    return statistics.median(y - slope * x for x, y in zip(xs, ys)), slope

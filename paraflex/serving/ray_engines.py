@@ -14,6 +14,8 @@ added live gets a number never used before (never a removed one's).
 
 from __future__ import annotations
 
+import os
+
 import msgpack
 import ray
 
@@ -81,6 +83,12 @@ class RayEngines:
             if key[0] == model and spec.engines == tuple(engines):
                 del self.groups[key]
         ray.get([self.actors[e].leave_group.remote(model, list(engines)) for e in live], timeout=timeout_s)
+
+    # ------------------------------------------------------------------ step logs
+    def start_step_logs(self, directory: str, timeout_s: float = 30.0) -> list[str]:
+        """Every engine logs the batches it runs under `directory` (engine/step_log.py); the paths."""
+        return ray.get([a.start_step_log.remote(os.path.abspath(directory)) for a in self.actors.values()],
+                       timeout=timeout_s)
 
     # ------------------------------------------------------------------ shutdown
     def stop(self, timeout_s: float) -> None:

@@ -1,20 +1,24 @@
-"""Whole engine steps of one model, timed on this machine: the calibration `paraflex profile`
+"""Whole engine steps of each model, timed on this machine: the calibration `paraflex profile`
 adds to its op tables (the residual the cost model cannot see from ops alone).
 
 Place in the data flow: `paraflex profile` (paraflex/commands/profile.py) calls `measure_steps`
-per model after writing the op tables; it builds a one-engine in-process cluster holding the
-whole model as one stage (the served engine's own scheduler, KV accounting, worker, sampler and
-in-process transport), runs it synchronously, and times:
+with the config's models after writing the op tables; it builds one one-engine in-process
+cluster per model holding the whole model as one stage (the served engine's own scheduler, KV
+accounting, worker, sampler and in-process transport), runs it synchronously, and times:
 
 - prefill: one prompt of P tokens and max_tokens 1 (one prefill step, with sampling), per P;
 - decode: B prompts with max_tokens 1 + K minus the same with max_tokens 1, divided by K (one
   decode step of batch B, with sampling), per B.
 
-Each time is the fastest of at least MIN_REPEATS repeats, the points taking turns round after
-round (a shared machine's other tenants only add time, and come in stretches; whole steps of
-these models take milliseconds, so many tries to catch an undisturbed one cost little: a run
-with 2 repeats at load average 12 measured a 16-token prefill of tiny-2l at 15 ms, one with 5
-at load 6 at 1.5 ms, and 20 consecutive repeats per point during a busy stretch still 22 ms).
+Robust to other tenants of a shared machine (paraflex/costs/robust_timing.py), which only add
+time and come in stretches: the runs are made in BLOCKS blocks of rounds, the models taking turns
+block by block and the probes of a model round by round, and each probe's time is the median of
+its per-block minima (a stretch that holds one block from start to end does not count). A size
+whose time breaks physics (a prefill of more tokens or a decode of a bigger batch costing less,
+or a point far off the Theil-Sen line of the others) gets another block, up to RETRIES times; a
+break left after that is pooled into a non-decreasing series (pool adjacent violators), said in
+the progress lines. `StepNoise` keeps each model's spread (how far the blocks' minima disagree),
+what was re-measured and what was pooled, for profile.json's `noise`.
 
 The residual (measured - the cost model's prediction from the tables just written) is fitted as a
 line in P (prefill) and in B (decode) over those points (`fit_line`, Theil-Sen: one inflated
@@ -23,18 +27,24 @@ point does not tilt it); paraflex/costs/step_overheads.py stores and applies it.
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass, field
 
 from paraflex.config.schema import Config
 from paraflex.costs.costmodel import CostModel
-from paraflex.costs.step_overheads import StepOverhead, fit_line
+from paraflex.costs.robust_timing import (MONOTONE_TOL, fit_line, line_outliers, make_monotone, monotone_breaks,
+                                          robust_time, spread)
+from paraflex.costs.step_overheads import StepOverhead
 from paraflex.engine.core.sampling_params import SamplingParams
 
-PREFILL_TOKENS = (16, 64, 128)
-DECODE_BATCHES = (1, 4, 8)
+PREFILL_TOKENS = (16, 32, 64, 128)
+DECODE_BATCHES = (1, 2, 4, 8)
 DECODE_STEPS = 8  # K
 DECODE_PROMPT = 8  # tokens per decode-test prompt
-MIN_REPEATS = 20
+MIN_REPEATS = 21  # runs per probe at least, over all blocks
+BLOCKS = 3
+RETRIES = 2
 NO_CUT_MS = 1e9  # a target stage time no model reaches: the model stays one stage
 
 
@@ -48,52 +58,128 @@ def one_stage_config(config, name: str) -> Config:
     return Config.from_dict(d, source=f"{config.source}, {name} alone")
 
 
-def _fastest(cluster, name: str, probes: list[tuple[list[list[int]], int]], repeats: int) -> list[float]:
-    """The fastest of `repeats` runs of each probe (prompts, max_tokens), after a warm-up each.
-    The probes take turns, round after round, so a stretch when other tenants hold the cores
-    slows one run of every probe rather than all runs of one: each minimum is the engine's own
-    cost (other tenants only ever add time)."""
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in probes]
-    for (prompts, _), p in zip(probes, params):
-        cluster.generate(name, prompts, p)  # warm-up
-    best = [float("inf")] * len(probes)
-    for _ in range(repeats):
-        for i, ((prompts, _), p) in enumerate(zip(probes, params)):
-            t0 = time.perf_counter()
-            cluster.generate(name, prompts, p)
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
+@dataclass
+class StepNoise:
+    """How noisy one model's step timings were: the largest spread of a prefill / decode probe's
+    block minima, and the sizes ("prefill@P", "decode@B") re-measured and pooled."""
+
+    prefill_spread: float = 0.0
+    decode_spread: float = 0.0
+    remeasured: list[str] = field(default_factory=list)
+    adjusted: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"prefill_spread": round(self.prefill_spread, 4), "decode_spread": round(self.decode_spread, 4),
+                "remeasured": self.remeasured, "adjusted": self.adjusted}
 
 
-def measure_steps(config, name: str, cost: CostModel, repeats: int = 5, progress=None) -> StepOverhead:
-    """Time whole engine steps of model `name` and return its residual over `cost`."""
-    from paraflex.serving.in_process import LLMCluster
+class _ModelProbes:
+    """One model's in-process cluster, its probes (prompts, max_tokens) and their blocks of runs."""
 
-    arch = config.model(name).arch
-    cluster = LLMCluster(one_stage_config(config, name))
+    def __init__(self, config, name: str) -> None:
+        from paraflex.serving.in_process import LLMCluster
+
+        self.name = name
+        self.cluster = LLMCluster(one_stage_config(config, name))
+        batches = [[[7 + i] * DECODE_PROMPT for i in range(b)] for b in DECODE_BATCHES]
+        self.probes = ([([[7] * p], 1) for p in PREFILL_TOKENS] + [(q, 1) for q in batches]
+                       + [(q, 1 + DECODE_STEPS) for q in batches])
+        self.params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in self.probes]
+        self.blocks: list[list[list[float]]] = [[] for _ in self.probes]  # probe -> blocks -> runs
+        for (prompts, _), p in zip(self.probes, self.params):
+            self.cluster.generate(name, prompts, p)  # warm-up
+
+    def run_block(self, rounds: int, which: list[int]) -> None:
+        """One block: `rounds` rounds, each running the probes `which` once in turn."""
+        runs = {i: [] for i in which}
+        for _ in range(rounds):
+            for i in which:
+                t0 = time.perf_counter()
+                self.cluster.generate(self.name, self.probes[i][0], self.params[i])
+                runs[i].append(time.perf_counter() - t0)
+        for i, r in runs.items():
+            self.blocks[i].append(r)
+
+    def prefill_times(self) -> list[float]:
+        return [robust_time(self.blocks[i]) for i in range(len(PREFILL_TOKENS))]
+
+    def decode_times(self) -> list[float]:
+        n_p, n_d = len(PREFILL_TOKENS), len(DECODE_BATCHES)
+        return [(robust_time(self.blocks[n_p + n_d + k]) - robust_time(self.blocks[n_p + k])) / DECODE_STEPS
+                for k in range(n_d)]
+
+    def suspect_probes(self) -> dict[str, list[int]]:
+        """"prefill@P" / "decode@B" -> the probe indices to run again (a monotone break or an
+        outlier from the line of the others)."""
+        n_p, n_d = len(PREFILL_TOKENS), len(DECODE_BATCHES)
+        out = {}
+        pre, dec = self.prefill_times(), self.decode_times()
+        for i in set(monotone_breaks(pre)) | set(line_outliers(list(PREFILL_TOKENS), pre)):
+            out[f"prefill@{PREFILL_TOKENS[i]}"] = [i]
+        for k in set(monotone_breaks(dec)) | set(line_outliers(list(DECODE_BATCHES), dec)):
+            out[f"decode@{DECODE_BATCHES[k]}"] = [n_p + k, n_p + n_d + k]
+        return out
+
+
+def measure_steps(config, names: list[str], cost: CostModel, repeats: int = 5,
+                  progress=None) -> tuple[list[StepOverhead], dict[str, StepNoise]]:
+    """Time whole engine steps of each model of `names` and return their residuals over `cost`
+    with the noise seen per model."""
+    models = [_ModelProbes(config, name) for name in names]
+    rounds = math.ceil(max(repeats, MIN_REPEATS) / BLOCKS)
+    noise = {m.name: StepNoise() for m in models}
+    try:
+        for _ in range(BLOCKS):
+            for m in models:  # the models take turns block by block: one busy stretch hits one block of each
+                m.run_block(rounds, list(range(len(m.probes))))
+        for _ in range(RETRIES):
+            again = {m.name: m.suspect_probes() for m in models}
+            if not any(again.values()):
+                break
+            for m in models:
+                if again[m.name]:
+                    if progress:
+                        progress(f"{m.name}: re-measuring {', '.join(sorted(again[m.name]))} (breaks monotonicity "
+                                 f"in size or lies off the line of the other sizes)")
+                    noise[m.name].remeasured += sorted(again[m.name])
+                    m.run_block(rounds, sorted({i for v in again[m.name].values() for i in v}))
+        return [_residual(config, m, cost, noise[m.name], progress) for m in models], noise
+    finally:
+        for m in models:
+            m.cluster.shutdown()
+
+
+def _residual(config, m: _ModelProbes, cost: CostModel, noise: StepNoise, progress) -> StepOverhead:
+    arch = config.model(m.name).arch
     L = arch.num_layers
-    batches = [[[7 + i] * DECODE_PROMPT for i in range(b)] for b in DECODE_BATCHES]
-    probes = ([([[7] * p], 1) for p in PREFILL_TOKENS] + [(q, 1) for q in batches]
-              + [(q, 1 + DECODE_STEPS) for q in batches])
-    times = _fastest(cluster, name, probes, max(repeats, MIN_REPEATS))
-    n_p, n_d = len(PREFILL_TOKENS), len(DECODE_BATCHES)
+    n_p = len(PREFILL_TOKENS)
+    noise.prefill_spread = max(spread(b) for b in m.blocks[:n_p])
+    noise.decode_spread = max(spread(b) for b in m.blocks[n_p:])
+    series = {}
+    for kind, sizes, measured in (("prefill", PREFILL_TOKENS, m.prefill_times()),
+                                  ("decode", DECODE_BATCHES, m.decode_times())):
+        fixed = make_monotone(measured)
+        pooled = [f"{kind}@{s}" for s, a, b in zip(sizes, measured, fixed) if abs(a - b) > MONOTONE_TOL * a]
+        if pooled and progress:
+            progress(f"{m.name}: {', '.join(pooled)} still break monotonicity: pooled into a non-decreasing series")
+        noise.adjusted += pooled
+        series[kind] = fixed
     prefill, decode = [], []
-    for p, measured in zip(PREFILL_TOKENS, times[:n_p]):
+    for p, measured in zip(PREFILL_TOKENS, series["prefill"]):
         predicted = cost.prefill_time(arch, L, p, first=True, last=True)
         prefill.append(measured - predicted)
         if progress:
-            progress(f"{name}: prefill {p} tokens: {1000 * measured:.2f} ms served vs {1000 * predicted:.2f} ms ops")
-    for b, short, long in zip(DECODE_BATCHES, times[n_p:n_p + n_d], times[n_p + n_d:]):
-        measured = (long - short) / DECODE_STEPS
+            progress(f"{m.name}: prefill {p} tokens: {1000 * measured:.2f} ms served vs {1000 * predicted:.2f} ms ops")
+    for b, measured in zip(DECODE_BATCHES, series["decode"]):
         ctx = b * (DECODE_PROMPT + 1 + DECODE_STEPS // 2)
         predicted = cost.decode_time(arch, L, b, ctx, first=True, last=True)
         decode.append(measured - predicted)
         if progress:
-            progress(f"{name}: decode step, batch {b}: {1000 * measured:.2f} ms served vs {1000 * predicted:.2f} ms ops")
-    cluster.shutdown()
+            progress(f"{m.name}: decode step, batch {b}: {1000 * measured:.2f} ms served vs {1000 * predicted:.2f} ms ops")
     p0, p1 = fit_line(PREFILL_TOKENS, prefill)
     d0, d1 = fit_line(DECODE_BATCHES, decode)
     if progress:
-        progress(f"{name}: residual prefill {1000 * p0:.2f} ms + {1e6 * p1:.1f} us/token, "
-                 f"decode {1000 * d0:.2f} ms + {1e6 * d1:.1f} us/request")
-    return StepOverhead.of(name, arch, p0, d0, p1, d1)
+        progress(f"{m.name}: residual prefill {1000 * p0:.2f} ms + {1e6 * p1:.1f} us/token, "
+                 f"decode {1000 * d0:.2f} ms + {1e6 * d1:.1f} us/request; blocks' spread prefill "
+                 f"{noise.prefill_spread:.0%}, decode {noise.decode_spread:.0%}")
+    return StepOverhead.of(m.name, arch, p0, d0, p1, d1)

@@ -42,3 +42,10 @@ def test_tiny_fidelity_run_compares_every_load_and_model(tmp_path, capsys):
     for load in ("light", "mid", "high"):
         assert f"{load}: 3/3 logged" in out
     assert (tmp_path / "requests-mid.csv").is_file()
+    # every engine logged the batches it ran (serve --step-log): the loop's time holds the forward pass
+    steps = {p.name: list(csv.DictReader(p.open(newline=""))) for p in (tmp_path / "steps").glob("engine-*.csv")}
+    assert set(steps) == {"engine-0.csv", "engine-1.csv"} and all(steps.values())
+    rows = [r for v in steps.values() for r in v]
+    assert {r["model"] for r in rows} == {"tiny-2l", "tiny-4l", "tiny-8l"} & {r["model"] for r in logged}
+    assert all(float(r["busy_s"]) >= float(r["run_s"]) > 0 for r in rows)
+    assert {r["crosses"] for r in rows if r["model"] == "tiny-8l"} <= {"1"}

@@ -192,3 +192,18 @@ def test_serve_with_replanning_meters_requests_and_stops_cleanly(files):
         assert "the rates the live re-planner decides on" in text
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
+
+
+def test_serve_refuses_a_step_log_in_process(files, tmp_path, capsys):
+    cfg, pl = files
+    assert main(["serve", cfg, "--placement", pl, "--in-process", "--step-log", str(tmp_path / "steps")]) == 2
+    err = capsys.readouterr().err
+    assert "--step-log" in err and "--in-process" in err and not (tmp_path / "steps").exists()
+
+
+def test_serve_refuses_a_step_log_folder_it_cannot_make(files, tmp_path, capsys):
+    cfg, pl = files
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["serve", cfg, "--placement", pl, "--step-log", str(blocker / "steps")]) == 2
+    assert "--step-log" in capsys.readouterr().err

@@ -38,6 +38,11 @@ def test_profile_writes_tables_the_cost_model_and_planner_use(tmp_path, capsys):
         assert model.linear_time(arch, 4) != CostModel("cpu").linear_time(arch, 4)  # not the roofline
     # whole served steps: a residual per model, added pro rata to the stage's layers
     steps = {o["model"]: o for o in meta["step_overheads"]}
+    noise = meta["noise"]  # the rounds' spread and what was re-measured / pooled, per model
+    assert set(noise["ops"]) == set(noise["steps"]) == {"tiny-2l", "tiny-4l"}
+    assert noise["ops"]["tiny-2l"]["spread"] >= 0 and noise["steps"]["tiny-4l"]["decode_spread"] >= 0
+    for table in (ProfileIndex(str(out)).lookup("cpu", config.model(n).arch, 1) for n in ("tiny-2l", "tiny-4l")):
+        assert all(a <= b for op in ALL_OPS for a, b in zip(table.times[op], table.times[op][1:]))  # monotone
     assert set(steps) == {"tiny-2l", "tiny-4l"} and steps["tiny-4l"]["num_layers"] == 4
     arch = config.model("tiny-4l").arch
     tables_only = CostModel("cpu", profile_dir=str(out))
@@ -94,3 +99,35 @@ def test_profile_measures_the_hop_and_a_served_log_gives_the_request_delays(tmp_
     assert loop["requests"] == 1 and 0.09 < loop["step_s"] < 0.1 and loop["per_model"][0]["model"] == "tiny-2l"
     assert main(["profile", DEMO, "--gateway-log", str(tmp_path / "none.csv"), "-o", str(out)]) == 2
     assert "--gateway-log" in capsys.readouterr().err
+
+
+def test_a_step_log_gives_the_engine_loop_as_lines_in_the_steps_size(tmp_path, capsys):
+    """`--step-log DIR` fits the loop per model and kind from served steps against the cost
+    model's stage times (OUTPUT's tables, no loop term)."""
+    from paraflex.engine.step_log import STEP_LOG_COLUMNS
+
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    config = load_config(DEMO)
+    placement = tmp_path / "p.json"
+    assert main(["plan", DEMO, "-o", str(placement), "-q"]) == 0
+    model = config.models[0].name
+    mp = Placement.load(placement).models[model]
+    a, b = mp.stages[0]
+    out = tmp_path / "prof"
+    assert main(["profile", DEMO, "-o", str(out), "--models", model, "--tokens", "1,8", "--repeats", "1",
+                 "--no-steps", "--no-hop", "-q"]) == 0
+    cost, arch = CostModel("cpu", profile_dir=str(out)), config.model(model).arch
+    lines = [",".join(STEP_LOG_COLUMNS)]
+    for batch in (1, 2, 4):  # the loop adds 1 ms + 0.5 ms per request over the stage's time
+        t = cost.decode_time(arch, b - a, batch, 40 * batch, True, mp.num_stages == 1) + 0.001 + 0.0005 * batch
+        lines += [f"0,{model},0,{mp.num_stages},decode,{batch},0,{40 * batch},1,0,1.0,{t:.9f},0.001"] * 3
+    (steps / "engine-0.csv").write_text("\n".join(lines) + "\n")
+    assert main(["profile", DEMO, "--step-log", str(steps), "--placement", str(placement), "-o", str(out)]) == 0
+    assert "fitted from 9 logged steps" in capsys.readouterr().out
+    loop = json.loads((out / "profile.json").read_text())["engine_loop"]
+    entry = loop["per_model"][0]
+    assert loop["source"] == "steps" and entry["model"] == model
+    assert entry["decode_s"] == pytest.approx(0.001, abs=1e-6) and entry["decode_per_seq_s"] == pytest.approx(0.0005)
+    assert main(["profile", DEMO, "--step-log", str(tmp_path / "none"), "-o", str(out)]) == 2
+    assert "--step-log" in capsys.readouterr().err

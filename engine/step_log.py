@@ -1,0 +1,48 @@
+"""`paraflex serve --step-log DIR`: one CSV row per batch an engine ran, timed by its own loop.
+
+Place in the data flow: the Ray engine actor (engine/ray_engine.py) opens a `StepLog` at
+DIR/engine-<id>.csv when the serve command asks (`start_step_log`) and records every loop
+iteration that ran a batch: what the batch carried (model, stage, kind, batch size, prompt
+tokens, decode context, how many stages the engine holds, whether its output crosses engines)
+and how long it took: `busy_s` the whole iteration (inbox, transport poll, schedule, forward,
+sampling, sending the hidden state or tokens, the output push) and `run_s` the forward pass and
+sampling alone; `req_ids` the batch's engine request ids (space-separated: the request log's
+`id` unless a restart re-issued it), so a request's steps can be found. `paraflex profile CONFIG --step-log DIR` (paraflex/costs/loop_fit.py) compares
+`busy_s` with the cost model's stage time of the same batch and fits what the served loop adds
+per stage step as a function of what the step carries (`engine_loop` in profile.json). Rows are
+buffered and flushed with the engine's stats refresh; the engine thread is the only writer.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+
+STEP_LOG_COLUMNS = ("engine", "model", "stage", "num_stages", "kind", "batch_size", "prefill_tokens",
+                    "total_context", "resident_stages", "crosses", "start_s", "busy_s", "run_s", "req_ids")
+
+
+class StepLog:
+    """The step rows of one engine, appended to DIR/engine-<id>.csv."""
+
+    def __init__(self, directory: str, engine_id: int) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, f"engine-{engine_id}.csv")
+        self.engine_id = engine_id
+        self.file = open(self.path, "w", newline="", encoding="utf-8")
+        self.writer = csv.writer(self.file)
+        self.writer.writerow(STEP_LOG_COLUMNS)
+
+    def record(self, batch, route: list[int], resident_stages: int, start_s: float, busy_s: float,
+               run_s: float) -> None:
+        """One batch `batch` (a ScheduledBatch) of the replica on engines `route`."""
+        crosses = any(e != self.engine_id for e in route)  # hidden state or tokens leave this engine
+        self.writer.writerow((self.engine_id, batch.model, batch.stage, len(route), batch.kind, batch.batch_size,
+                              batch.prefill_tokens, batch.total_context, resident_stages, int(crosses),
+                              f"{start_s:.6f}", f"{busy_s:.7f}", f"{run_s:.7f}", " ".join(batch.req_ids)))
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()

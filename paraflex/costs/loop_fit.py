@@ -1,0 +1,93 @@
+"""What the served engine loop adds to a stage step, fitted from an engine step log as a function
+of what the step carries.
+
+Place in the data flow: `paraflex serve --step-log DIR` (engine/step_log.py) writes one row per
+batch each Ray engine ran, with `busy_s`, its loop iteration's wall time. `paraflex profile
+CONFIG --step-log DIR` reads the rows (`read_step_log`) and calls `fit_loop_lines`: per row the
+extra time `busy_s` minus the cost model's time for the same stage execution (op tables and
+served-step residual, no engine loop term), per model and kind (prefill, decode) a least-squares
+line of that extra in the step's size (prompt tokens; decode requests), fitted through the mean
+extra at each size (each size weighted by its steps). Means, not medians: a request's TBT is the
+mean of its steps, and an engine's capacity under load is set by its mean step. The lines go
+into `EngineLoopTerm` (paraflex/costs/serving_terms.py, `engine_loop` in profile.json), which
+the cost model adds to every stage execution at its size. Mixed (Sarathi) steps are not used.
+Pure: rows are dicts, the stage time a function.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import os
+from collections import defaultdict
+from typing import Callable
+
+from paraflex.errors import UserError
+
+
+def read_step_log(directory: str) -> list[dict]:
+    """The rows of every engine-*.csv under `directory`."""
+    paths = sorted(glob.glob(os.path.join(directory, "engine-*.csv")))
+    if not paths:
+        raise UserError(f"--step-log {directory}: no engine-*.csv in it; pass the DIR of `paraflex serve --step-log DIR`")
+    rows = []
+    for path in paths:
+        with open(path, newline="", encoding="utf-8") as fh:
+            rows += list(csv.DictReader(fh))
+    return rows
+
+
+def stage_time_fn(cost, placement, archs: dict) -> Callable[[dict], float]:
+    """The cost model's time of a logged step (a row): its stage's layers on `placement`, its
+    kind and size (`archs` by model name)."""
+    def stage_time(r: dict) -> float:
+        mp, stage = placement.models[r["model"]], int(r["stage"])
+        a, b = mp.stages[stage]
+        arch, first, last = archs[r["model"]], stage == 0, stage == mp.num_stages - 1
+        batch = int(r["batch_size"])
+        if r["kind"] == "prefill":
+            return cost.prefill_time(arch, b - a, int(r["prefill_tokens"]), first, last, num_seqs=batch)
+        return cost.decode_time(arch, b - a, batch, max(batch, int(r["total_context"])), first, last)
+
+    return stage_time
+
+
+def weighted_line(points: dict[int, list[float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through the mean of each size's values,
+    weighted by their count (one size: a flat line at its mean)."""
+    n = sum(len(v) for v in points.values())
+    mx = sum(x * len(v) for x, v in points.items()) / n
+    my = sum(sum(v) for v in points.values()) / n
+    sxx = sum(len(v) * (x - mx) ** 2 for x, v in points.items())
+    if sxx == 0:
+        return my, 0.0
+    sxy = sum(len(v) * (x - mx) * (sum(v) / len(v) - my) for x, v in points.items())
+    slope = sxy / sxx
+    return my - slope * mx, slope
+
+
+def step_size(row: dict) -> tuple[bool, int] | None:
+    """(prefill?, size) of a logged step: prompt tokens or decode requests; None for a mixed one."""
+    if row["kind"] == "prefill":
+        return True, int(row["prefill_tokens"])
+    if row["kind"] == "decode":
+        return False, int(row["batch_size"])
+    return None
+
+
+def fit_loop_lines(rows: list[dict], stage_time: Callable[[dict], float]) -> dict[str, dict]:
+    """model -> {prefill_s, prefill_per_token_s, decode_s, decode_per_seq_s, steps}: the lines of
+    `busy_s - stage_time(row)` per model and kind (a kind without rows: zero)."""
+    extra: dict[tuple[str, bool], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        sized = step_size(r)
+        if sized is not None:
+            extra[(r["model"], sized[0])][sized[1]].append(float(r["busy_s"]) - stage_time(r))
+    out: dict[str, dict] = {}
+    for (model, prefill), points in sorted(extra.items()):
+        a, b = weighted_line(points)
+        e = out.setdefault(model, {"prefill_s": 0.0, "prefill_per_token_s": 0.0, "decode_s": 0.0,
+                                   "decode_per_seq_s": 0.0, "steps": 0})
+        e.update({"prefill_s": a, "prefill_per_token_s": b} if prefill else {"decode_s": a, "decode_per_seq_s": b})
+        e["steps"] += sum(len(v) for v in points.values())
+    return out

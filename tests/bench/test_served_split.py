@@ -1,0 +1,42 @@
+"""bench/served_split.py: a served request's TTFT in parts from the request and step logs, and
+the served hop where the receiving engine was idle (synthetic logs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("served_split", ROOT / "bench" / "served_split.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["served_split"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _step(engine, stage, kind, start, busy, ids):
+    return {"engine": str(engine), "model": "m", "stage": str(stage), "kind": kind, "start_s": str(start),
+            "busy_s": str(busy), "req_ids": " ".join(ids)}
+
+
+def test_ttft_parts_and_hops_follow_each_requests_own_steps():
+    split = _module()
+    steps = [_step(0, 0, "prefill", 10.010, 0.005, ["a"]),  # a's prefill, stage 0 on engine 0
+             _step(1, 1, "decode", 10.012, 0.004, ["b"]),  # engine 1 busy with b until 10.016
+             _step(1, 1, "prefill", 10.017, 0.004, ["a"]),  # a's stage 1: 2 ms after stage 0 ended
+             _step(0, 0, "decode", 10.030, 0.002, ["a"]),
+             _step(1, 1, "decode", 10.0335, 0.002, ["a"])]  # engine 1 idle since 10.021: a hop of 1.5 ms
+    requests = [{"id": "a", "model": "m", "http_arrival_s": "10.000", "arrival_s": "10.002",
+                 "first_token_s": "10.026"},
+                {"id": "z", "model": "m", "http_arrival_s": "9", "arrival_s": "9", "first_token_s": "9.1"}]  # no steps
+    parts = split.ttft_parts(requests, steps)["m"]
+    assert parts["requests"] == 1
+    assert [parts[p] for p in split.PARTS] == pytest.approx([0.002, 0.008, 0.011, 0.005])
+    # the prefill hop waited for engine 1 (busy until 10.016): not a hop; the decode one counts
+    assert split.hops(steps) == pytest.approx([0.0015])
