@@ -42,6 +42,13 @@ from paraflex.errors import ParaflexError
 
 LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
 STATS_EVERY_S = 0.2  # how often the engine thread refreshes the numbers status() reports
+# OpenMP's worker threads (torch's intra-op pool: the prefill's attention, norms) sleep as soon
+# as a parallel region ends instead of spinning for the next one. In the engine actor the
+# spinning thread took a core from the compiled kernels' own pool (engine/kernels/native_build.py)
+# between regions: SmolLM2-135M's 128-token TTFT was 880 ms through Ray against 490 ms in-process
+# on the 2-core AVX-512 VM, its attention 6x and its projections 1.5x slower (bench/ttft_split.py).
+# An OMP_WAIT_POLICY set where the server starts is kept.
+OMP_WAIT_POLICY = "PASSIVE"
 
 
 class EngineActor:
@@ -62,6 +69,7 @@ class EngineActor:
         self.transport = RayTransport(engine_id, "cpu" if device == "auto" else device,
                                       on_error=self._transport_error)
         self._stats: dict = {}
+        self.torch_threads: int | None = None  # torch's intra-op threads on the engine thread, once it runs
         self._inbox: list[tuple] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -98,7 +106,8 @@ class EngineActor:
         """Liveness, start-up progress and the numbers behind /metrics (cheap)."""
         out = {"engine": self.engine_id, "state": self.state, "incarnation": self.incarnation,
                "pid": os.getpid(), "progress": list(self.progress), "error": self.error,
-               "groups": self.transport.group_generations(), "transport_errors": len(self.transport.errors)}
+               "groups": self.transport.group_generations(), "transport_errors": len(self.transport.errors),
+               "torch_threads": self.torch_threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
         out.update(self._stats)
         if self.loop is not None:  # batches started/finished per model, now (the KV-stall watch)
             out["runs"] = self.loop.run_counts()
@@ -211,6 +220,7 @@ class EngineActor:
         return bool(items)
 
     def _run(self) -> None:
+        self.torch_threads = torch.get_num_threads()
         try:
             last = 0.0
             while not self._stop.is_set():
@@ -232,6 +242,8 @@ class EngineActor:
 
 
 def engine_actor_class(num_cpus: float, num_gpus: float, max_restarts: int):
-    """`EngineActor` as a Ray actor class with this cluster's resources and restart policy."""
+    """`EngineActor` as a Ray actor class with this cluster's resources and restart policy, its
+    process's OpenMP threads sleeping between regions (`OMP_WAIT_POLICY`)."""
+    env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY") or OMP_WAIT_POLICY}
     return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts,
-                      max_task_retries=0)(EngineActor)
+                      max_task_retries=0, runtime_env={"env_vars": env})(EngineActor)
