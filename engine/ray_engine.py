@@ -36,19 +36,13 @@ from paraflex.engine.core.messages import FreeMessage
 from paraflex.engine.ray_output import BatchingSink
 from paraflex.engine.core.request import WAITING_PREFILL
 from paraflex.engine.core.sampling_params import SamplingParams
+from paraflex.engine.kernels import omp_policy
 from paraflex.engine.transport.base import Envelope
 from paraflex.engine.transport.ray import GroupSpec, RayTransport
 from paraflex.errors import ParaflexError
 
 LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
 STATS_EVERY_S = 0.2  # how often the engine thread refreshes the numbers status() reports
-# OpenMP's worker threads (torch's intra-op pool: the prefill's attention, norms) sleep as soon
-# as a parallel region ends instead of spinning for the next one. In the engine actor the
-# spinning thread took a core from the compiled kernels' own pool (engine/kernels/native_build.py)
-# between regions: SmolLM2-135M's 128-token TTFT was 880 ms through Ray against 490 ms in-process
-# on the 2-core AVX-512 VM, its attention 6x and its projections 1.5x slower (bench/ttft_split.py).
-# An OMP_WAIT_POLICY set where the server starts is kept.
-OMP_WAIT_POLICY = "PASSIVE"
 
 
 class EngineActor:
@@ -107,7 +101,7 @@ class EngineActor:
         out = {"engine": self.engine_id, "state": self.state, "incarnation": self.incarnation,
                "pid": os.getpid(), "progress": list(self.progress), "error": self.error,
                "groups": self.transport.group_generations(), "transport_errors": len(self.transport.errors),
-               "torch_threads": self.torch_threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+               "torch_threads": self.torch_threads, "omp_wait_policy": os.environ.get(omp_policy.VARIABLE)}
         out.update(self._stats)
         if self.loop is not None:  # batches started/finished per model, now (the KV-stall watch)
             out["runs"] = self.loop.run_counts()
@@ -243,7 +237,7 @@ class EngineActor:
 
 def engine_actor_class(num_cpus: float, num_gpus: float, max_restarts: int):
     """`EngineActor` as a Ray actor class with this cluster's resources and restart policy, its
-    process's OpenMP threads sleeping between regions (`OMP_WAIT_POLICY`)."""
-    env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY") or OMP_WAIT_POLICY}
+    process's OpenMP threads sleeping between regions (paraflex.engine.kernels.omp_policy)."""
+    env = {omp_policy.VARIABLE: omp_policy.engine_wait_policy()}
     return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts,
                       max_task_retries=0, runtime_env={"env_vars": env})(EngineActor)
