@@ -16,6 +16,7 @@ in-process engine's went from 555 to 415 ms. A policy set where the server start
 from __future__ import annotations
 
 import os
+import sys
 
 VARIABLE = "OMP_WAIT_POLICY"
 DEFAULT = "PASSIVE"
@@ -29,8 +30,6 @@ def engine_wait_policy() -> str:
 def apply_here() -> bool:
     """Set the policy in this process's environment; False (and nothing set) when torch is
     already loaded here (too late for its OpenMP runtime to read it)."""
-    import sys
-
     if "torch" in sys.modules:
         return False
     os.environ[VARIABLE] = engine_wait_policy()
