@@ -277,8 +277,9 @@ def main(argv=None) -> int:
             memory = (weights_gb({n: checkpoints[n] for n in names}) + KV_GB_PER_MODEL * len(names)) / args.engines
             cfg = paraflex_config(names, checkpoints, rates, args.engines, memory)
             runs = {"ParaFlex": [], "vLLM": []}
-            server = ServeProcess(cfg, backend="ray", echo=True, who="multi_model")
+            server = None
             try:
+                server = ServeProcess(cfg, backend="ray", echo=True, who="multi_model")
                 prompts = prompts_for(server.url, names[0], 64, args.input_len, rng)
                 plan = plan_for(rates, args.duration, prompts, rng)
                 warm = [(0.0, n, prompts[0]) for n in names]
@@ -293,7 +294,8 @@ def main(argv=None) -> int:
                                                        [v.proc.pid for v in vllm.values()], plan, args, slos))
                     print(f"  round {rnd + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.1f}", flush=True)
             finally:
-                server.stop()
+                if server is not None:
+                    server.stop()
                 os.unlink(cfg)
             print_table(popularity, rates, {k: v for k, v in runs.items() if v})
             report["runs"][popularity] = {"rates": rates, **runs}

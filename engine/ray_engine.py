@@ -39,6 +39,7 @@ from paraflex.engine.core.messages import FreeMessage
 from paraflex.engine.ray_output import BatchingSink
 from paraflex.engine.core.request import WAITING_PREFILL
 from paraflex.engine.core.sampling_params import SamplingParams
+from paraflex.engine.kernels import omp_policy
 from paraflex.engine.transport.base import Envelope
 from paraflex.engine.transport.ray import GroupSpec, RayTransport
 from paraflex.errors import ParaflexError
@@ -65,6 +66,7 @@ class EngineActor:
         self.transport = RayTransport(engine_id, "cpu" if device == "auto" else device,
                                       on_error=self._transport_error)
         self._stats: dict = {}
+        self.torch_threads: int | None = None  # torch's intra-op threads on the engine thread, once it runs
         self._inbox: list[tuple] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -102,7 +104,8 @@ class EngineActor:
         """Liveness, start-up progress and the numbers behind /metrics (cheap)."""
         out = {"engine": self.engine_id, "state": self.state, "incarnation": self.incarnation,
                "pid": os.getpid(), "progress": list(self.progress), "error": self.error,
-               "groups": self.transport.group_generations(), "transport_errors": len(self.transport.errors)}
+               "groups": self.transport.group_generations(), "transport_errors": len(self.transport.errors),
+               "torch_threads": self.torch_threads, "omp_wait_policy": os.environ.get(omp_policy.VARIABLE)}
         out.update(self._stats)
         if self.loop is not None:  # batches started/finished per model, now (the KV-stall watch)
             out["runs"] = self.loop.run_counts()
@@ -224,6 +227,7 @@ class EngineActor:
         return bool(items)
 
     def _run(self) -> None:
+        self.torch_threads = torch.get_num_threads()
         try:
             last = 0.0
             while not self._stop.is_set():
@@ -257,6 +261,8 @@ class EngineActor:
 
 
 def engine_actor_class(num_cpus: float, num_gpus: float, max_restarts: int):
-    """`EngineActor` as a Ray actor class with this cluster's resources and restart policy."""
+    """`EngineActor` as a Ray actor class with this cluster's resources and restart policy, its
+    process's OpenMP threads sleeping between regions (paraflex.engine.kernels.omp_policy)."""
+    env = {omp_policy.VARIABLE: omp_policy.engine_wait_policy()}
     return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts,
-                      max_task_retries=0)(EngineActor)
+                      max_task_retries=0, runtime_env={"env_vars": env})(EngineActor)

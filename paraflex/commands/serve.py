@@ -122,6 +122,9 @@ def start_backend(config, placement, args):
 
 
 def run(args) -> int:
+    from paraflex.engine.kernels import omp_policy
+
+    omp_policy.apply_here()  # before torch loads: the in-process engines' OpenMP threads sleep between regions
     from paraflex.config.schema import load_config
     from paraflex.shipped import demo_config_path
 

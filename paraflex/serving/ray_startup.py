@@ -61,9 +61,10 @@ def keep_ray_on_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False  # this process imported it already
 
 
-def _init_ray(ray_address: str | None, progress, gateway_host: str | None) -> tuple[str | None, str | None]:
+def _init_ray(ray_address: str | None, progress, gateway_host: str | None,
+              runtime_env: dict | None = None) -> tuple[str | None, str | None]:
     """Connect to Ray; returns the temp dir when this call started a local instance (else None)
-    and the bind host (`bind_host`)."""
+    and the bind host (`bind_host`). `runtime_env` goes to the local instance this call starts."""
     os.environ.setdefault("RAY_DISABLE_IMPORT_WARNING", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
@@ -83,7 +84,7 @@ def _init_ray(ray_address: str | None, progress, gateway_host: str | None) -> tu
     progress(f"paraflex: starting a local Ray instance (temp dir {ray_dir}"
              + (f", on {host} only)" if host else ")"))
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-             configure_logging=False, _temp_dir=ray_dir, _node_ip_address=host)
+             configure_logging=False, _temp_dir=ray_dir, _node_ip_address=host, runtime_env=runtime_env)
     return ray_dir, host
 
 
@@ -91,12 +92,13 @@ def start_cluster(config, placement=None, ray_address: str | None = None,
                   progress: Callable[[str], None] = _print, *, device: str = "auto",
                   dtype: str = "auto", kv_bytes: int | None = None, max_restarts: int = 0,
                   seed: int = 0, startup_timeout_s: float = 900.0,
-                  gateway_host: str | None = None) -> RayBackend:
+                  gateway_host: str | None = None, runtime_env: dict | None = None) -> RayBackend:
     """Start (or join) Ray, one engine actor per placement engine, the process groups and the
     output router; returns the gateway `Backend`. `placement=None` plans with the paraflex
     planner. `max_restarts`: how often Ray may restart a dead engine actor (0: never).
     `gateway_host`: the gateway's --host; on loopback, a local Ray instance this call starts and
-    the process groups' store listen on 127.0.0.1 only (`bind_host`)."""
+    the process groups' store listen on 127.0.0.1 only (`bind_host`). `runtime_env`: Ray's
+    runtime environment of the workers, when this call starts Ray (bench/ttft_split.py's probe)."""
     if max_restarts < 0:
         raise UserError(f"max_restarts: {max_restarts} is negative; use 0 (never) or more")
     if placement is None:
@@ -107,7 +109,7 @@ def start_cluster(config, placement=None, ray_address: str | None = None,
     else:
         for problem in require_valid_layout(placement, config, required=[]):  # serves what it places
             progress(f"paraflex: warning: placement: {problem}")
-    ray_dir, host = _init_ray(ray_address, progress, gateway_host)
+    ray_dir, host = _init_ray(ray_address, progress, gateway_host, runtime_env)
     actors: dict = {}
     router = nodes = None
     try:

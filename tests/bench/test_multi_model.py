@@ -93,16 +93,45 @@ def test_peak_memory_sums_a_process_tree_children_included():
 
 def test_the_ttft_split_attributes_each_interval_to_its_part():
     ts = _bench("ttft_split")
-    probe = ts.Probe()
     ms = 1e-3
-    probe.events = [  # (label, start, end, arg): one request sent at 0, first token read at 100 ms
+    events = [  # (label, start, end, arg): one request sent at 0, first token read at 100 ms
         ("submit", 10 * ms, 11 * ms, None), ("apply", 13 * ms, 14 * ms, None), ("schedule", 14 * ms, 15 * ms, None),
         ("forward", 15 * ms, 85 * ms, None), ("projections", 16 * ms, 56 * ms, None),
         ("attention", 60 * ms, 70 * ms, None), ("sample", 86 * ms, 87 * ms, None), ("output", 90 * ms, 91 * ms, None),
         ("forward", 92 * ms, 120 * ms, None),  # the next (decode) step: not part of this TTFT
     ]
-    split = ts.split_one(probe, 0.0, 100 * ms)
-    expected = {"http in": 10, "submit": 1, "queue": 2, "apply": 1, "schedule": 1, "projections": 40, "attention": 10,
-                "other fwd": 20, "sample": 1, "loop gaps": 4, "http out": 10}
+    split = ts.split_one(events, 0.0, 100 * ms, ray=False)
+    expected = {"http in": 10, "submit": 1, "ray call": 0, "queue": 2, "apply": 1, "schedule": 1, "projections": 40,
+                "attention": 10, "other fwd": 20, "sample": 1, "loop gaps": 4, "output push": 0, "router": 0,
+                "http out": 10}
     assert split == pytest.approx(expected)
     assert sum(split.values()) == pytest.approx(100)
+
+
+def test_the_ttft_split_of_the_ray_backend_adds_the_actor_call_and_the_output_router():
+    """Events of the gateway process and of the engine actor (one clock): the remote call, the
+    actor's queue, its output sink's push and the router's way back each get their own part."""
+    ts = _bench("ttft_split")
+    ms = 1e-3
+    events = [
+        ("start", 5 * ms, 8 * ms, None), ("ray submit", 6 * ms, 8 * ms, None), ("actor add", 9 * ms, 9.5 * ms, None),
+        ("apply", 12 * ms, 13 * ms, None), ("schedule", 13 * ms, 14 * ms, None), ("forward", 14 * ms, 84 * ms, None),
+        ("projections", 15 * ms, 55 * ms, None), ("attention", 60 * ms, 70 * ms, None),
+        ("sample", 85 * ms, 86 * ms, None), ("sink", 87 * ms, 87.5 * ms, None), ("push", 89 * ms, 89.2 * ms, None),
+        ("output", 95 * ms, 96 * ms, None), ("forward", 90 * ms, 110 * ms, None),
+    ]
+    split = ts.split_one(events, 0.0, 100 * ms, ray=True)
+    expected = {"http in": 5, "submit": 3, "ray call": 1, "queue": 3, "apply": 1, "schedule": 1, "projections": 40,
+                "attention": 10, "other fwd": 20, "sample": 1, "loop gaps": 2, "output push": 2, "router": 6,
+                "http out": 5}
+    assert split == pytest.approx(expected)
+    assert sum(split.values()) == pytest.approx(100)
+
+
+def test_decode_steps_split_each_step_into_the_forward_and_the_rest_of_the_loop():
+    ts = _bench("ttft_split")
+    ms = 1e-3
+    forwards = [("forward", a * ms, b * ms, None) for a, b in ((0, 50), (52, 60), (61, 69), (71, 79))]
+    fwd, rest = ts.decode_steps(forwards + [("sample", 60 * ms, 60.5 * ms, None)], 0.0, 80 * ms)
+    assert fwd == pytest.approx([8, 8])  # the prefill (first) and the last forward are left out
+    assert rest == pytest.approx([1, 2])

@@ -80,6 +80,17 @@ def test_engines_share_the_one_node_and_health_says_which(backend):
     assert len(backend.engines.nodes.pgs) == 1
 
 
+def test_engine_threads_run_with_the_actors_share_and_openmp_sleeping_between_regions(backend, ray_session):
+    """The engine thread (not only the actor's constructor) has torch's threads of the actor's CPU
+    share, and the actor process got the OpenMP wait policy (paraflex.engine.kernels.omp_policy)."""
+    from paraflex.engine.kernels import omp_policy
+
+    share = max(1, int(ray.cluster_resources()["CPU"] / len(backend.engines.actors)))
+    for st in ray.get([a.status.remote() for a in backend.engines.actors.values()], timeout=10):
+        assert st["torch_threads"] == share
+        assert st["omp_wait_policy"] == omp_policy.engine_wait_policy()
+
+
 def test_greedy_tokens_equal_in_process_runtime(backend, reference):
     jobs = [(m, p, GREEDY, f"eq-{m}-{i}") for m in MODELS for i, p in enumerate(PROMPTS)]
     results = _run_all(backend, jobs)
