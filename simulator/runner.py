@@ -43,6 +43,7 @@ class SimSettings:
     no_sharding: bool = False
     random_placement: bool = False
     prefill_first: bool = False
+    pipeline_first: bool = False  # paraflex: multi-stage decode batches first (engine/core/policies/pipeline_first.py)
     unbounded_decode_batches: bool = False  # the paper's rule: no in-flight bound on decode batches
     paper_replication: bool = False  # the paper's Alg. 1 stop (planner.fill_engines: false)
     host_link_gbps: float = 256.0

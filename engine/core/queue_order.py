@@ -105,7 +105,7 @@ class QueueOrder:
         self._ages: list = []  # heap of (since, tick, queue): see Queue
         self._heaps: list[list] = []  # per policy class: (head key, tick, queue)
         self._tick = count()  # unique tie-break and registration stamp for both heaps
-        self.class_of: Callable[[str, bool, int, int], int] = None
+        self.class_of: Callable[[str, bool, int, int, int], int] = None
         self.attempt: Attempt = None
         self.classify_on_len = False
         self.max_batch_size = 0
@@ -148,7 +148,7 @@ class QueueOrder:
         if not q.items:
             q.reg = None
             return
-        cls = self.class_of(q.name, q.stage.is_first, len(q.items), self.max_batch_size)
+        cls = self.class_of(q.name, q.stage.is_first, len(q.items), self.max_batch_size, q.stage.num_stages)
         key = q.items[0].key
         reg = q.reg
         if reg is not None and reg[0] == cls and reg[1] == key:

@@ -50,6 +50,9 @@ def add_arguments(p) -> None:
     a.add_argument("--no-sharding", action="store_true", help="paraflex with one shared sharding plan on every engine")
     a.add_argument("--random-placement", action="store_true", help="paraflex sharding/replication, stages placed at random")
     a.add_argument("--prefill-first", action="store_true", help="prefill-first scheduling instead of the system's policy")
+    a.add_argument("--pipeline-first", action="store_true",
+                   help="paraflex: a multi-stage model's decode batches ahead of prefills and other decode batches "
+                        "(scheduler.policy: pipeline-first)")
     a.add_argument("--unbounded-decode-batches", action="store_true",
                    help="the paper's full-batch-first: no bound on a pipeline's decode batches in flight "
                         "(scheduler.decode_batches_in_flight: unbounded)")
@@ -193,6 +196,7 @@ def _settings(args, rate: float, seed: int):
 
     return SimSettings(system=args.system or "paraflex", rate=rate, seed=seed, no_sharding=args.no_sharding,
                        random_placement=args.random_placement, prefill_first=args.prefill_first,
+                       pipeline_first=args.pipeline_first,
                        unbounded_decode_batches=args.unbounded_decode_batches, paper_replication=args.paper_replication,
                        host_link_gbps=args.host_link_gbps, check_invariants=args.check_invariants,
                        prefill_engines=args.prefill_engines,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from paraflex.config.fields import Section
 from paraflex.errors import ConfigError
 
-POLICIES = ("full-batch-first", "prefill-first", "sarathi")
+POLICIES = ("full-batch-first", "pipeline-first", "prefill-first", "sarathi")
 
 
 @dataclass

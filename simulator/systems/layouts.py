@@ -19,7 +19,9 @@ layouts carry a `seed` spec and run on their own simulated clusters.
 Ablations (flags of `paraflex simulate`, applied to `paraflex` only except --prefill-first):
 `no_sharding` (the `shared` layout with ParaFlex's scheduler), `random_placement` (ParaFlex's
 sharding and replication, stages scattered uniformly at random, seeded; random_placement.py),
-`prefill_first` (the prefill-first policy instead of the system's own). Departures from the
+`prefill_first` (the prefill-first policy instead of the system's own), `pipeline_first` (ParaFlex
+with the pipeline-first policy: a multi-stage model's decode batches ahead, an option tried for
+model-size dispersion, docs/engine-core.md "Still open"). Departures from the
 paper kept as ablations of `paraflex` (docs/engine-core.md, docs/plan.md):
 `unbounded_decode_batches` (no in-flight bound on a pipeline's decode batches:
 `scheduler.decode_batches_in_flight: unbounded`) and `paper_replication` (Alg. 1 stops when the
@@ -102,14 +104,19 @@ def vllm_tp(config, settings) -> SystemLayout:
 
 def build_system(config, settings) -> SystemLayout:
     builder = SYSTEMS.get(settings.system, "--system")
-    if (settings.no_sharding or settings.random_placement or settings.paper_replication) and settings.system != "paraflex":
-        raise UserError("--no-sharding, --random-placement and --paper-replication are ablations of --system paraflex; "
-                        "drop them or use paraflex")
+    if (settings.no_sharding or settings.random_placement or settings.paper_replication
+            or settings.pipeline_first) and settings.system != "paraflex":
+        raise UserError("--no-sharding, --random-placement, --paper-replication and --pipeline-first are ablations of "
+                        "--system paraflex; drop them or use paraflex")
+    if settings.prefill_first and settings.pipeline_first:
+        raise UserError("--prefill-first and --pipeline-first each replace the policy; pass one of them")
     if settings.no_sharding and settings.random_placement:
         raise UserError("--no-sharding and --random-placement are separate ablations; pass one of them")
     layout = builder(config, settings)
     if settings.prefill_first:
         layout.policy = "prefill-first"
+    if settings.pipeline_first:
+        layout.policy = "pipeline-first"
     if settings.unbounded_decode_batches:
         layout.decode_batches_in_flight = "unbounded"
     return layout

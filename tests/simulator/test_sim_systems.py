@@ -133,3 +133,11 @@ def test_departures_from_the_paper_are_the_default_and_their_ablations_restore_i
     assert config.planner.fill_engines  # the ablation planned from a copy
     with pytest.raises(UserError, match="ablations of --system paraflex"):
         _layout(config, "sarathi", paper_replication=True)
+
+
+def test_pipeline_first_replaces_paraflex_policy_only(config):
+    assert _layout(config, "paraflex", pipeline_first=True).policy == "pipeline-first"
+    with pytest.raises(UserError, match="ablations of --system paraflex"):
+        _layout(config, "sarathi", pipeline_first=True)
+    with pytest.raises(UserError, match="pass one of them"):
+        _layout(config, "paraflex", pipeline_first=True, prefill_first=True)

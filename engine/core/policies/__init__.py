@@ -12,10 +12,11 @@ from __future__ import annotations
 from paraflex.errors import ConfigError
 from paraflex.engine.core.policies.base import ExactReplay, Policy
 from paraflex.engine.core.policies.full_batch_first import FullBatchFirst
+from paraflex.engine.core.policies.pipeline_first import PipelineFirst
 from paraflex.engine.core.policies.prefill_first import PrefillFirst
 from paraflex.engine.core.policies.sarathi import Sarathi
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FullBatchFirst, PrefillFirst, Sarathi)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FullBatchFirst, PipelineFirst, PrefillFirst, Sarathi)}
 
 
 def get_policy(name: str) -> Policy:

@@ -52,12 +52,13 @@ class Policy:
     classify_on_len = False  # True if `class_of` depends on a queue's length, not just its head
     replay: ExactReplay | None = None  # the simulator's exact replays of this policy; None: step by step
 
-    def class_of(self, queue: str, first_stage: bool, length: int, max_batch_size: int) -> int:
+    def class_of(self, queue: str, first_stage: bool, length: int, max_batch_size: int, num_stages: int = 1) -> int:
         """Class index (0 = first tried) of a non-empty queue: `queue` is its kind ("prefill",
         "decode", or "full": a later stage's full decode batches; `Queue.name`), `first_stage`
         whether it is a first stage's, `length` how many requests (first stage) or batches
-        (later) it holds. The scheduler's `QueueOrder` and the simulator's joint replay both
-        order queues by it."""
+        (later) it holds, `num_stages` its model's stage count. The scheduler's `QueueOrder`
+        and the simulator's joint replay both order queues by it (the joint replay only for
+        policies whose class does not depend on `num_stages`)."""
         raise NotImplementedError
 
     def pick(self, sched: "EngineScheduler", now: float) -> "ScheduledBatch | None":

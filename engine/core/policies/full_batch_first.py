@@ -28,7 +28,7 @@ class FullBatchFirst(Policy):
     classify_on_len = True
     replay = ExactReplay(decode_cycles=True, pipeline_group=True)
 
-    def class_of(self, queue, first_stage, length, max_batch_size):
+    def class_of(self, queue, first_stage, length, max_batch_size, num_stages=1):
         if queue == "prefill":
             return PREFILL
         if queue == "decode":

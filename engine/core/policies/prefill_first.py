@@ -18,5 +18,5 @@ class PrefillFirst(Policy):
     def default_prefill_max_requests(self, max_batch_size):
         return max_batch_size
 
-    def class_of(self, queue, first_stage, length, max_batch_size):
+    def class_of(self, queue, first_stage, length, max_batch_size, num_stages=1):
         return 0 if queue == "prefill" else 1

@@ -18,7 +18,7 @@ class Sarathi(Policy):
     num_classes = 1
     replay = ExactReplay(decode_cycles=True)
 
-    def class_of(self, queue, first_stage, length, max_batch_size):
+    def class_of(self, queue, first_stage, length, max_batch_size, num_stages=1):
         return 0
 
     def first_prefill(self, sched, st, now):

@@ -1,14 +1,51 @@
-"""The baseline policies: prefill-first (vLLM-like) and sarathi (chunked prefill, micro-batch limit)."""
+"""The other policies: prefill-first (vLLM-like), sarathi (chunked prefill, micro-batch limit) and
+pipeline-first (a multi-stage model's decode batches ahead)."""
 
 from engine_core_harness import Cluster, ModelSpec, deliver, engine, run
 
+import pytest
+
+from paraflex.engine.core.messages import BatchMessage, DecodeEntry, PrefillEntry, TokenEntry, TokenMessage
 from paraflex.engine.core.policies import POLICIES, get_policy
 from paraflex.engine.core.request import BLOCKED, WAITING_PREFILL
 
 
 def test_registry_names():
-    assert sorted(POLICIES) == ["full-batch-first", "prefill-first", "sarathi"]
+    assert sorted(POLICIES) == ["full-batch-first", "pipeline-first", "prefill-first", "sarathi"]
     assert get_policy("sarathi").name == "sarathi"
+
+
+def _stage0_with_a_returning_token(policy):
+    """Stage 0 of a 2-stage model M beside a one-stage model A: M's request `m` has its token
+    back (an under-sized decode group, nothing in flight), A's prompt `a` arrived before it."""
+    s = engine(batch=4, policy=policy)
+    s.add_stage("M", 0, 1, 256, 2)
+    s.add_stage("A", 0, 1, 256, 1)
+    s.add_request("m", "M", 4, 8, 0.0)
+    run(s)
+    s.receive_tokens(TokenMessage("M", "b", [TokenEntry("m", None, 4, False, None)]))
+    s.add_request("a", "A", 4, 8, 1.0)
+    return s
+
+
+def _stage1_with_a_received_decode(policy):
+    """Stage 1 (of 2) of M holding a received decode batch of one, and A's prompt."""
+    s = engine(batch=4, policy=policy)
+    s.add_stage("A", 0, 1, 256, 1)
+    s.add_stage("M", 1, 1, 256, 2)
+    s.receive_batch(BatchMessage("M", 1, "p", "prefill", [PrefillEntry("m", 0, 4, 4, 8, 0.0)]))
+    run(s)
+    s.add_request("a", "A", 4, 8, 1.0)
+    s.receive_batch(BatchMessage("M", 1, "d", "decode", decodes=[DecodeEntry("m", None, 4)]))
+    return s
+
+
+@pytest.mark.parametrize("policy, first", [("full-batch-first", "a"), ("pipeline-first", "m")])
+def test_pipeline_first_runs_a_multi_stage_decode_before_another_model_prompt(policy, first):
+    """full-batch-first (the paper's order) runs A's prompt before M's under-sized decode group,
+    pipeline-first the reverse; at a first stage and at a later stage alike."""
+    assert run(_stage0_with_a_returning_token(policy))[0].req_ids[0] == first
+    assert run(_stage1_with_a_received_decode(policy))[0].req_ids[0] == first
 
 
 def test_prefill_first_packs_prompts_and_runs_them_before_full_decodes():
