@@ -2,7 +2,8 @@
 
 Place in the data flow: set before torch loads its OpenMP runtime (libgomp reads the variable
 once, when it loads): `paraflex serve` sets it in its own process for the in-process engines
-(paraflex/commands/serve.py) and in each Ray engine actor's environment
+(paraflex/commands/serve.py; `paraflex generate` and `paraflex profile` too, so a profile measures
+the engines as they serve) and in each Ray engine actor's environment
 (paraflex.engine.ray_engine.engine_actor_class). Imports no torch.
 
 Why PASSIVE: torch's intra-op threads (the prefill's attention, norms) otherwise spin for the

@@ -33,6 +33,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from paraflex.engine.kernels import omp_policy
+
+    omp_policy.apply_here()  # before torch loads: the engines' OpenMP threads wait as `paraflex serve`'s do
     from paraflex.config.schema import load_config
     from paraflex.engine.core.sampling_params import SamplingParams
     from paraflex.placement import Placement

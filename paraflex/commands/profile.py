@@ -79,6 +79,9 @@ def _tokens(text: str | None) -> tuple[int, ...]:
 
 
 def run(args) -> int:
+    from paraflex.engine.kernels import omp_policy
+
+    omp_policy.apply_here()  # before torch loads: measure the engines as `paraflex serve` runs them
     if not args.config:
         raise UserError("missing CONFIG: usage `paraflex profile CONFIG -o DIR`")
     if args.repeats < 1:

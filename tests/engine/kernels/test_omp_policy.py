@@ -40,3 +40,21 @@ def test_the_command_line_loads_no_torch_before_serve_sets_the_policy():
     code = "import sys; from paraflex.cli import build_parser; build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
+
+
+RUN_COMMAND = ("import os, sys, argparse; from paraflex.commands import {name}; from paraflex.errors import UserError\n"
+               "try: {name}.run(argparse.Namespace(**{args!r}))\n"
+               "except UserError: pass\n"
+               "print(os.environ.get('OMP_WAIT_POLICY'))")
+
+
+def test_generate_and_profile_set_the_policy_before_anything_else(tmp_path):
+    """Both commands run engines in their own process: they set the policy as their first step
+    (here each stops at once, on a config file that does not exist)."""
+    missing = str(tmp_path / "missing.yaml")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for name, args in (("generate", {"config": missing, "model": "m"}),
+                       ("profile", {"config": missing, "repeats": 1})):
+        out = subprocess.run([sys.executable, "-c", RUN_COMMAND.format(name=name, args=args)], env=env,
+                             capture_output=True, text=True, check=True, timeout=120)
+        assert out.stdout.strip() == "PASSIVE", (name, out.stderr)
