@@ -16,9 +16,7 @@ step by step (no exact fast-path replay).
 
 from __future__ import annotations
 
-from paraflex.engine.core.policies.full_batch_first import FullBatchFirst
-
-PIPELINE_DECODE, PREFILL, SMALL_DECODE = 0, 1, 2
+from paraflex.engine.core.policies.full_batch_first import FULL_DECODE, FullBatchFirst
 
 
 class PipelineFirst(FullBatchFirst):
@@ -26,8 +24,6 @@ class PipelineFirst(FullBatchFirst):
     replay = None
 
     def class_of(self, queue, first_stage, length, max_batch_size, num_stages=1):
-        if queue == "prefill":
-            return PREFILL
-        if num_stages > 1 or queue == "full" or length >= max_batch_size and first_stage:
-            return PIPELINE_DECODE
-        return SMALL_DECODE
+        if num_stages > 1 and queue != "prefill":
+            return FULL_DECODE  # a multi-stage model's decode batch, of any size: with the full ones
+        return super().class_of(queue, first_stage, length, max_batch_size)
