@@ -39,6 +39,7 @@ from paraflex.gateway.protocol import ChatCompletionRequest, CompletionRequest, 
 from paraflex.gateway.request_body import check_json_media_type, read_body
 from paraflex.gateway.request_prep import card_of, param_of
 
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 

@@ -10,11 +10,12 @@ What comes back from a worker is cheap to unpickle: the error of a refused reque
 bodies are refused: a prompt longer than the context), a prompt that fits the context, or a
 rendered JSON body.
 
-The pool starts with `paraflex serve` (`start_processes`), or else at the first large body (the worker processes are spawned, not forked: the
-server holds threads and perhaps a Ray driver) with the served models' cards (tokenizers
-included), pickled once when the gateway is built: a process starts from the thread that
-submits to the pool, here the event loop's, and pickling a 50k-entry tokenizer holds the GIL
-for ~0.3 s. The pool is shut down with the server (server.py).
+The pool starts with `paraflex serve` (`start_processes`), or else at the first large body
+(the worker processes are spawned, not forked: the server holds threads and perhaps a Ray
+driver) with the served models' cards (tokenizers included), pickled once when the gateway is
+built: a process starts from the thread that submits to the pool, here the event loop's, and
+pickling a 50k-entry tokenizer holds the GIL for ~0.3 s. The pool is shut down with the server
+(server.py).
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class BodyWorkers:
 
     def start_processes(self) -> None:
         """Start every worker process now (`paraflex serve` does before it serves): a process
-        starts by a fork of this one from the thread that submits, and forking a server that
-        holds the engines' weights held the event loop up to 1.5 s at the first large body."""
+        starts from the thread that submits, and starting one from the event loop at the first
+        large body, on a loaded server, held the loop up to 1.5 s."""
         pool = self.start_pool()
         for _ in range(self.processes):
             pool.submit(int)
