@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import sys
@@ -43,7 +42,7 @@ import threading
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is no package
-from serve_client import arrivals, open_loop, prompts_for, summarize  # noqa: E402
+from serve_client import arrivals, open_loop, prompts_for, summarize, write_report  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
 from ttft_split import cpu_flags  # noqa: E402
 import vllm_peer  # noqa: E402
@@ -307,10 +306,7 @@ def main(argv=None) -> int:
     print("ParaFlex: one `paraflex serve --ray` (every model, planned); vLLM: one `vllm serve` per model, one "
           "OpenMP thread each bound to core i mod cores. SLOs (TTFT, TPOT ms): "
           + ", ".join(f"{n} {s[0]}/{s[1]}" for n, s in slos.items()))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
-        print(f"wrote {args.out}")
+    write_report(args.out, report)
     return 0
 
 

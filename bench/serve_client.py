@@ -169,3 +169,11 @@ def print_summary(title: str, s: dict) -> None:
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         v = s[key]
         print(f"{key[:-3].upper():5s} mean {v['mean']:9.1f} ms   median {v['median']:9.1f} ms   P99 {v['p99']:9.1f} ms")
+
+
+def write_report(path: str | None, report: dict) -> None:
+    """The run's report as JSON at `path` (--out), when one was given."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump(report, fh, indent=2)
+        print(f"wrote {path}")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import sys
@@ -36,7 +35,8 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is no package: find serve_client.py
-from serve_client import arrivals, closed_loop, open_loop, print_summary, prompts_for, summarize  # noqa: E402
+from serve_client import (arrivals, closed_loop, open_loop, print_summary, prompts_for, summarize,  # noqa: E402
+                          write_report)
 import vllm_peer  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
 from transformers_peer import transformers_model, transformers_tok_s  # noqa: E402
@@ -282,10 +282,7 @@ def main(argv=None) -> int:
                 server.stop()
     if args.peer == "transformers":
         report["peer"] = peer_phase(args, rng)
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
-        print(f"wrote {args.out}")
+    write_report(args.out, report)
     return 0
 
 
