@@ -4,30 +4,18 @@ the process-tree memory sampler; and bench/ttft_split.py's split of one request'
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench(name: str):
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from repo_paths import load_bench
 
 
 def test_zipf_rates_fall_with_rank_and_balanced_rates_are_equal():
-    mm = _bench("multi_model")
+    mm = load_bench("multi_model")
     names = ["a", "b", "c"]
     zipf = mm.popularity_rates(names, "zipf", 3.0, 1.01)
     assert zipf["a"] > zipf["b"] > zipf["c"]
@@ -37,7 +25,7 @@ def test_zipf_rates_fall_with_rank_and_balanced_rates_are_equal():
 
 
 def test_the_plan_is_sorted_inside_the_duration_and_follows_the_rates():
-    mm = _bench("multi_model")
+    mm = load_bench("multi_model")
     prompts = [[i] * 4 for i in range(8)]
     plan = mm.plan_for({"a": 8.0, "b": 2.0}, 50.0, prompts, np.random.default_rng(0))
     times = [p[0] for p in plan]
@@ -50,7 +38,7 @@ def test_the_plan_is_sorted_inside_the_duration_and_follows_the_rates():
 def test_the_paraflex_config_loads_with_every_model_its_source_rate_and_slos(tmp_path):
     from paraflex.config.schema import load_config
 
-    mm = _bench("multi_model")
+    mm = load_bench("multi_model")
     hf = tmp_path / "m"
     hf.mkdir()
     (hf / "config.json").write_text('{"model_type": "llama", "hidden_size": 960, "intermediate_size": 2560, '
@@ -71,7 +59,7 @@ def test_the_paraflex_config_loads_with_every_model_its_source_rate_and_slos(tmp
 
 
 def test_peak_memory_sums_a_process_tree_children_included():
-    mm = _bench("multi_model")
+    mm = load_bench("multi_model")
     child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
                               "p = subprocess.Popen([sys.executable, '-c', 'x = bytearray(200 << 20); import time; time.sleep(30)']); "
                               "time.sleep(30)"])
@@ -92,7 +80,7 @@ def test_peak_memory_sums_a_process_tree_children_included():
 
 
 def test_the_ttft_split_attributes_each_interval_to_its_part():
-    ts = _bench("ttft_split")
+    ts = load_bench("ttft_split")
     ms = 1e-3
     events = [  # (label, start, end, arg): one request sent at 0, first token read at 100 ms
         ("submit", 10 * ms, 11 * ms, None), ("apply", 13 * ms, 14 * ms, None), ("schedule", 14 * ms, 15 * ms, None),
@@ -111,7 +99,7 @@ def test_the_ttft_split_attributes_each_interval_to_its_part():
 def test_the_ttft_split_of_the_ray_backend_adds_the_actor_call_and_the_output_router():
     """Events of the gateway process and of the engine actor (one clock): the remote call, the
     actor's queue, its output sink's push and the router's way back each get their own part."""
-    ts = _bench("ttft_split")
+    ts = load_bench("ttft_split")
     ms = 1e-3
     events = [
         ("start", 5 * ms, 8 * ms, None), ("ray submit", 6 * ms, 8 * ms, None), ("actor add", 9 * ms, 9.5 * ms, None),
@@ -129,7 +117,7 @@ def test_the_ttft_split_of_the_ray_backend_adds_the_actor_call_and_the_output_ro
 
 
 def test_decode_steps_split_each_step_into_the_forward_and_the_rest_of_the_loop():
-    ts = _bench("ttft_split")
+    ts = load_bench("ttft_split")
     ms = 1e-3
     forwards = [("forward", a * ms, b * ms, None) for a, b in ((0, 50), (52, 60), (61, 69), (71, 79))]
     fwd, rest = ts.decode_steps(forwards + [("sample", 60 * ms, 60.5 * ms, None)], 0.0, 80 * ms)

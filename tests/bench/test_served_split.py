@@ -3,21 +3,8 @@ the served hop where the receiving engine was idle (synthetic logs)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("served_split", ROOT / "bench" / "served_split.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["served_split"] = module
-    spec.loader.exec_module(module)
-    return module
+from repo_paths import load_bench
 
 
 def _step(engine, stage, kind, start, busy, ids):
@@ -26,7 +13,7 @@ def _step(engine, stage, kind, start, busy, ids):
 
 
 def test_ttft_parts_and_hops_follow_each_requests_own_steps():
-    split = _module()
+    split = load_bench("served_split")
     steps = [_step(0, 0, "prefill", 10.010, 0.005, ["a"]),  # a's prefill, stage 0 on engine 0
              _step(1, 1, "decode", 10.012, 0.004, ["b"]),  # engine 1 busy with b until 10.016
              _step(1, 1, "prefill", 10.017, 0.004, ["a"]),  # a's stage 1: 2 ms after stage 0 ended

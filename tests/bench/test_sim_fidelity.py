@@ -6,27 +6,16 @@ assertion: on a shared machine only the pipeline is checked."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from repo_paths import load_bench
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("sim_fidelity", ROOT / "bench" / "sim_fidelity.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sim_fidelity"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_tiny_fidelity_run_compares_every_load_and_model(tmp_path, capsys):
-    assert _bench().main(["--tiny", "--out", str(tmp_path), "--saturation", "20"]) == 0
+    assert load_bench("sim_fidelity").main(["--tiny", "--out", str(tmp_path), "--saturation", "20"]) == 0
     out = capsys.readouterr().out
     with open(tmp_path / "fidelity.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))

@@ -5,29 +5,17 @@ server that dies mid-run makes the soak count its requests lost and exit 1."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import httpx
 from gateway_fakes import EchoBackend
 from paraflex.gateway.app import build_app
 from paraflex.gateway.server import ServerThread
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _soak_module():
-    spec = importlib.util.spec_from_file_location("soak", ROOT / "bench" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from repo_paths import load_bench
 
 
 def test_twenty_streams_all_complete_and_none_is_lost(capsys):
-    soak = _soak_module()
+    soak = load_bench("soak")
     server = ServerThread(build_app(EchoBackend())).start()
     try:
         rc = soak.main(["--url", server.url, "-n", "20", "--concurrency", "8", "--timeout", "30"])
@@ -40,7 +28,7 @@ def test_twenty_streams_all_complete_and_none_is_lost(capsys):
 
 
 def test_a_server_that_is_gone_loses_every_request_and_fails_the_run(capsys):
-    soak = _soak_module()
+    soak = load_bench("soak")
     server = ServerThread(build_app(EchoBackend())).start()
     url = server.url
     tally = soak.Tally()

@@ -37,3 +37,9 @@ def read_until(lines: "queue.Queue[str]", needle: str, timeout: float) -> list[s
         if needle in seen[-1]:
             return seen
     raise AssertionError(f"{needle!r} not printed within {timeout} s; output: {seen}")
+
+
+def served_url(lines: "queue.Queue[str]", timeout: float = 120) -> str:
+    """The API base URL (`http://HOST:PORT/v1`) `paraflex serve` prints once it serves."""
+    out = read_until(lines, "/v1", timeout)
+    return next(line for line in out if "/v1" in line).split()[0]

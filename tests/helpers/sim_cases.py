@@ -1,5 +1,5 @@
 """Small simulated clusters shared by the simulator tests: three tiny models on a ring of three
-engines, and how two runs' results are compared."""
+engines, two tiny models on two engines for the CLI tests, and how two runs' results are compared."""
 
 from __future__ import annotations
 
@@ -8,6 +8,14 @@ import dataclasses
 from paraflex.config.schema import Config, WorkloadConfig
 from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
 from paraflex.simulator.systems.layouts import SystemLayout
+
+TWO_TINY_MODELS_YAML = """
+cluster: {num_engines: 2, device: cpu, memory_gb: 1, host_memory_gb: 0.01}
+models:
+  - {name: a, arch: tiny-2l}
+  - {name: b, arch: tiny-4l}
+scheduler: {max_batch_size: 8, block_bytes: 4096}
+"""  # two tiny models on two CPU engines: the config of the simulate CLI tests
 
 MODELS = [("a", "tiny-2l", 1), ("b", "tiny-4l", 2), ("c", "tiny-8l", 3)]  # name, arch, stages
 

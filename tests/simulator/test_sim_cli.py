@@ -7,15 +7,9 @@ import json
 import pytest
 
 from paraflex.cli import main
+from sim_cases import TWO_TINY_MODELS_YAML
 
-CONFIG = """
-cluster: {num_engines: 2, device: cpu, memory_gb: 1, host_memory_gb: 0.01}
-models:
-  - {name: a, arch: tiny-2l}
-  - {name: b, arch: tiny-4l}
-scheduler: {max_batch_size: 8, block_bytes: 4096}
-workload: {arrival: poisson, num_requests: 30, seed: 0}
-"""
+CONFIG = TWO_TINY_MODELS_YAML + "workload: {arrival: poisson, num_requests: 30, seed: 0}\n"
 
 
 @pytest.fixture

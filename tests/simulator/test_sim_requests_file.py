@@ -12,16 +12,11 @@ from paraflex.cli import main
 from paraflex.errors import UserError
 from paraflex.simulator.workload import SimRequest
 from paraflex.simulator.workload.requests_file import load_requests, write_requests
+from sim_cases import TWO_TINY_MODELS_YAML
 
 CONTEXT = {"a": 256, "b": 512}
 HEADER = "model,arrived_at,num_prefill_tokens,num_decode_tokens\n"
-CONFIG = """
-cluster: {num_engines: 2, device: cpu, memory_gb: 1, host_memory_gb: 0.01}
-models:
-  - {name: a, arch: tiny-2l}
-  - {name: b, arch: tiny-4l}
-scheduler: {max_batch_size: 8, block_bytes: 4096}
-"""
+CONFIG = TWO_TINY_MODELS_YAML
 
 
 def _file(tmp_path, body: str, header: str = HEADER):

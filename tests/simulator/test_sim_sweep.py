@@ -3,9 +3,7 @@ the points log, and bench/reproduce_paper.py's per-seed peaks."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 from hypothesis import given, strategies as st
@@ -14,7 +12,7 @@ from paraflex.config.schema import Config
 from paraflex.errors import UserError
 from paraflex.simulator.runner import SimSettings
 from paraflex.simulator.sweep import SEED_STRIDE, aggregate, point_seed, run_sweep
-from repo_paths import BENCH
+from repo_paths import load_bench
 
 CONFIG = {
     "cluster": {"num_engines": 2, "device": "cpu", "memory_gb": 1, "host_memory_gb": 0.01},
@@ -22,14 +20,6 @@ CONFIG = {
     "scheduler": {"max_batch_size": 8, "block_bytes": 4096},
     "workload": {"arrival": "poisson", "num_requests": 6, "seed": 0},
 }
-
-
-def _bench():
-    path = str(BENCH / "reproduce_paper.py")
-    spec = importlib.util.spec_from_file_location("reproduce_paper", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @given(st.integers(0, 10_000), st.integers(0, SEED_STRIDE - 1), st.integers(0, 50),
@@ -78,7 +68,7 @@ def test_aggregate_reduces_replicates():
 
 
 def test_bench_peaks_are_per_seed_under_the_bound():
-    bench = _bench()
+    bench = load_bench("reproduce_paper")
 
     def pt(rate, k, thr, p99):
         return {"system": "s", "rate": rate, "replicate": k, "throughput_rps": thr, "e2e_p99_s": p99}
@@ -105,7 +95,7 @@ def test_cli_sweep_seeds(tmp_path, capsys):
 
 
 def test_bench_report_only_reads_logged_points(tmp_path, capsys):
-    bench = _bench()
+    bench = load_bench("reproduce_paper")
     pm = {"m": {"e2e_median_s": 2.0}}
     pts = [{"system": s, "rate": rate, "replicate": k, "seed": k, "throughput_rps": thr, "e2e_median_s": med,
             "e2e_p99_s": p99, "slo_attainment": 1.0, "active_gpu_share_mean": 0.5, "decode_batch_size_mean": 4.0,

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from gateway_cluster import config_dict, make_placement
-from serve_cli import read_until, serving
+from serve_cli import read_until, served_url, serving
 from paraflex.cli import main
 from paraflex.errors import UserError
 
@@ -31,8 +31,7 @@ def files(tmp_path):
 def test_serve_prints_url_answers_and_stops_on_ctrl_c(files):
     cfg, pl = files
     with serving([cfg, "--placement", pl, "--in-process", "--port", "0", "--api-key", "k1"]) as (proc, lines):
-        out = read_until(lines, "/v1", timeout=120)
-        url = next(line for line in out if "/v1" in line).split()[0]
+        url = served_url(lines, timeout=120)
         assert url.startswith("http://127.0.0.1:")  # loopback unless told otherwise
         c = openai.OpenAI(base_url=url, api_key="k1", max_retries=0, timeout=30)
         assert sorted(m.id for m in c.models.list().data) == ["tiny-2l", "tiny-4l", "tiny-8l"]
@@ -104,8 +103,7 @@ def test_sigterm_answers_503_during_the_drain_window_then_a_second_one_stops(fil
 
     cfg, pl = files
     with serving([cfg, "--placement", pl, "--in-process", "--port", "0", "--drain-seconds", "600"]) as (proc, lines):
-        out = read_until(lines, "/v1", timeout=120)
-        url = next(line for line in out if "/v1" in line).split()[0].removesuffix("/v1")
+        url = served_url(lines, timeout=120).removesuffix("/v1")
         proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 30
         while httpx.get(f"{url}/health", timeout=10).status_code == 200 and time.monotonic() < deadline:
@@ -182,8 +180,7 @@ def test_serve_with_replanning_meters_requests_and_stops_cleanly(files):
 
     cfg, pl = files
     with serving([cfg, "--placement", pl, "--in-process", "--port", "0", "--replan-interval", "30"]) as (proc, lines):
-        out = read_until(lines, "/v1", timeout=120)
-        url = next(line for line in out if "/v1" in line).split()[0]
+        url = served_url(lines, timeout=120)
         c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30)
         for _ in range(3):
             c.completions.create(model="tiny-4l", prompt="hi", max_tokens=2)
