@@ -52,7 +52,7 @@ from paraflex.config.schema import Config  # noqa: E402
 from paraflex.costs.loop_fit import read_step_log, stage_time_fn  # noqa: E402
 from paraflex.engine.ray_engine import STATS_EVERY_S  # noqa: E402
 from paraflex.engine.step_log import STEP_LOG_COLUMNS  # noqa: E402
-from paraflex.costs.serving_terms import measured_hop, request_delay_s  # noqa: E402
+from paraflex.costs.serving_terms import measured_hop, request_delay_s, return_path  # noqa: E402
 from paraflex.serving.request_log import LOG_COLUMNS  # noqa: E402
 from paraflex.planner import plan  # noqa: E402
 from paraflex.simulator.runner import SimSettings, simulate  # noqa: E402
@@ -65,6 +65,7 @@ MODELS = ("tiny-2l", "tiny-4l", "tiny-8l")
 LOADS = (("light", 0.2), ("mid", 0.6), ("high", 0.9))  # fractions of the measured saturation rate
 PROMPT_RANGE, OUTPUT_RANGE = (8, 48), (8, 24)
 TOKEN_IDS = (3, 250)  # inside the tiny models' byte vocabulary
+CALIBRATION_LOAD = 0.5  # the calibration's open-loop requests, a fraction of the saturation rate
 NOISY = 0.5  # a profile whose rounds disagree by more than this share gets a warning
 # 12 ms cuts tiny-8l (~18 ms on the `cpu` roofline) into two stages and keeps the others whole.
 CONFIG = {
@@ -128,21 +129,32 @@ def read_log(path: str) -> list[dict]:
 
 
 def calibrate(server, log_path: str, out: str, profile: str, rng, n: int, lone: int = 8) -> float:
-    """Send `lone` requests one at a time, then a burst of `n` at once (the saturation rate, which
-    it returns); store the lone requests' per-request delays (`paraflex profile --gateway-log`)
-    and the engine loop's lines fitted from every engine step of both
-    (`--step-log`, steps copied to calib-steps/) in the profile."""
+    """Send `lone` requests one at a time, a burst of `n` at once (the saturation rate, which it
+    returns), then `n` open loop at CALIBRATION_LOAD of it; store in the profile what the lone and
+    the moderate requests measured (`paraflex profile --gateway-log --step-log`, their log rows
+    in gateway.csv, their steps in calib-steps/): the engine loop's lines, the tokens' return
+    path and the per-request delays. The burst's steps are kept apart (burst-steps/): the
+    engines run slower then than at the loads (docs/simulate.md, fifth pass)."""
     start = time.time()
     for req in make_requests(1.0, lone, 2 * 10**6, rng):
         asyncio.run(replay(server.url, [dataclasses.replace(req, arrival=0.0)], rng))
-    rows = [r for r in raw_log(log_path) if float(r["arrival_s"]) >= start]
+    windows = [(start, time.time())]
     sat = burst(server, n, rng)
+    windows.append((windows[0][1], time.time()))
+    start = time.time()
+    asyncio.run(replay(server.url, make_requests(CALIBRATION_LOAD * sat, n, 3 * 10**6, rng), rng))
+    windows.append((start, time.time()))
+    calib = (windows[0], windows[2])
+    rows = [r for r in raw_log(log_path) if any(a <= float(r["arrival_s"]) <= b for a, b in calib)]
     path = os.path.join(out, "gateway.csv")
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=LOG_COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    steps = copy_steps(os.path.join(out, "steps"), os.path.join(out, "calib-steps"), start, time.time())
+    steps = copy_steps(os.path.join(out, "steps"), os.path.join(out, "calib-steps"), calib)
+    copy_steps(os.path.join(out, "steps"), os.path.join(out, "burst-steps"), windows[1:2])
+    print(f"calibration: {lone} requests alone and {n} at {CALIBRATION_LOAD * sat:.2f} req/s "
+          f"({CALIBRATION_LOAD:.0%} of saturation); load average {os.getloadavg()[0]:.2f}", flush=True)
     print(run([sys.executable, "-m", "paraflex", "profile", os.path.join(out, "config.yaml"), "--gateway-log", path,
                "--step-log", steps, "--placement", os.path.join(out, "placement.json"), "-o", profile]).strip(),
           flush=True)
@@ -158,12 +170,12 @@ def burst(server, n: int, rng) -> float:
     return sat
 
 
-def copy_steps(src: str, dst: str, start: float, end: float) -> str:
-    """The engine step rows logged between `start` and `end` (Unix s), from src/ to dst/."""
+def copy_steps(src: str, dst: str, windows) -> str:
+    """The engine step rows logged in any of `windows` ((start, end), Unix s), from src/ to dst/."""
     time.sleep(2 * STATS_EVERY_S)  # the engines flush their step logs with their stats refresh
     os.makedirs(dst, exist_ok=True)
     for name in sorted(os.listdir(src)):
-        rows = [r for r in raw_log(os.path.join(src, name)) if start <= float(r["start_s"]) <= end]
+        rows = [r for r in raw_log(os.path.join(src, name)) if any(a <= float(r["start_s"]) <= b for a, b in windows)]
         with open(os.path.join(dst, name), "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=STEP_LOG_COLUMNS)
             w.writeheader()
@@ -211,11 +223,13 @@ def served_parts(log_path: str, steps_dir: str, ids: set, start: float, end: flo
     parts = ttft_parts([r for r in raw_log(log_path) if r["id"] in ids], steps)
     text = "; ".join(f"{m} " + "/".join(f"{1000 * p[k]:.1f}" for k in PARTS) for m, p in parts.items())
     served = hops(steps)
-    hop = measured_hop(profile)
+    hop, back = measured_hop(profile), return_path(profile)
+    back_text = (f"{1000 * back.latency_s:.1f} ms + {1000 * back.per_busy_engine_s:.1f} ms per busy engine" if back
+                 else "0 ms")
     hop_text = (f"served hop (receiver idle) median {1000 * float(np.median(served)):.2f} ms over {len(served)}"
                 if served else "no served hop")
     return (f"served TTFT parts, median ms ({' / '.join(PARTS)}): {text}; simulated: "
-            f"{1000 * request_delay_s(profile):.1f} ms per request before the engines; {hop_text} vs "
+            f"{1000 * request_delay_s(profile):.1f} ms per request before the engines, back {back_text}; {hop_text} vs "
             f"{1000 * hop.latency_s if hop else float('nan'):.2f} ms simulated")
 
 

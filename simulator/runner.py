@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
-from paraflex.costs.serving_terms import request_delay_s
+from paraflex.costs.serving_terms import request_delay_s, return_path
 from paraflex.errors import ParaflexError, UserError
 from paraflex.simulator.core.cluster import Cluster
 from paraflex.simulator.core.event_loop import EventLoop
@@ -129,7 +129,12 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
         last = max((r.arrival for r in requests), default=0.0)
         cluster.live = LivePlacement(cluster, controller, config, layout.gpus_per_engine, settings.host_link_gbps, last)
         loop.schedule(LiveTickEvent(0.0))
-    elif settings.fast_forward and layout.seed is None:
+    # ParaFlex's served return path (seed systems model none); each token's way back depends on
+    # the engines busy before it, so the run goes step by step (no fast-forward)
+    back = return_path(config.cluster.profile_dir) if layout.seed is None else None
+    if back is not None:
+        metrics.token_delay = cluster.token_delay_fn(back)
+    elif settings.replan_interval is None and settings.fast_forward and layout.seed is None:
         cluster.enable_fast_forward(requests)
     # Freeze the set-up objects out of the cyclic GC and pause it during the run (the loop
     # creates no reference cycles): collections over the block tables would cost run time.

@@ -30,8 +30,8 @@ import platform
 import sys
 
 from paraflex.config.schema import load_config
-from paraflex.costs.serving_terms import (ENGINE_LOOP_KEY, GATEWAY_KEY, HOP_KEY, EngineLoopTerm, GatewayTerm, HopTerm,
-                                          read_log, store)
+from paraflex.costs.serving_terms import (ENGINE_LOOP_KEY, GATEWAY_KEY, HOP_KEY, RETURN_PATH_KEY, EngineLoopTerm,
+                                          GatewayTerm, HopTerm, read_log, store)
 from paraflex.costs.step_overheads import KEY as STEP_KEY, NOISE_KEY
 from paraflex.errors import UserError
 from paraflex.models.engine_support import require_runnable
@@ -183,9 +183,10 @@ def _hop(progress) -> HopTerm:
 def _store_gateway(config, args) -> int:
     """Store the served terms: the engine loop's time per stage step (from `args.step_log`'s
     steps against the cost model's stage times, else from `args.gateway_log`'s TBT against the
-    simulated TBT of each request alone, without an earlier engine loop term), then the
-    gateway's delay and the engine path (logged TTFT against the simulated TTFT alone, now with
-    the engine loop term), all in OUTPUT's profile."""
+    simulated TBT of each request alone, without an earlier engine loop term); with both logs the
+    tokens' return path (the logged requests' way back against the busy engines before it); then
+    the gateway's delay and the engine path (logged TTFT against the simulated TTFT of the same
+    requests at their logged arrivals, now with the terms before), all in OUTPUT's profile."""
     rows = read_log(args.gateway_log) if args.gateway_log else []
     names = {m.name for m in config.models}
     unknown = [r["model"] for r in rows if r["model"] not in names]
@@ -193,6 +194,7 @@ def _store_gateway(config, args) -> int:
         raise UserError(f"--gateway-log {args.gateway_log}: model {unknown[0]!r} is not in the config; pass the "
                         f"config the logged server ran")
     store(args.output, ENGINE_LOOP_KEY, None)
+    store(args.output, RETURN_PATH_KEY, None)
     profiled, layout = _profiled(config, args)
     archs = {m.name: m.arch for m in profiled.models}
     loop = None
@@ -200,20 +202,31 @@ def _store_gateway(config, args) -> int:
         loop = EngineLoopTerm.from_lines(_loop_lines(profiled, layout, args.step_log), archs)
     elif rows:
         stages = {name: mp.num_stages for name, mp in layout.placement.models.items()}
-        loop = EngineLoopTerm.fit(rows, [tbt for _, tbt in _alone(profiled, layout, rows)], stages, archs)
+        loop = EngineLoopTerm.fit(rows, [tbt for _, tbt in _simulated(profiled, layout, rows)], stages, archs)
     store(args.output, ENGINE_LOOP_KEY, loop)
     if loop is not None:
         steps = ", ".join(_describe(e) for e in loop.per_model)
         print(f"engine loop per stage step, fitted from {loop.requests} logged {loop.source}: {steps or 'none'}")
     if not args.gateway_log:
         return 0
-    ttft = [t for t, _ in _alone(*_profiled(config, args), rows)] if rows else None
+    if args.step_log:
+        from paraflex.costs.loop_fit import read_step_log
+        from paraflex.costs.return_path import fit_return_path
+
+        back = fit_return_path(rows, read_step_log(args.step_log))
+        store(args.output, RETURN_PATH_KEY, back)
+        if back is not None:
+            print(f"return path per token (last-stage step end -> frontend), fitted from {back.tokens} logged tokens: "
+                  f"{1000 * back.latency_s:.2f} ms + {1000 * back.per_busy_engine_s:.2f} ms per engine busy in the "
+                  f"{1000 * back.window_s:.0f} ms before")
+    arrival0 = min(float(r["arrival_s"]) for r in rows)
+    ttft = [t for t, _ in _simulated(*_profiled(config, args), rows, [float(r["arrival_s"]) - arrival0 for r in rows])]
     term = GatewayTerm.from_log(rows, args.gateway_log, ttft)
     store(args.output, GATEWAY_KEY, term)
     print(f"per-request delays (medians of {term.requests} requests in {args.gateway_log}): gateway "
           f"{1000 * term.delay_s:.2f} ms, frontend <-> engines {1000 * term.engine_path_s:.2f} ms; stored in "
-          f"{os.path.join(args.output, 'profile.json')}; the simulator delays every request by both and adds the "
-          f"engine loop term to every stage step")
+          f"{os.path.join(args.output, 'profile.json')}; the simulator delays every request by both, adds the "
+          f"engine loop term to every stage step and the return path to every token")
     return 0
 
 
@@ -254,15 +267,17 @@ def _loop_lines(profiled, layout, step_log: str) -> dict:
     return fit_loop_lines(rows, stage_time_fn(profiled.cluster.cost_model(), layout.placement, archs))
 
 
-def _alone(profiled, layout, rows: list[dict]) -> list[tuple[float, float]]:
-    """The simulated (TTFT without the per-request delays, mean TBT) of each logged request
-    alone, a minute apart, with `profiled`'s profile on `layout`."""
+def _simulated(profiled, layout, rows: list[dict], arrivals: list[float] | None = None) -> list[tuple[float, float]]:
+    """The simulated (TTFT without the per-request delays, mean TBT) of each logged request at
+    `arrivals` (seconds from the first; None: each alone, a minute apart), with `profiled`'s
+    profile on `layout`."""
     from paraflex.simulator.runner import SimSettings, simulate
     from paraflex.simulator.workload import SimRequest
 
-    requests = [SimRequest(i, r["model"], 60.0 * i, int(r["prompt_tokens"]), int(r["output_tokens"]))
-                for i, r in enumerate(rows)]
+    arrivals = arrivals if arrivals is not None else [60.0 * i for i in range(len(rows))]
+    requests = sorted((SimRequest(i, r["model"], t, int(r["prompt_tokens"]), int(r["output_tokens"]))
+                       for i, (r, t) in enumerate(zip(rows, arrivals))), key=lambda q: q.arrival)
     metrics = simulate(profiled, SimSettings(rate=1.0), layout=layout, requests=requests).metrics
-    alone = [metrics.requests[i] for i in range(len(rows))]
+    done = [metrics.requests[i] for i in range(len(rows))]
     return [(r.first_token - r.arrival - metrics.request_delay,
-             (r.last_token - r.first_token) / (r.tokens - 1) if r.tokens > 1 else 0.0) for r in alone]
+             (r.last_token - r.first_token) / (r.tokens - 1) if r.tokens > 1 else 0.0) for r in done]

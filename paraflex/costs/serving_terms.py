@@ -22,6 +22,11 @@ Place in the data flow:
 - `paraflex profile CONFIG --step-log DIR` fits the same term from an engine step log instead
   (paraflex/costs/loop_fit.py): per model and kind a line in the step's size
   (`EngineLoopTerm.from_lines`), which the cost model adds at each stage execution's size.
+- With both logs, it also fits a `ReturnPathTerm` under ``return_path`` (paraflex/costs/
+  return_path.py): the way back of each token from the end of its last-stage step to the
+  frontend (output push, OutputRouter actor, the gateway's poller thread), a line in how many
+  engines were executing in the window before; the simulator (simulator/core/cluster.py) adds it
+  to every token it records.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from paraflex.errors import UserError
 HOP_KEY = "hop"
 GATEWAY_KEY = "gateway"
 ENGINE_LOOP_KEY = "engine_loop"
+RETURN_PATH_KEY = "return_path"
 LINE_KEYS = ("prefill_s", "prefill_per_token_s", "decode_s", "decode_per_seq_s")
 
 
@@ -138,6 +144,22 @@ class EngineLoopTerm:
         return e["prefill_s"] + e["prefill_per_token_s"] * size if prefill else e["decode_s"] + e["decode_per_seq_s"] * size
 
 
+@dataclass(frozen=True)
+class ReturnPathTerm:
+    """A token's way back from the end of its last-stage step to the frontend: `latency_s` +
+    `per_busy_engine_s` x the mean number of engines executing a step over the `window_s` before
+    (the output path's threads wait for a core the engines hold), fitted over `tokens` logged
+    first and last tokens."""
+
+    latency_s: float
+    per_busy_engine_s: float
+    window_s: float
+    tokens: int
+
+    def delay_s(self, busy_engines: float) -> float:
+        return self.latency_s + self.per_busy_engine_s * busy_engines
+
+
 def read_log(path: str) -> list[dict]:
     """The rows of a `paraflex serve --request-log` file that carry an http_arrival_s."""
     try:
@@ -164,6 +186,11 @@ def measured_hop(profile_dir: str | None) -> HopTerm | None:
 def engine_loop(profile_dir: str | None) -> EngineLoopTerm | None:
     d = _read(profile_dir).get(ENGINE_LOOP_KEY)
     return EngineLoopTerm(**d) if d else None
+
+
+def return_path(profile_dir: str | None) -> ReturnPathTerm | None:
+    d = _read(profile_dir).get(RETURN_PATH_KEY)
+    return ReturnPathTerm(**d) if d else None
 
 
 def request_delay_s(profile_dir: str | None) -> float:

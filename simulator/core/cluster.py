@@ -21,6 +21,7 @@ engine core's scheduler; this module only moves messages and adds time.
 from __future__ import annotations
 
 from paraflex.costs.costmodel import CostModel
+from paraflex.costs.return_path import busy_seconds
 from paraflex.costs.topology import Topology
 from paraflex.engine.core.block_pool import BlockPool
 from paraflex.engine.core.dispatcher import Dispatcher
@@ -218,6 +219,20 @@ class Cluster:
         self.route_pending[key].remove(ev.time)
         eng.running = None
         eng.busy = False
+
+    def token_delay_fn(self, term):
+        """The way back of a token produced at t (`term`: a ReturnPathTerm) from the engines
+        executing over the window before t: finished batches (the metrics' timeline, measured as
+        the fit measures the served step log: paraflex/costs/return_path.py) and running ones."""
+        busy, window = self.metrics.busy, term.window_s
+
+        def delay(t: float) -> float:
+            t0 = t - window
+            total = sum(busy_seconds(flat, t0, t) for flat in busy)
+            total += sum(max(0.0, t - max(e.running.start, t0)) for e in self.engines if e.running is not None)
+            return term.delay_s(total / window)
+
+        return delay
 
     def _emit_tokens(self, eng: SimEngine, info: StageInfo, done, t: float) -> None:
         """Last stage: record the tokens, free finished requests on the middle stages (the

@@ -120,6 +120,9 @@ class MetricsStore:
         # seconds between a request's arrival at the gateway and the engines taking it (the
         # simulator delays every arrival by it; records keep the gateway arrival)
         self.request_delay = 0.0
+        # seconds a token takes from its last-stage step to the frontend, as a function of the
+        # time it was produced (paraflex/costs/return_path.py; None: it is there at once)
+        self.token_delay = None
 
     # --- recording -------------------------------------------------------------------
     def add_request(self, rid: int, model: str, arrival: float, prompt_len: int, output_len: int) -> RequestRecord:
@@ -129,21 +132,32 @@ class MetricsStore:
         return rec
 
     def tokens(self, recs: list[RequestRecord], t: float) -> None:
-        """One token for each of `recs` at `t`."""
-        tbt = self.tbt
+        """One token for each of `recs` produced at `t`; at the frontend `token_delay` later,
+        never before the request's previous token."""
+        if self.token_delay is not None:
+            t += self.token_delay(t)
+            late = [rec for rec in recs if rec.last_token > t]
+            if late:  # (the delay fell faster than time passed)
+                recs = [rec for rec in recs if rec.last_token <= t]
+                for rec in late:
+                    self.record(rec, rec.last_token)
         for rec in recs:
-            k = rec.tokens
-            if k == 0:
-                rec.first_token = t
-            else:
-                gap = t - rec.last_token
-                tbt[rec.model].append(gap)
-                if gap > rec.max_tbt:
-                    rec.max_tbt = gap
-            if t <= rec.arrival + rec.ttft_slo + k * rec.tbt_slo:
-                rec.on_time += 1
-            rec.last_token = t
-            rec.tokens = k + 1
+            self.record(rec, t)
+
+    def record(self, rec: RequestRecord, t: float) -> None:
+        """One token of `rec` at the frontend at `t`."""
+        k = rec.tokens
+        if k == 0:
+            rec.first_token = t
+        else:
+            gap = t - rec.last_token
+            self.tbt[rec.model].append(gap)
+            if gap > rec.max_tbt:
+                rec.max_tbt = gap
+        if t <= rec.arrival + rec.ttft_slo + k * rec.tbt_slo:
+            rec.on_time += 1
+        rec.last_token = t
+        rec.tokens = k + 1
 
     def token_steps(self, recs: list[RequestRecord], times) -> None:
         """For each time in order: one token for each of `recs` (the fast-forward's replay).
@@ -176,7 +190,7 @@ class MetricsStore:
             rec.tokens += n
 
     def finish(self, rec: RequestRecord, t: float) -> None:
-        rec.finish = t
+        rec.finish = max(t, rec.last_token)  # its last token's way back (token_delay)
         self.finished += 1
 
     def batch(self, engine: int, start: float, end: float, is_prefill: bool, size: int, tokens: int) -> None:

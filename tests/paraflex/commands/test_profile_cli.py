@@ -131,3 +131,36 @@ def test_a_step_log_gives_the_engine_loop_as_lines_in_the_steps_size(tmp_path, c
     assert entry["decode_s"] == pytest.approx(0.001, abs=1e-6) and entry["decode_per_seq_s"] == pytest.approx(0.0005)
     assert main(["profile", DEMO, "--step-log", str(tmp_path / "none"), "-o", str(out)]) == 2
     assert "--step-log" in capsys.readouterr().err
+
+
+def test_a_step_log_with_its_request_log_gives_the_return_path_and_the_delays(tmp_path, capsys):
+    """`--gateway-log FILE --step-log DIR` of one served run: the way back of each logged token
+    (its last step's end -> the frontend) becomes `return_path`; the engine path is what the
+    logged TTFT has beyond the simulated one, the return path included."""
+    from paraflex.engine.step_log import STEP_LOG_COLUMNS
+    from paraflex.serving.request_log import LOG_COLUMNS
+
+    model = load_config(DEMO).models[0].name
+    placement, out = tmp_path / "p.json", tmp_path / "prof"
+    assert main(["plan", DEMO, "-o", str(placement), "-q"]) == 0
+    assert main(["profile", DEMO, "-o", str(out), "--models", model, "--tokens", "1,8", "--repeats", "1",
+                 "--no-steps", "--no-hop", "-q"]) == 0
+    mp = Placement.load(placement).models[model]
+    engine, stage = mp.replicas[0][-1], mp.num_stages - 1
+    steps, log = [",".join(STEP_LOG_COLUMNS)], [",".join(LOG_COLUMNS)]
+    for i in range(3):  # each request alone: prefill, then one decode step; 4 ms back
+        t = 100.0 + i
+        steps.append(f"{engine},{model},{stage},{mp.num_stages},prefill,1,8,0,1,0,{t:.6f},0.010,0.005,r{i}")
+        steps.append(f"{engine},{model},{stage},{mp.num_stages},decode,1,0,9,1,0,{t + 0.014:.6f},0.005,0.003,r{i}")
+        log.append(f"r{i},{model},0,{t - 0.001:.6f},8,2,{t + 0.014:.6f},{t + 0.023:.6f},0.024,0.015,0.009,0.009,2,"
+                   f"{t - 0.002:.6f}")
+    (tmp_path / "steps").mkdir()
+    (tmp_path / "steps" / f"engine-{engine}.csv").write_text("\n".join(steps) + "\n")
+    (tmp_path / "log.csv").write_text("\n".join(log) + "\n")
+    assert main(["profile", DEMO, "--gateway-log", str(tmp_path / "log.csv"), "--step-log", str(tmp_path / "steps"),
+                 "--placement", str(placement), "-o", str(out)]) == 0
+    assert "return path per token" in capsys.readouterr().out
+    meta = json.loads((out / "profile.json").read_text())
+    back = meta["return_path"]
+    assert back["tokens"] == 6 and back["latency_s"] + back["per_busy_engine_s"] == pytest.approx(0.004, abs=2e-4)
+    assert meta["gateway"]["delay_s"] == pytest.approx(0.001, abs=1e-5) and meta["gateway"]["engine_path_s"] < 0.015
