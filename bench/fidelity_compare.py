@@ -70,6 +70,20 @@ def print_table(rows: list[dict]) -> None:
           "of 10% median, 20% P99, 5% throughput)")
 
 
+def print_runs(per_run: list[list[dict]]) -> None:
+    """All models, per load, metric and statistic: each run's error and in how many runs it is
+    within the target."""
+    keys = [(r["load"], r["metric"], r["stat"]) for r in per_run[0] if r["model"] == "all"]
+    print(f"\nall models, {len(per_run)} runs: error per run (sim - real) / real, and runs within the target")
+    for load, metric, stat in keys:
+        mine = [next(r for r in rows if (r["model"], r["load"], r["metric"], r["stat"]) == ("all", load, metric, stat))
+                for rows in per_run]
+        errs = " ".join(f"{100 * r['rel_err']:+6.1f}%" for r in mine)
+        print(f"{load:<8} {metric:<10} {stat:<6} {errs}   {sum(within_target(r) for r in mine)}/{len(mine)}")
+    hits = [sum(within_target(r) for r in rows if r["model"] == "all") for rows in per_run]
+    print(f"within target (all models), per run: {', '.join(f'{h}/{len(keys)}' for h in hits)}")
+
+
 def write_csv(path: str, rows: list[dict]) -> None:
     with open(path, "w", newline="", encoding="utf-8") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))

@@ -14,12 +14,21 @@ request log's ids, so a request's own steps are found exactly:
 and `hops`: for a batch that a stage hands to the next one on another engine, the time from the
 end of the sending step to the start of the receiving one, counted only where the receiving
 engine was idle in between (no queueing in it): the served hop, wake-up included.
+
+`step_split` and `served_parts` put a load window's served steps and TTFT parts next to the
+simulator's terms for them (the lines bench/sim_fidelity.py prints per load).
 """
 
 from __future__ import annotations
 
+import csv
 import statistics
 from collections import defaultdict
+
+import numpy as np
+
+from paraflex.costs.loop_fit import read_step_log, stage_time_fn
+from paraflex.costs.serving_terms import measured_hop, request_delay_s, return_path
 
 PARTS = ("gateway", "to prefill", "prefill", "back")
 
@@ -74,3 +83,42 @@ def hops(steps: list[dict]) -> list[float]:
             if src["engine"] != s["engine"] and idle_since[id(s)] <= _end(src):
                 out.append(start - _end(src))
     return out
+
+
+def step_split(config, placement, steps_dir: str, start: float, end: float) -> str:
+    """Where a window's decode time goes: the served engine steps (mean loop iteration per stage
+    step, from the step log) against the simulator's time for the very same steps."""
+    rows = [r for r in read_step_log(steps_dir) if start <= float(r["start_s"]) <= end and r["kind"] == "decode"]
+    if not rows:
+        return "no decode steps logged"
+    stage_time = stage_time_fn(config.cluster.cost_model(), placement, {m.name: m.arch for m in config.models})
+    out = []
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model]
+        if mine:
+            served = float(np.mean([float(r["busy_s"]) for r in mine]))
+            sim = float(np.mean([stage_time(r) for r in mine]))
+            out.append(f"{model} {1000 * served:.2f} vs {1000 * sim:.2f} ms ({(sim - served) / served:+.0%})")
+    return "decode stage step, served vs simulated for the same steps: " + "; ".join(out)
+
+
+def served_parts(log_path: str, steps_dir: str, ids: set, start: float, end: float, profile: str) -> str:
+    """The served TTFT in parts and the served hop of a window (bench/served_split.py) against
+    the simulator's per-request delay and hop."""
+    steps = [r for r in read_step_log(steps_dir) if start <= float(r["start_s"]) <= end]
+    parts = ttft_parts([r for r in _rows(log_path) if r["id"] in ids], steps)
+    text = "; ".join(f"{m} " + "/".join(f"{1000 * p[k]:.1f}" for k in PARTS) for m, p in parts.items())
+    served = hops(steps)
+    hop, back = measured_hop(profile), return_path(profile)
+    back_text = (f"{1000 * back.latency_s:.1f} ms + {1000 * back.per_busy_engine_s:.1f} ms per busy engine" if back
+                 else "0 ms")
+    hop_text = (f"served hop (receiver idle) median {1000 * float(np.median(served)):.2f} ms over {len(served)}"
+                if served else "no served hop")
+    return (f"served TTFT parts, median ms ({' / '.join(PARTS)}): {text}; simulated: "
+            f"{1000 * request_delay_s(profile):.1f} ms per request before the engines, back {back_text}; {hop_text} vs "
+            f"{1000 * hop.latency_s if hop else float('nan'):.2f} ms simulated")
+
+
+def _rows(path: str) -> list[dict]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))

@@ -5,25 +5,31 @@ One command: profile the models on this machine (or reuse `--profile DIR`; `--no
 plain roofline): op tables, per-step residuals and the Ray hop between engines, all read by the
 simulator through `cluster.profile_dir`. Plan a config of three models on two engines where
 tiny-8l is cut into two stages on different engines and both engines hold stages of several
-models, start `paraflex serve` on it (Ray backend, `--request-log`, `--step-log`), send a few
-requests one at a time, then a burst (the saturation rate), and store the lone requests'
-per-request delays (gateway; frontend <-> engines) and the Ray engine loop's time per stage
-step, fitted from every engine step of both as lines in the step's size, in the profile
-(`paraflex profile --gateway-log --step-log`; a reused `--profile DIR` gets them too), then at three loads (light, ~60% and ~90% of saturation) write a
-request list (simulator/workload/requests_file.py), replay it open loop against the server (same
-arrival times, ignore_eos with fixed output lengths, token-id prompts of the given lengths) and
-simulate the same file with the profiled cost model. Prints per load and model median and P99
-of TTFT, TBT (per-request mean) and E2E, and throughput, real vs simulated with the relative
-error; writes fidelity.csv and fidelity_cdfs.png (fidelity_compare.py). Real times start at the
-HTTP arrival the server logs (`http_arrival_s`), as the simulator's do with the measured delays.
-Per load it also prints the mean served decode step per stage (the step log) against the
-simulator's time for the very same steps, and warns where the profile's `noise` says its rounds
-disagreed.
+models, start `paraflex serve` on it (Ray backend, `--request-log`, `--step-log`) and calibrate
+on it: a few requests one at a time, the saturation rate (a burst, then open loop at the burst's
+rate: the lower of the two), then requests open loop at half of it; from the lone and the
+half-load requests and their steps (not the saturation runs') `paraflex profile --gateway-log
+--step-log` stores in the profile the Ray engine loop's time per stage step (lines in the step's
+size), each token's return path (a line in the engines busy before it) and the per-request
+delays (gateway; frontend <-> engines). Then at three loads
+(light, ~60% and ~90% of saturation) write a request list (simulator/workload/requests_file.py),
+replay it open loop against the server (same arrival times, ignore_eos with fixed output
+lengths, token-id prompts of the given lengths) and simulate the same file with the profiled
+cost model. Prints per load and model median and P99 of TTFT, TBT (per-request mean) and E2E,
+and throughput, real vs simulated with the relative error; writes fidelity.csv and
+fidelity_cdfs.png (fidelity_compare.py). Real times start at the HTTP arrival the server logs
+(`http_arrival_s`), as the simulator's do with the measured delays. Per load it also prints the
+served steps and TTFT parts against the simulator's terms (served_split.py), and warns where
+the profile's `noise` says its rounds disagreed.
 
-    python bench/sim_fidelity.py [--out DIR] [--requests 40] [--profile DIR | --no-profile]
-                                 [--saturation RPS] [--tiny]
+    python bench/sim_fidelity.py [--out DIR] [--requests 40] [--runs 1] [--profile DIR | --no-profile]
+                                 [--saturation RPS] [--tiny] [--resimulate DIR]
 
-`--tiny` (the CI test): a few requests per load, no profiling (so no hop or gateway term).
+`--runs K`: K independent runs (each profiles, calibrates and serves anew) in DIR/run-<k>, then
+each all-models error per run and how many runs meet the target (fidelity-runs.csv).
+`--resimulate DIR`: serve nothing, simulate an earlier results folder again (its request lists,
+server log and windows.json) with `--profile` or its own, e.g. to compare terms on the same
+served run. `--tiny` (the CI test): a few requests per load, no profiling (so no served terms).
 """
 
 from __future__ import annotations
@@ -43,17 +49,17 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fidelity_compare import compare, plot_cdfs, print_table, write_csv  # noqa: E402
+from fidelity_compare import compare, plot_cdfs, print_runs, print_table, write_csv  # noqa: E402
 from serve_client import one_request  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
-from served_split import PARTS, hops, ttft_parts  # noqa: E402
+from served_split import served_parts, step_split  # noqa: E402
 
 from paraflex.config.schema import Config  # noqa: E402
-from paraflex.costs.loop_fit import read_step_log, stage_time_fn  # noqa: E402
 from paraflex.engine.ray_engine import STATS_EVERY_S  # noqa: E402
 from paraflex.engine.step_log import STEP_LOG_COLUMNS  # noqa: E402
-from paraflex.costs.serving_terms import measured_hop, request_delay_s, return_path  # noqa: E402
+from paraflex.costs.serving_terms import measured_hop  # noqa: E402
 from paraflex.serving.request_log import LOG_COLUMNS  # noqa: E402
+from paraflex.placement import Placement  # noqa: E402
 from paraflex.planner import plan  # noqa: E402
 from paraflex.simulator.runner import SimSettings, simulate  # noqa: E402
 from paraflex.simulator.systems.layouts import build_system  # noqa: E402
@@ -129,12 +135,12 @@ def read_log(path: str) -> list[dict]:
 
 
 def calibrate(server, log_path: str, out: str, profile: str, rng, n: int, lone: int = 8) -> float:
-    """Send `lone` requests one at a time, a burst of `n` at once (the saturation rate, which it
-    returns), then `n` open loop at CALIBRATION_LOAD of it; store in the profile what the lone and
+    """Send `lone` requests one at a time, measure the saturation rate (`burst`, which it
+    returns), then send 2`n` open loop at CALIBRATION_LOAD of it; store in the profile what the lone and
     the moderate requests measured (`paraflex profile --gateway-log --step-log`, their log rows
     in gateway.csv, their steps in calib-steps/): the engine loop's lines, the tokens' return
-    path and the per-request delays. The burst's steps are kept apart (burst-steps/): the
-    engines run slower then than at the loads (docs/simulate.md, fifth pass)."""
+    path and the per-request delays. The saturation runs' steps are kept apart (burst-steps/): lines
+    fitted from them predicted the loads' steps worse (docs/simulate.md, fifth pass)."""
     start = time.time()
     for req in make_requests(1.0, lone, 2 * 10**6, rng):
         asyncio.run(replay(server.url, [dataclasses.replace(req, arrival=0.0)], rng))
@@ -142,7 +148,7 @@ def calibrate(server, log_path: str, out: str, profile: str, rng, n: int, lone: 
     sat = burst(server, n, rng)
     windows.append((windows[0][1], time.time()))
     start = time.time()
-    asyncio.run(replay(server.url, make_requests(CALIBRATION_LOAD * sat, n, 3 * 10**6, rng), rng))
+    asyncio.run(replay(server.url, make_requests(CALIBRATION_LOAD * sat, 2 * n, 3 * 10**6, rng), rng))
     windows.append((start, time.time()))
     calib = (windows[0], windows[2])
     rows = [r for r in raw_log(log_path) if any(a <= float(r["arrival_s"]) <= b for a, b in calib)]
@@ -153,7 +159,7 @@ def calibrate(server, log_path: str, out: str, profile: str, rng, n: int, lone: 
         w.writerows(rows)
     steps = copy_steps(os.path.join(out, "steps"), os.path.join(out, "calib-steps"), calib)
     copy_steps(os.path.join(out, "steps"), os.path.join(out, "burst-steps"), windows[1:2])
-    print(f"calibration: {lone} requests alone and {n} at {CALIBRATION_LOAD * sat:.2f} req/s "
+    print(f"calibration: {lone} requests alone and {2 * n} at {CALIBRATION_LOAD * sat:.2f} req/s "
           f"({CALIBRATION_LOAD:.0%} of saturation); load average {os.getloadavg()[0]:.2f}", flush=True)
     print(run([sys.executable, "-m", "paraflex", "profile", os.path.join(out, "config.yaml"), "--gateway-log", path,
                "--step-log", steps, "--placement", os.path.join(out, "placement.json"), "-o", profile]).strip(),
@@ -162,12 +168,18 @@ def calibrate(server, log_path: str, out: str, profile: str, rng, n: int, lone: 
 
 
 def burst(server, n: int, rng) -> float:
-    """Every request at once: the server's best rate (req/s)."""
+    """The saturation rate (req/s): `n` requests at once give the server's best rate, then 2`n`
+    open loop at that rate what it sustains (lower where the engines, gateway and client cannot
+    keep up with requests spread out); the lower of the two."""
     requests = [dataclasses.replace(r, arrival=0.0) for r in make_requests(1.0, max(4, n), 10**6, rng)]
     results, _ = asyncio.run(replay(server.url, requests, rng))
-    sat = len(results) / max(r.e2e for r in results)
-    print(f"saturation (burst of {len(requests)}): {sat:.2f} req/s", flush=True)
-    return sat
+    best = len(results) / max(r.e2e for r in results)
+    requests = make_requests(best, 2 * max(4, n), 4 * 10**6, rng)
+    results, _ = asyncio.run(replay(server.url, requests, rng))
+    sustained = len(results) / max(q.arrival + r.e2e for q, r in zip(requests, results))
+    print(f"saturation: {best:.2f} req/s for a burst of {max(4, n)}, {sustained:.2f} req/s sustained at that rate",
+          flush=True)
+    return min(best, sustained)
 
 
 def copy_steps(src: str, dst: str, windows) -> str:
@@ -199,40 +211,6 @@ def warn_noise(profile: str) -> None:
                   f"pooled to stay monotone in tokens", flush=True)
 
 
-def step_split(config, placement, steps_dir: str, start: float, end: float) -> str:
-    """Where a window's decode time goes: the served engine steps (mean loop iteration per stage
-    step, from the step log) against the simulator's time for the very same steps."""
-    rows = [r for r in read_step_log(steps_dir) if start <= float(r["start_s"]) <= end and r["kind"] == "decode"]
-    if not rows:
-        return "no decode steps logged"
-    stage_time = stage_time_fn(config.cluster.cost_model(), placement, {m.name: m.arch for m in config.models})
-    out = []
-    for model in MODELS:
-        mine = [r for r in rows if r["model"] == model]
-        if mine:
-            served = float(np.mean([float(r["busy_s"]) for r in mine]))
-            sim = float(np.mean([stage_time(r) for r in mine]))
-            out.append(f"{model} {1000 * served:.2f} vs {1000 * sim:.2f} ms ({(sim - served) / served:+.0%})")
-    return "decode stage step, served vs simulated for the same steps: " + "; ".join(out)
-
-
-def served_parts(log_path: str, steps_dir: str, ids: set, start: float, end: float, profile: str) -> str:
-    """The served TTFT in parts and the served hop of a window (bench/served_split.py) against
-    the simulator's per-request delay and hop."""
-    steps = [r for r in read_step_log(steps_dir) if start <= float(r["start_s"]) <= end]
-    parts = ttft_parts([r for r in raw_log(log_path) if r["id"] in ids], steps)
-    text = "; ".join(f"{m} " + "/".join(f"{1000 * p[k]:.1f}" for k in PARTS) for m, p in parts.items())
-    served = hops(steps)
-    hop, back = measured_hop(profile), return_path(profile)
-    back_text = (f"{1000 * back.latency_s:.1f} ms + {1000 * back.per_busy_engine_s:.1f} ms per busy engine" if back
-                 else "0 ms")
-    hop_text = (f"served hop (receiver idle) median {1000 * float(np.median(served)):.2f} ms over {len(served)}"
-                if served else "no served hop")
-    return (f"served TTFT parts, median ms ({' / '.join(PARTS)}): {text}; simulated: "
-            f"{1000 * request_delay_s(profile):.1f} ms per request before the engines, back {back_text}; {hop_text} vs "
-            f"{1000 * hop.latency_s if hop else float('nan'):.2f} ms simulated")
-
-
 def simulated_rows(config, placement, requests: list[SimRequest]) -> list[dict]:
     settings = SimSettings(rate=1.0)
     layout = dataclasses.replace(build_system(config, settings), placement=placement)
@@ -242,32 +220,86 @@ def simulated_rows(config, placement, requests: list[SimRequest]) -> list[dict]:
     return [dict(zip(header, row)) for row in rows]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="sim-fidelity-results", help="results folder")
-    ap.add_argument("--requests", type=int, default=40, help="requests per load (default 40)")
-    ap.add_argument("--profile", help="reuse this `paraflex profile` folder instead of profiling now")
-    ap.add_argument("--no-profile", action="store_true", help="simulate with the plain roofline")
-    ap.add_argument("--saturation", type=float, help="saturation rate in req/s (default: measure it with a burst)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tiny", action="store_true", help="CI size: 3 requests per load, no profiling")
-    args = ap.parse_args(argv)
-    n = 3 if args.tiny else args.requests
-    out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
-    wall0 = time.perf_counter()
-    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start", flush=True)
+def serve_loads(args, out: str, config_path: str, placement_path: str, profile: str | None, n: int) -> list[dict]:
+    """Start the server, calibrate (with a profile), replay the three loads' request lists open
+    loop and stop it; the windows ({load, start, end, client_ttft_s}), also in windows.json."""
+    base = yaml.safe_load(open(config_path))
+    max_context = {m.name: m.arch.max_context for m in Config.from_dict(base, source=config_path).models}
+    log_path = os.path.join(out, "served_requests.csv")
+    server = ServeProcess(config_path, backend="ray", who="sim_fidelity",
+                          extra_args=("--placement", placement_path, "--request-log", log_path,
+                                      "--step-log", os.path.join(out, "steps")))
+    rng = np.random.default_rng(args.seed)
+    windows = []
+    try:
+        measured = calibrate(server, log_path, out, profile, rng, n) if profile else None
+        sat = args.saturation or measured or burst(server, n, rng)
+        for i, (load, frac) in enumerate(LOADS):
+            path = os.path.join(out, f"requests-{load}.csv")
+            write_requests(path, make_requests(frac * sat, n, i * n, rng))
+            requests = load_requests(path, max_context).requests  # replay what the file says
+            print(f"{load}: {n} requests at {frac * sat:.2f} req/s ({frac:.0%} of saturation); "
+                  f"load average {os.getloadavg()[0]:.2f}", flush=True)
+            results, epoch = asyncio.run(replay(server.url, requests, rng))
+            windows.append({"load": load, "start": epoch, "end": time.time(),
+                            "client_ttft_s": float(np.median([r.ttft for r in results]))})
+    finally:
+        server.stop()
+    with open(os.path.join(out, "windows.json"), "w") as fh:
+        json.dump(windows, fh, indent=1)
+    return windows
 
-    base = dict(CONFIG)
+
+def report(out: str, profile: str | None, windows: list[dict]) -> list[dict]:
+    """Simulate each window's request list (with `profile`) and compare it with the server log;
+    prints the per-window split and the table, writes fidelity.csv and fidelity_cdfs.png in
+    `out`; the comparison rows."""
+    base = yaml.safe_load(open(os.path.join(out, "config.yaml")))
+    config = Config.from_dict(base, source=os.path.join(out, "config.yaml"))
+    placement = Placement.load_for(os.path.join(out, "placement.json"), config)
+    log_path, steps = os.path.join(out, "served_requests.csv"), os.path.join(out, "steps")
+    served = read_log(log_path)
+    # the simulator reads the whole profile (tables, residuals, hop, gateway) through profile_dir
+    sim_config = Config.from_dict({**base, "cluster": {**base["cluster"], "profile_dir": profile}} if profile else base,
+                                  source="sim-fidelity" + (" (profiled)" if profile else ""))
+    max_context = {m.name: m.arch.max_context for m in config.models}
+    rows, runs = [], []
+    print()
+    for w in windows:
+        load, start, end = w["load"], w["start"], w["end"]
+        requests = load_requests(os.path.join(out, f"requests-{load}.csv"), max_context).requests
+        real = [r for r in served if start <= float(r["arrival_s"]) <= end]
+        sim = simulated_rows(sim_config, placement, requests)
+        rows += compare(load, real, sim)
+        runs.append((load, real, sim))
+        log_ttft = float(np.median([float(r["ttft_s"]) for r in real]))
+        gateway = [r["gateway_s"] for r in real if "gateway_s" in r]
+        split = f"gateway (HTTP arrival -> frontend) {1000 * float(np.median(gateway)):.1f} ms; " if gateway else ""
+        if profile:
+            print(f"{load}: {step_split(sim_config, placement, steps, start, end)}")
+            print(f"{load}: {served_parts(log_path, steps, {r['id'] for r in real}, start, end, profile)}")
+        print(f"{load}: {len(real)}/{len(requests)} logged; {split}median TTFT at the client "
+              f"{1000 * w['client_ttft_s']:.1f} ms vs {1000 * log_ttft:.1f} ms in the server log: client + HTTP "
+              f"transport + response path {1000 * (w['client_ttft_s'] - log_ttft):.1f} ms")
+    print()
+    print_table(rows)
+    write_csv(os.path.join(out, "fidelity.csv"), rows)
+    png = plot_cdfs(os.path.join(out, "fidelity_cdfs.png"), runs)
+    print(f"results: {out}/fidelity.csv, " + (png or "no PNG (matplotlib is not installed)"))
+    return rows
+
+
+def one_run(args, out: str, n: int) -> list[dict]:
+    """Profile (unless reused or off), serve, calibrate, replay and compare into `out`."""
+    os.makedirs(out, exist_ok=True)
     config_path = os.path.join(out, "config.yaml")
     with open(config_path, "w") as fh:
-        yaml.safe_dump(base, fh)
-    placement = plan(Config.from_dict(base, source=config_path))
+        yaml.safe_dump(CONFIG, fh)
+    placement = plan(Config.from_dict(CONFIG, source=config_path))
     placement_path = os.path.join(out, "placement.json")
     placement.save(placement_path)
     for name, mp in placement.models.items():
         print(f"  {name}: {mp.num_stages} stage(s), replicas on engines {mp.replicas}")
-
     profile = None
     if not (args.no_profile or args.tiny):
         profile = os.path.abspath(args.profile or os.path.join(out, "profile"))
@@ -278,56 +310,44 @@ def main(argv: list[str] | None = None) -> int:
         hop = measured_hop(profile)
         if hop is not None:
             print(f"hop between engines (profiled): {1e6 * hop.latency_s:.0f} µs", flush=True)
-    max_context = {m.name: m.arch.max_context for m in Config.from_dict(base, source=config_path).models}
+    windows = serve_loads(args, out, config_path, placement_path, profile, n)
+    return report(out, profile, windows)
 
-    log_path = os.path.join(out, "served_requests.csv")
-    server = ServeProcess(config_path, backend="ray", who="sim_fidelity",
-                          extra_args=("--placement", placement_path, "--request-log", log_path,
-                                      "--step-log", os.path.join(out, "steps")))
-    rng = np.random.default_rng(args.seed)
-    windows = []
-    try:
-        measured = calibrate(server, log_path, out, profile, rng, n) if profile else None
-        sat = args.saturation or measured or burst(server, n, rng)
-        next_id = 0
-        for load, frac in LOADS:
-            requests = make_requests(frac * sat, n, next_id, rng)
-            next_id += n
-            path = os.path.join(out, f"requests-{load}.csv")
-            write_requests(path, requests)
-            requests = load_requests(path, max_context).requests  # replay what the file says
-            print(f"{load}: {n} requests at {frac * sat:.2f} req/s ({frac:.0%} of saturation); "
-                  f"load average {os.getloadavg()[0]:.2f}", flush=True)
-            results, epoch = asyncio.run(replay(server.url, requests, rng))
-            windows.append((load, requests, results, epoch, time.time()))
-    finally:
-        server.stop()
-    served = read_log(log_path)
-    # the simulator reads the whole profile (tables, residuals, hop, gateway) through profile_dir
-    sim_config = Config.from_dict({**base, "cluster": {**base["cluster"], "profile_dir": profile}} if profile else base,
-                                  source="sim-fidelity" + (" (profiled)" if profile else ""))
-    rows, runs = [], []
-    print()
-    for load, requests, results, start, end in windows:
-        real = [r for r in served if start <= float(r["arrival_s"]) <= end]
-        sim = simulated_rows(sim_config, placement, requests)
-        rows += compare(load, real, sim)
-        runs.append((load, real, sim))
-        client_ttft = float(np.median([r.ttft for r in results]))
-        log_ttft = float(np.median([float(r["ttft_s"]) for r in real]))
-        gateway = [r["gateway_s"] for r in real if "gateway_s" in r]
-        split = f"gateway (HTTP arrival -> frontend) {1000 * float(np.median(gateway)):.1f} ms; " if gateway else ""
-        if profile:
-            print(f"{load}: {step_split(sim_config, placement, os.path.join(out, 'steps'), start, end)}")
-            print(f"{load}: {served_parts(log_path, os.path.join(out, 'steps'), {r['id'] for r in real}, start, end, profile)}")
-        print(f"{load}: {len(real)}/{len(requests)} logged; {split}median TTFT at the client {1000 * client_ttft:.1f} ms "
-              f"vs {1000 * log_ttft:.1f} ms in the server log: client + HTTP transport + response path "
-              f"{1000 * (client_ttft - log_ttft):.1f} ms")
-    print()
-    print_table(rows)
-    write_csv(os.path.join(out, "fidelity.csv"), rows)
-    png = plot_cdfs(os.path.join(out, "fidelity_cdfs.png"), runs)
-    print(f"results: {out}/fidelity.csv, " + (png or "no PNG (matplotlib is not installed)"))
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="sim-fidelity-results", help="results folder")
+    ap.add_argument("--requests", type=int, default=40, help="requests per load (default 40)")
+    ap.add_argument("--runs", type=int, default=1, help="independent runs, each profiling anew (default 1)")
+    ap.add_argument("--profile", help="reuse this `paraflex profile` folder instead of profiling now")
+    ap.add_argument("--no-profile", action="store_true", help="simulate with the plain roofline")
+    ap.add_argument("--saturation", type=float, help="saturation rate in req/s (default: measure it, `burst`)")
+    ap.add_argument("--resimulate", metavar="DIR", help="serve nothing: simulate the results folder DIR of an earlier "
+                    "run again (with --profile, or DIR/profile) and compare it with its server log")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="CI size: 3 requests per load, no profiling")
+    args = ap.parse_args(argv)
+    n = 3 if args.tiny else args.requests
+    wall0 = time.perf_counter()
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start", flush=True)
+    if args.resimulate:
+        out = os.path.abspath(args.resimulate)
+        profile = os.path.abspath(args.profile or os.path.join(out, "profile"))
+        with open(os.path.join(out, "windows.json")) as fh:
+            report(out, profile if os.path.isdir(profile) and not args.no_profile else None, json.load(fh))
+        return 0
+    out = os.path.abspath(args.out)
+    if args.runs == 1:
+        one_run(args, out, n)
+    else:
+        per_run = []
+        for k in range(args.runs):
+            print(f"\n=== run {k + 1} of {args.runs}; load average {os.getloadavg()[0]:.2f}", flush=True)
+            run_args = argparse.Namespace(**{**vars(args), "seed": args.seed + k})
+            per_run.append(one_run(run_args, os.path.join(out, f"run-{k + 1}"), n))
+        print_runs(per_run)
+        write_csv(os.path.join(out, "fidelity-runs.csv"), [{**r, "run": k + 1} for k, rows in enumerate(per_run)
+                                                           for r in rows])
     print(f"wall {time.perf_counter() - wall0:.0f} s; load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 

@@ -14,10 +14,13 @@ engine actors (paraflex/engine/transport/hop_probe.py) and stores it as `hop`, t
 engines of one node. `--gateway-log FILE` measures nothing: it reads a served request log and
 stores per-request delays as `gateway` in OUTPUT/profile.json, keeping the rest
 (paraflex/costs/serving_terms.py): the gateway's share from the log alone, and the frontend <->
-engines path as the logged TTFT minus the TTFT the simulator predicts for the same request
-alone with this profile, on the config's placement (`--placement`, or planned); and first, as
-`engine_loop`, what the served engine loop adds per stage step: the logged mean TBT minus the
-simulated one of the same request alone, over the model's stages.
+engines path as the logged TTFT minus the TTFT the simulator predicts for the same requests at
+their logged arrivals with this profile, on the config's placement (`--placement`, or planned);
+and first, as `engine_loop`, what the served engine loop adds per stage step: the logged mean TBT
+minus the simulated one of the same request alone, over the model's stages (with `--step-log
+DIR`: lines fitted from the logged steps, paraflex/costs/loop_fit.py). With both logs of one
+served run it also stores `return_path`, each token's way back to the frontend as a line in the
+engines busy before it (paraflex/costs/return_path.py).
 """
 
 from __future__ import annotations
