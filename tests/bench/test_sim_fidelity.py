@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_tiny_fidelity_run_compares_every_load_and_model(tmp_path, capsys):
-    assert load_bench("sim_fidelity").main(["--tiny", "--out", str(tmp_path), "--saturation", "20"]) == 0
+    bench = load_bench("sim_fidelity")
+    assert bench.main(["--tiny", "--out", str(tmp_path), "--saturation", "20"]) == 0
     out = capsys.readouterr().out
     with open(tmp_path / "fidelity.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
@@ -38,3 +39,8 @@ def test_tiny_fidelity_run_compares_every_load_and_model(tmp_path, capsys):
     assert {r["model"] for r in rows} == {"tiny-2l", "tiny-4l", "tiny-8l"} & {r["model"] for r in logged}
     assert all(float(r["busy_s"]) >= float(r["run_s"]) > 0 for r in rows)
     assert {r["crosses"] for r in rows if r["model"] == "tiny-8l"} <= {"1"}
+    # the same served run simulated again, serving nothing: the same comparison from windows.json
+    first = (tmp_path / "fidelity.csv").read_text()
+    (tmp_path / "fidelity.csv").unlink()
+    assert bench.main(["--resimulate", str(tmp_path)]) == 0
+    assert "light: 3/3 logged" in capsys.readouterr().out and (tmp_path / "fidelity.csv").read_text() == first
