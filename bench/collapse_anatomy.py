@@ -13,11 +13,13 @@ and prints, per run, the achieved throughput, E2E median/P99, each engine's busy
 model's decode batches (count, mean size), the request-seconds each stage's requests spent
 blocked / waiting to decode / running, how long a multi-stage model's batches waited at each later
 stage between arriving and starting (median, P99, total seconds, by batch kind), and each
-model's mean time between tokens, then the ratios against `paper`. The step-by-step
+model's mean time between tokens, a timeline (per `--bin` seconds: the engines' busy share,
+each model's share of the engines' time, each model's unfinished requests), then the ratios
+against `paper`. `--runs default` runs only the default rules. The step-by-step
 simulation is used (no fast path) so that every batch passes through the recorder.
 
     python bench/collapse_anatomy.py CONFIG --rate 56 --seed 2 [--duration 30] [--balanced]
-        [--zipf-alpha A] [--trace FILE]
+        [--zipf-alpha A] [--trace FILE] [--bin 10] [--runs paper,bound,default]
 
 `--balanced` drops the config's Zipf popularity (every model at the same rate).
 """
@@ -71,7 +73,7 @@ class Recorder:
             arrived = rec._arrived.pop((eng.id, sb.batch_id), None)
             if arrived is not None:  # a later stage: the batch waited here since it arrived
                 rec.waits[(sb.model, sb.stage, sb.kind)].append(t - arrived)
-            rec.batches.append((eng.id, sb.model, eng.stages[sb.model].stage, sb.kind, len(sb.requests), end - t))
+            rec.batches.append((eng.id, sb.model, eng.stages[sb.model].stage, sb.kind, len(sb.requests), end - t, t))
             return start(cluster, eng, sb, t, end, decodes, tokens)
 
         def on_transition(req, new):
@@ -106,12 +108,32 @@ def run_one(config, rate: float, seed: int, changes: dict):
     return res, rec
 
 
-def describe(name: str, res, rec) -> dict:
+def timeline(rec, res, span: float, bin_s: float) -> None:
+    """Per `bin_s` seconds of simulated time: the engines' mean busy share, each model's share of
+    the engines' time, and the requests of each model still unfinished at the bin's end."""
+    nbins = int(span // bin_s) + 1
+    busy = [collections.defaultdict(float) for _ in range(nbins)]
+    for e, model, stage, kind, n, dt, t in rec.batches:
+        busy[min(int(t // bin_s), nbins - 1)][model] += dt
+    engines = res.placement.num_engines
+    models = list(res.placement.models)
+    finish = collections.defaultdict(list)
+    for r in res.metrics.requests.values():
+        finish[r.model].append(r.finish if r.finish >= 0 else float("inf"))
+    print(f"   timeline per {bin_s:g} s: engines busy (mean) | share of engine time per model | unfinished requests per model")
+    for b in range(nbins):
+        end = (b + 1) * bin_s
+        print(f"   {b * bin_s:5.0f}-{end:<5.0f} {100 * sum(busy[b].values()) / (engines * bin_s):4.0f}% | "
+              + " ".join(f"{100 * busy[b][m] / (engines * bin_s):3.0f}" for m in models) + " | "
+              + " ".join(f"{sum(f > end for f in finish[m]):4d}" for m in models))
+
+
+def describe(name: str, res, rec, bin_s: float = 10.0) -> dict:
     s = res.summary
     span = s["simulated_s"]
     busy = collections.defaultdict(float)
     dec = collections.defaultdict(list)
-    for e, model, stage, kind, n, dt in rec.batches:
+    for e, model, stage, kind, n, dt, _ in rec.batches:
         busy[e] += dt
         if kind == "decode" and stage == 0:
             dec[model].append(n)
@@ -135,6 +157,7 @@ def describe(name: str, res, rec) -> dict:
         if r.finish >= 0 and r.tokens > 1:
             tbt[r.model].append((r.last_token - r.first_token) / (r.tokens - 1))
     print("   mean TBT: " + ", ".join(f"{m} {1e3 * sum(v) / len(v):.0f} ms" for m, v in tbt.items()))
+    timeline(rec, res, span, bin_s)
     return {"tput": s["throughput_rps"], "p99": s["e2e_p99_s"], "busy_max": max(busy.values()) / span}
 
 
@@ -147,6 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--balanced", action="store_true", help="every model at the same rate (drop the config's Zipf)")
     ap.add_argument("--zipf-alpha", type=float)
     ap.add_argument("--trace", default=TRACE)
+    ap.add_argument("--bin", type=float, default=10.0, help="seconds per row of the timeline")
+    ap.add_argument("--runs", default=",".join(RUNS), help="which of the runs, comma-separated")
     a = ap.parse_args(argv)
     config = load_config(a.config)
     w = dataclasses.replace(config.workload, arrival="trace", trace=os.path.abspath(a.trace), duration_s=a.duration,
@@ -162,13 +187,14 @@ def main(argv=None) -> int:
     pop = "balanced" if a.balanced else f"Zipf {w.zipf_alpha:g}" if w.zipf_alpha else "config rates"
     print(f"{config.name or a.config}: {pop}, {a.rate:g} req/s offered, seed {a.seed}, {a.duration:g} s window")
     out = {}
-    for name, changes in RUNS.items():
+    for name in a.runs.split(","):
         t0 = time.perf_counter()
-        res, rec = run_one(config, a.rate, a.seed, changes)
-        out[name] = describe(name, res, rec)
+        res, rec = run_one(config, a.rate, a.seed, RUNS[name])
+        out[name] = describe(name, res, rec, a.bin)
         print(f"   ({time.perf_counter() - t0:.0f} s wall)")
-    base = out["paper"]["tput"]
-    print("\nachieved throughput x paper: " + ", ".join(f"{k} {v['tput'] / base:.2f}" for k, v in out.items()))
+    if "paper" in out:
+        base = out["paper"]["tput"]
+        print("\nachieved throughput x paper: " + ", ".join(f"{k} {v['tput'] / base:.2f}" for k, v in out.items()))
     return 0
 
 
