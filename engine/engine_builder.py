@@ -122,7 +122,10 @@ def load_stage(config, model: str, stage: int, layers: tuple[int, int], num_stag
     weights = load_stage_weights(mc.source, mc.arch, a, b, dt, dev, source_kind=mc.source_kind)
     if stage == num_stages - 1 and tokenizer is None:
         tokenizer = load_tokenizer(mc.source, mc.source_kind, model)
-    return Stage(mc.arch, a, b, weights, dev), (tokenizer if stage == num_stages - 1 else None)
+    built = Stage(mc.arch, a, b, weights, dev)
+    if progress and dev.type == "cpu":
+        progress(f"engine {engine_id}: {model} projection layouts (out x in): {built.projection_layouts()}")
+    return built, (tokenizer if stage == num_stages - 1 else None)
 
 
 def _decode_graph_reserve(config, placement, routes, dev, dtype, kv_bytes, engine_id, progress) -> int:

@@ -45,6 +45,15 @@ def cache_dir() -> str:
     return home if writable else os.path.join(tempfile.gettempdir(), f"paraflex-cache-{os.getuid()}")
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none: not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return set(next(line for line in fh if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
 def compiler() -> str | None:
     """The C compiler the kernels are built with: $CC, else cc or gcc on PATH (None: none)."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -98,6 +107,7 @@ class NativeLibrary:
         self.declare, self.extra_flags, self.hold_gil = declare, list(extra_flags), hold_gil
         self.depends, self.global_symbols = depends, global_symbols
         self.lib: ctypes.CDLL | None = None
+        self.path: str | None = None  # the loaded shared object (its name holds the sources' digest)
         self.tried = False
 
     def load(self) -> ctypes.CDLL | None:
@@ -118,7 +128,7 @@ class NativeLibrary:
             log.warning("%s unavailable (%s); using the torch path", self.what, exc)
             return None
         self.declare(lib)
-        self.lib = lib
+        self.lib, self.path = lib, path
         return lib
 
     def serves(self, device: torch.device, dtype: torch.dtype) -> bool:
@@ -128,7 +138,7 @@ class NativeLibrary:
 
     def forget(self) -> None:
         """Load again on the next call (tests of the build rules)."""
-        self.lib, self.tried = None, False
+        self.lib, self.path, self.tried = None, None, False
 
 
 def _no_functions(lib: ctypes.CDLL) -> None:
