@@ -28,7 +28,7 @@ from paraflex.engine.core.block_pool import BlockPool
 from paraflex.engine.engine_loop import EngineLoop
 from paraflex.engine.worker.kv_cache import KVCache
 from paraflex.engine.worker.model import Stage
-from paraflex.engine.worker.model.linear import native_bf16
+from paraflex.engine.kernels.native_build import native_bf16
 from paraflex.engine.core.scheduler import EngineScheduler
 from paraflex.engine.worker.tokenizer import load_tokenizer
 from paraflex.engine.worker.weights import load_stage_weights

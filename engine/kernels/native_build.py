@@ -54,6 +54,20 @@ def cpu_flags() -> set[str]:
         return set()
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (avx512_bf16 or AMX, as oneDNN sees it)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def capability_line() -> str:
+    """What the kernels run with here, for a benchmark's report: CPU count, the vector flags
+    that matter, torch's capability and whether oneDNN multiplies bfloat16 natively."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+    flags = cpu_flags()
+    return (f"cpus={os.cpu_count()} flags={','.join(f for f in wanted if f in flags) or '-'} "
+            f"capability={torch.backends.cpu.get_cpu_capability()} onednn_bf16={'native' if native_bf16() else 'no'}")
+
+
 def compiler() -> str | None:
     """The C compiler the kernels are built with: $CC, else cc or gcc on PATH (None: none)."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

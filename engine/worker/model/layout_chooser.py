@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from paraflex.costs.robust_timing import robust_time
+from paraflex.costs.robust_timing import robust_time, spread
 from paraflex.engine.kernels.native_build import cache_dir, cpu_flags
 from paraflex.engine.worker.model.layout_choice import DECODE_ROWS, PREFILL_ROWS, Verdict, choose_layout
 
@@ -36,6 +36,7 @@ COLD_BYTES = 32 << 20  # copies of a weight per layout: past the per-core caches
 MAX_COPIES = 16
 COLD_ROWS = 32  # up to this many rows a pass runs over every copy (memory-bound); r rows over 32/r of them
 ROUNDS, PASSES = 3, 2  # rounds (median of their minima) of passes over all copies
+NOISY_SPREAD = 0.5  # rounds disagreeing this much (a busy machine): the verdict serves this process only
 
 Build = Callable[[str, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
 
@@ -51,9 +52,11 @@ def machine_key(kernel_path: str | None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def measure(layouts: list[str], build: Build, weight: torch.Tensor, rows: tuple[int, ...]) -> dict[str, dict[int, float]]:
-    """layout -> rows -> seconds per call, each layout over its own cold copies of `weight`
-    (prefill-sized rows are compute-bound: fewer copies, so the measuring stays short)."""
+def measure(layouts: list[str], build: Build, weight: torch.Tensor,
+            rows: tuple[int, ...]) -> tuple[dict[str, dict[int, float]], float]:
+    """(layout -> rows -> seconds per call, the largest spread of the rounds), each layout over
+    its own cold copies of `weight` (prefill-sized rows are compute-bound: fewer copies, so the
+    measuring stays short)."""
     nbytes = weight.numel() * weight.element_size()
     copies = max(1, min(MAX_COPIES, -(-COLD_BYTES // nbytes)))
     used = {r: max(1, copies * COLD_ROWS // max(r, COLD_ROWS)) for r in rows}
@@ -74,7 +77,8 @@ def measure(layouts: list[str], build: Build, weight: torch.Tensor, rows: tuple[
                             fn(inputs[r])
                         best = min(best, (time.perf_counter() - t0) / used[r])
                     samples[name][r].append([best])
-    return {name: {r: robust_time(s) for r, s in by_rows.items()} for name, by_rows in samples.items()}
+    times = {name: {r: robust_time(s) for r, s in by_rows.items()} for name, by_rows in samples.items()}
+    return times, max(spread(s) for by_rows in samples.values() for s in by_rows.values())
 
 
 class LayoutChooser:
@@ -102,12 +106,15 @@ class LayoutChooser:
         else:
             t0 = time.perf_counter()
             prefill_rows = PREFILL_ROWS if prefill else ()
-            times = measure(layouts, build, weight, DECODE_ROWS + prefill_rows)
+            times, noise = measure(layouts, build, weight, DECODE_ROWS + prefill_rows)
             verdict = choose_layout(times, DECODE_ROWS, prefill_rows)
-            write_cache(path, key, {"layout": verdict.layout, "scores": verdict.scores, "split": verdict.split,
-                                    "times": {name: {str(r): t for r, t in by_rows.items()}
-                                              for name, by_rows in times.items()}})
-            how = f"measured in {time.perf_counter() - t0:.1f} s"
+            how = f"measured in {time.perf_counter() - t0:.1f} s, rounds {noise:.0%} apart, load {os.getloadavg()[0]:.1f}"
+            if noise <= NOISY_SPREAD:
+                write_cache(path, key, {"layout": verdict.layout, "scores": verdict.scores, "split": verdict.split,
+                                        "how": how, "times": {name: {str(r): t for r, t in by_rows.items()}
+                                                              for name, by_rows in times.items()}})
+            else:
+                how += "; too noisy to cache: measured again at the next start"
         log.info("projection %s: %s (%s)", key, verdict.describe(), how)
         self.verdicts[key] = verdict
         return verdict

@@ -31,7 +31,7 @@ import ctypes
 
 import torch
 
-from paraflex.engine.kernels.native_build import THREAD_POOL, NativeLibrary
+from paraflex.engine.kernels.native_build import THREAD_POOL, NativeLibrary, native_bf16
 from paraflex.engine.worker.model import layout_chooser
 from paraflex.engine.worker.model.layout_choice import Verdict
 
@@ -54,11 +54,6 @@ LIBRARY = NativeLibrary("linear_f32.c", "PARAFLEX_NATIVE_LINEAR", "compiled CPU 
 
 def native_available(device: torch.device, dtype: torch.dtype) -> bool:
     return LIBRARY.serves(device, dtype)
-
-
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (avx512_bf16 or AMX, as oneDNN sees it)."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -67,7 +67,8 @@ def cache(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_a_real_small_shape_is_measured_once_cached_and_read_back(cache):
+def test_a_real_small_shape_is_measured_once_cached_and_read_back(cache, monkeypatch):
+    monkeypatch.setattr(layout_chooser, "NOISY_SPREAD", float("inf"))  # cached however busy the machine
     w = torch.randn(48, 40)
     layouts = linear_module.candidate_layouts(w.device, w.dtype)
     build = lambda name, weight: Linear(weight, layout=name)  # noqa: E731
@@ -82,6 +83,15 @@ def test_a_real_small_shape_is_measured_once_cached_and_read_back(cache):
     x = torch.randn(5, 40)
     torch.testing.assert_close(Linear(w, layout=first.layout)(x), torch.nn.functional.linear(x, w),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_a_noisy_measurement_is_used_but_not_cached(cache):
+    w = torch.randn(32, 18)
+    fake = {"onednn": {r: 1.0 for r in ROWS}, "mm": {r: 2.0 for r in ROWS}}
+    build = lambda name, weight: Linear(weight, layout=name)  # noqa: E731
+    with mock.patch.object(layout_chooser, "measure", return_value=(fake, 2 * layout_chooser.NOISY_SPREAD)):
+        verdict = LayoutChooser().choose(["onednn", "mm"], build, w, True, None)
+    assert verdict.layout == "onednn" and not (cache / "linear_layouts").exists()
 
 
 def test_a_change_of_thread_count_measures_again(cache):
@@ -103,7 +113,7 @@ def test_linear_takes_the_verdict_and_the_switch_turns_the_chooser_off(cache, mo
         pytest.skip("one layout only here: nothing to choose")
     last = layouts[-1]
     fake = {name: {r: (1.0 if name == last else 2.0) for r in ROWS} for name in layouts}
-    with mock.patch.object(layout_chooser, "measure", return_value=fake):
+    with mock.patch.object(layout_chooser, "measure", return_value=(fake, 0.0)):
         chosen = Linear(w)
     assert chosen.layout == last and chosen.verdict.layout == last
     monkeypatch.setenv(layout_chooser.SWITCH, "0")
