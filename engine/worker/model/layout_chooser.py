@@ -45,6 +45,13 @@ def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
+def worth_caching(noise: float) -> bool:
+    """Whether a verdict may stand for this machine: the rounds agreed and the machine was not
+    oversubscribed (a load average at or over the CPU count slows OpenMP's barriers many times
+    more than the kernels' own pool, which would crown the wrong layout for a quiet machine)."""
+    return noise <= NOISY_SPREAD and os.getloadavg()[0] < (os.cpu_count() or 1)
+
+
 def machine_key(kernel_path: str | None) -> str:
     """What a verdict depends on besides the shape: CPU flags, torch, the compiled kernel, threads."""
     text = " ".join([*sorted(cpu_flags()), torch.__version__, os.path.basename(kernel_path or "no-kernel"),
@@ -109,12 +116,12 @@ class LayoutChooser:
             times, noise = measure(layouts, build, weight, DECODE_ROWS + prefill_rows)
             verdict = choose_layout(times, DECODE_ROWS, prefill_rows)
             how = f"measured in {time.perf_counter() - t0:.1f} s, rounds {noise:.0%} apart, load {os.getloadavg()[0]:.1f}"
-            if noise <= NOISY_SPREAD:
+            if worth_caching(noise):
                 write_cache(path, key, {"layout": verdict.layout, "scores": verdict.scores, "split": verdict.split,
                                         "how": how, "times": {name: {str(r): t for r, t in by_rows.items()}
                                                               for name, by_rows in times.items()}})
             else:
-                how += "; too noisy to cache: measured again at the next start"
+                how += "; busy machine, not cached: measured again at the next start"
         log.info("projection %s: %s (%s)", key, verdict.describe(), how)
         self.verdicts[key] = verdict
         return verdict
