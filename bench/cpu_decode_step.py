@@ -1,22 +1,28 @@
-"""CPU decode step of SmolLM2-135M (fp32): the engine's fast paths against its plain-torch peers,
-in the same run.
+"""CPU decode step of SmolLM2-135M (float32 or bfloat16): the engine's fast paths against its
+plain-torch peers, in the same run.
 
 Place in the project: a benchmark (not a test) for the CPU engine's compiled/packed paths:
 
 1. attention: the compiled decode kernel (csrc/paged_decode_attention.c, reading KV blocks in
    place) vs the torch path (one row `index_select` of the context per layer + grouped matmuls),
    all 30 layers of a decode batch over scattered blocks;
-2. projections: the compiled panel kernel (csrc/linear_f32.c) vs oneDNN's packed kernel and vs
-   `torch.mm` over [in, out] weights, all projections of the 30 layers plus the LM head, with
-   each layer's own weights (cold caches, as in a step);
+2. projections: the layouts the engine chose per shape (engine/worker/model/layout_chooser.py)
+   vs each layout alone: the compiled panel kernel (csrc/linear_f32.c, float32 only), oneDNN's
+   packed kernel (bfloat16: AMX where present) and `torch.mm` over [in, out] weights, all
+   projections of the 30 layers plus the LM head, with each layer's own weights (cold caches,
+   as in a step);
 3. layer ops: the compiled elementwise ops (csrc/decoder_layer_ops.c: residual add + RMSNorm
    twice, the rotation of queries and keys, SiLU(gate) * up) vs their torch formulas, all 30 layers;
 4. the whole `Stage.forward` of a decode step with all fast paths vs with none.
 
-Prints, per batch size, the least wall time of --repeat runs of each contender (interleaved),
-the ratio (peer / ours: > 1 means ours is faster), and the machine and its load.
+bfloat16 (--dtype bfloat16): the compiled attention and layer ops are float32-only, so only the
+projections and the step are compared. Prints, per batch size, the least wall time of --repeat
+runs of each contender (interleaved), the ratio (peer / ours: > 1 means ours is faster), the
+layouts chosen, and the machine: its CPU flags, torch's vector capability, whether oneDNN has
+native bf16, and the load.
 
 Usage: python bench/cpu_decode_step.py [--batches 1 8 32] [--context 192] [--threads 2] [--repeat 5]
+                                       [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 
 from paraflex.models.arch_files import arch_from_gguf, smollm2_gguf_path
 from paraflex.engine.kernels import native_attention, native_ops
+from paraflex.engine.kernels.native_build import capability_line
 from paraflex.engine.worker.attention import AttentionMetadata, paged_attention
 from paraflex.engine.worker.kv_cache import KVCache
 from paraflex.engine.worker.model import Stage
@@ -74,37 +81,42 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=192, help="tokens of context per request (default 192)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     if any(lib.load() is None for lib in (native_attention.LIBRARY, native_ops.LIBRARY, linear_module.LIBRARY)):
         print("the compiled kernels cannot be built here (see the warning above); nothing to compare")
         return 1
-    print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} torch={torch.__version__} "
-          f"threads={args.threads} capability={torch.backends.cpu.get_cpu_capability()} "
-          f"loadavg={os.getloadavg()[0]:.1f}")
+    print(f"machine: {platform.machine()} {platform.processor() or ''} torch={torch.__version__} threads={args.threads} "
+          f"{capability_line()} loadavg={os.getloadavg()[0]:.1f}")
     path = smollm2_gguf_path()
     arch = arch_from_gguf(path, "smollm2-135m")
-    weights = load_stage_weights(path, arch, 0, arch.num_layers, torch.float32, "cpu", "gguf")
-    fast = Stage(arch, 0, arch.num_layers, weights)
-    with mock.patch.object(linear_module, "native_available", lambda *_: False):
-        onednn = Stage(arch, 0, arch.num_layers, weights)
-        with mock.patch.object(linear_module, "onednn_packing_available", lambda *_: False):
-            plain = Stage(arch, 0, arch.num_layers, weights)
+    weights = load_stage_weights(path, arch, 0, arch.num_layers, dtype, "cpu", "gguf")
+    fast = Stage(arch, 0, arch.num_layers, weights)  # the chooser's layouts
+    print(f"layouts chosen (out x in): {fast.projection_layouts()}")
+    candidates = linear_module.candidate_layouts(torch.device("cpu"), dtype)
+    alone = {}  # each layout on its own
+    for layout in candidates:
+        with mock.patch.object(linear_module, "candidate_layouts", lambda *_, name=layout: [name]):
+            alone[layout] = Stage(arch, 0, arch.num_layers, weights)
+    plain = alone["mm"]
     layers, ctx = arch.num_layers, args.context
     tpb = 32768 // (2 * arch.num_kv_heads * arch.head_dim * 4)
     per = -(-ctx // tpb)
     num_blocks = layers * max(args.batches) * per + 1
     kv_cache = KVCache(num_blocks, 32768)
-    kv = kv_cache.model_view(arch.num_kv_heads, arch.head_dim, torch.float32)
+    kv = kv_cache.model_view(arch.num_kv_heads, arch.head_dim, dtype)
     torch.nn.init.normal_(kv)
-    print(f"model: SmolLM2-135M fp32, {layers} layers, context {ctx} per request, {tpb} tokens per block; "
+    print(f"model: SmolLM2-135M {args.dtype}, {layers} layers, context {ctx} per request, {tpb} tokens per block; "
           f"least of {args.repeat} runs, contenders interleaved\n")
     print(f"{'batch':>5} {'what':<14} {'ours ms':>9} {'peer ms':>9} {'peer/ours':>10}")
     for b in args.batches:
         perm = torch.randperm(num_blocks - 1)[: layers * b * per] + 1  # scattered blocks, as in a used pool
         tables = perm.view(layers, b, per).tolist()
-        q = torch.randn(b, arch.num_heads, arch.head_dim)
-        k, v = torch.randn(b, arch.num_kv_heads, arch.head_dim), torch.randn(b, arch.num_kv_heads, arch.head_dim)
+        q = torch.randn(b, arch.num_heads, arch.head_dim).to(dtype)
+        k = torch.randn(b, arch.num_kv_heads, arch.head_dim).to(dtype)
+        v = torch.randn(b, arch.num_kv_heads, arch.head_dim).to(dtype)
         ids = torch.randint(0, arch.vocab_size, (b,))
 
         def meta():
@@ -116,9 +128,9 @@ def main(argv=None) -> int:
                 paged_attention(q, k, v, kv, layer, m, arch.head_dim ** -0.5)
 
         def projections(stage):
-            x = torch.randn(b, arch.hidden_size)
-            act = torch.randn(b, arch.intermediate_size)
-            attn = torch.randn(b, arch.num_heads * arch.head_dim)
+            x = torch.randn(b, arch.hidden_size).to(dtype)
+            act = torch.randn(b, arch.intermediate_size).to(dtype)
+            attn = torch.randn(b, arch.num_heads * arch.head_dim).to(dtype)
             for layer in stage.layers:
                 layer.qkv(x), layer.o_proj(attn), layer.gate_up(x), layer.down(act)
             stage.lm_head(x)
@@ -139,19 +151,18 @@ def main(argv=None) -> int:
             with torch.inference_mode():
                 stage.forward(ids, meta(), kv)
 
-        rows = [
-            ("attention", *least_pair(attention, torch_attention(attention), args.repeat)),
-            ("proj vs oneDNN", *least_pair(lambda: projections(fast), lambda: projections(onednn), args.repeat)),
-            ("proj vs mm", *least_pair(lambda: projections(fast), lambda: projections(plain), args.repeat)),
-            ("layer ops", *least_pair(glue, torch_ops(glue), args.repeat)),
-            ("step", *least_pair(lambda: step(fast), torch_ops(torch_attention(lambda: step(plain))), args.repeat)),
-        ]
+        rows = [("attention", *least_pair(attention, torch_attention(attention), args.repeat))] if dtype == torch.float32 else []
+        rows += [(f"proj vs {layout}", *least_pair(lambda: projections(fast), lambda s=stage: projections(s), args.repeat))
+                 for layout, stage in alone.items()]
+        if dtype == torch.float32:
+            rows.append(("layer ops", *least_pair(glue, torch_ops(glue), args.repeat)))
+        rows.append(("step", *least_pair(lambda: step(fast), torch_ops(torch_attention(lambda: step(plain))), args.repeat)))
         for what, t_ours, t_peer in rows:
             print(f"{b:>5} {what:<14} {t_ours * 1e3:9.1f} {t_peer * 1e3:9.1f} {t_peer / t_ours:9.2f}x")
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
-    print("attention peer: the torch path (row index_select + grouped matmuls); projection peers: oneDNN's packed "
-          "kernel, torch.mm over [in, out] weights; layer ops peer: their torch formulas; step peer: all of them off "
-          "(the plain-torch engine)")
+    print("attention peer: the torch path (row index_select + grouped matmuls); projection peers: each layout alone "
+          "(panels: the compiled kernel, onednn: oneDNN's packed kernel, mm: torch.mm over [in, out] weights); layer "
+          "ops peer: their torch formulas; step peer: all of them off (the plain-torch engine)")
     return 0
 
 

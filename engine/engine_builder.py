@@ -6,10 +6,12 @@ transport, sink)`. It loads only the layers of the engine's resident stages, siz
 shared KV pool, registers the stages with the engine-core scheduler (with the KV bytes per
 token of the dtype actually used) and wires the routes of each model's replica.
 
-Device and dtype: `device="auto"` picks CUDA when available, else CPU; `dtype="auto"` is
-bfloat16 on GPU (whatever the checkpoint's dtype) and float32 on CPU, where a model whose
-config says 2-byte weights also runs in float32 (bfloat16, float16 and float32 can be asked for
-explicitly; float16 only on GPU).
+Device and dtype: `device="auto"` picks CUDA when available, else CPU; `dtype="auto"` is the
+model config's `dtype:` where it gives one, else bfloat16 on GPU (whatever the checkpoint's
+dtype) and float32 on CPU, where a checkpoint of 2-byte weights also runs in float32 (bfloat16,
+float16 and float32 can be asked for explicitly; float16 only on GPU). bfloat16 on a CPU
+without native bf16 (avx512_bf16 / AMX) runs, emulated, with one warning: correct and half the
+memory, but slower than float32 (docs/runtime.md, "Projection layouts").
 
 On CUDA the engine's decode steps run as CUDA graphs captured here, after the stages load; the
 KV pool is sized from the budget less the graphs' reserve (engine/kernels/cuda_graphs.py).
@@ -17,18 +19,23 @@ KV pool is sized from the budget less the graphs' reserve (engine/kernels/cuda_g
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from paraflex.engine.core.block_pool import BlockPool
 from paraflex.engine.engine_loop import EngineLoop
 from paraflex.engine.worker.kv_cache import KVCache
 from paraflex.engine.worker.model import Stage
+from paraflex.engine.kernels.native_build import native_bf16
 from paraflex.engine.core.scheduler import EngineScheduler
 from paraflex.engine.worker.tokenizer import load_tokenizer
 from paraflex.engine.worker.weights import load_stage_weights
 from paraflex.engine.worker.stage_worker import Worker
 from paraflex.errors import UserError
 
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -53,7 +60,20 @@ def choose_dtype(device: torch.device, dtype: str | torch.dtype | None = "auto")
     chosen = _DTYPES[dtype]
     if chosen == torch.float16 and device.type == "cpu":
         raise UserError("dtype: float16 is GPU-only here; use float32 or bfloat16 on CPU")
+    if chosen == torch.bfloat16 and device.type == "cpu" and not native_bf16():
+        warn_emulated_bf16()
     return chosen
+
+
+def model_dtype(device: torch.device, dtype: str | torch.dtype | None, model_config) -> torch.dtype:
+    """The dtype a model's stages load in: `dtype`, or with "auto" the model config's `dtype:`."""
+    return choose_dtype(device, model_config.dtype if dtype in (None, "auto") and model_config.dtype else dtype)
+
+
+@functools.cache
+def warn_emulated_bf16() -> None:
+    log.warning("dtype bfloat16: this CPU has no native bf16 (avx512_bf16 / AMX); the weights take half the "
+                "memory but multiply slower than float32 (use dtype: float32 for speed)")
 
 
 def engine_routes(placement, engine_id: int) -> dict[str, tuple[int, int, list[int]]]:
@@ -115,14 +135,17 @@ def load_stage(config, model: str, stage: int, layers: tuple[int, int], num_stag
     it serves; `tokenizer`: one already loaded, for a last stage."""
     mc = config.model(model)
     dev = choose_device(device) if not isinstance(device, torch.device) else device
-    dt = choose_dtype(dev, dtype)
+    dt = model_dtype(dev, dtype, mc)
     a, b = layers
     if progress:
         progress(f"engine {engine_id}: loading {model} stage {stage} (layers {a}-{b - 1}) on {dev} as {dt}")
     weights = load_stage_weights(mc.source, mc.arch, a, b, dt, dev, source_kind=mc.source_kind)
     if stage == num_stages - 1 and tokenizer is None:
         tokenizer = load_tokenizer(mc.source, mc.source_kind, model)
-    return Stage(mc.arch, a, b, weights, dev), (tokenizer if stage == num_stages - 1 else None)
+    built = Stage(mc.arch, a, b, weights, dev)
+    if progress and dev.type == "cpu":
+        progress(f"engine {engine_id}: {model} projection layouts (out x in): {built.projection_layouts()}")
+    return built, (tokenizer if stage == num_stages - 1 else None)
 
 
 def _decode_graph_reserve(config, placement, routes, dev, dtype, kv_bytes, engine_id, progress) -> int:
@@ -138,7 +161,7 @@ def _decode_graph_reserve(config, placement, routes, dev, dtype, kv_bytes, engin
     for model, (_, stage, route) in routes.items():
         arch = config.model(model).arch
         a, b = placement.models[model].stages[stage]
-        stages.append((arch, b - a, choose_dtype(dev, dtype), stage == 0, stage == len(route) - 1))
+        stages.append((arch, b - a, model_dtype(dev, dtype, config.model(model)), stage == 0, stage == len(route) - 1))
     reserve = cuda_graphs.reserve_bytes(stages, config.scheduler.max_batch_size, config.scheduler.block_bytes)
     if reserve > kv_bytes // 4:
         if progress:

@@ -45,6 +45,29 @@ def cache_dir() -> str:
     return home if writable else os.path.join(tempfile.gettempdir(), f"paraflex-cache-{os.getuid()}")
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none: not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return set(next(line for line in fh if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (avx512_bf16 or AMX, as oneDNN sees it)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def capability_line() -> str:
+    """What the kernels run with here, for a benchmark's report: CPU count, the vector flags
+    that matter, torch's capability and whether oneDNN multiplies bfloat16 natively."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+    flags = cpu_flags()
+    return (f"cpus={os.cpu_count()} flags={','.join(f for f in wanted if f in flags) or '-'} "
+            f"capability={torch.backends.cpu.get_cpu_capability()} onednn_bf16={'native' if native_bf16() else 'no'}")
+
+
 def compiler() -> str | None:
     """The C compiler the kernels are built with: $CC, else cc or gcc on PATH (None: none)."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -98,6 +121,7 @@ class NativeLibrary:
         self.declare, self.extra_flags, self.hold_gil = declare, list(extra_flags), hold_gil
         self.depends, self.global_symbols = depends, global_symbols
         self.lib: ctypes.CDLL | None = None
+        self.path: str | None = None  # the loaded shared object (its name holds the sources' digest)
         self.tried = False
 
     def load(self) -> ctypes.CDLL | None:
@@ -118,7 +142,7 @@ class NativeLibrary:
             log.warning("%s unavailable (%s); using the torch path", self.what, exc)
             return None
         self.declare(lib)
-        self.lib = lib
+        self.lib, self.path = lib, path
         return lib
 
     def serves(self, device: torch.device, dtype: torch.dtype) -> bool:
@@ -128,7 +152,7 @@ class NativeLibrary:
 
     def forget(self) -> None:
         """Load again on the next call (tests of the build rules)."""
-        self.lib, self.tried = None, False
+        self.lib, self.path, self.tried = None, None, False
 
 
 def _no_functions(lib: ctypes.CDLL) -> None:

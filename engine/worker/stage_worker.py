@@ -22,7 +22,8 @@ from paraflex.engine.worker.model import Stage
 from paraflex.errors import ParaflexError
 
 
-# On CPU, an unpacked stage (plain `torch.mm` weights: no compiler and no oneDNN, or bfloat16)
+# On CPU, an unpacked stage (plain `torch.mm` weights: no compiler and no oneDNN, bfloat16 on a
+# CPU without native bf16, or the layout chooser's verdict, engine/worker/model/layout_chooser.py)
 # runs batches of at most 4 new tokens on ONE intra-op thread: a batch-1 decode step of SmolLM2
 # took 42-47 ms on one thread and 46-57 ms on two on the 2-core VM (memory-bound matrix-vector
 # products plus ~1,000 small torch ops that each pay a thread hand-off). A packed stage (the

@@ -43,6 +43,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--drain-seconds", type=float, default=5.0, metavar="SECONDS",
                         help="after SIGTERM, answer /health and new requests with 503 for SECONDS while running "
                              "requests go on, then close (default 5; 0 closes at once)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="weights' dtype: auto (each model's `dtype:`, else bfloat16 on GPU and float32 on CPU), "
+                             "float32, bfloat16 (CPU: fast with avx512_bf16/AMX), float16 (GPU only)")
     parser.add_argument("--in-process", action="store_true",
                         help="run every engine in this process instead of as Ray actors (debugging)")
     parser.add_argument("--ray-address", default=None,
@@ -111,14 +114,14 @@ def start_backend(config, placement, args):
     if args.in_process:
         from paraflex.serving.in_process_backend import InProcessBackend
 
-        return InProcessBackend.start(config, placement)
+        return InProcessBackend.start(config, placement, dtype=args.dtype)
     try:
         from paraflex.serving.ray_startup import start_cluster
     except ImportError as exc:
         raise UserError(f"the Ray backend is not available in this installation ({exc}); "
                         "serve with --in-process") from None
     return start_cluster(config, placement, args.ray_address, max_restarts=args.max_restarts,
-                         gateway_host=args.host)
+                         gateway_host=args.host, dtype=args.dtype)
 
 
 def run(args) -> int:

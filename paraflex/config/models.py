@@ -39,6 +39,7 @@ class ModelConfig:
     source: str | None = None  # built-in name, HF directory or GGUF path (weights at serve time)
     source_kind: str = "builtin"  # "builtin" | "hf" | "gguf"
     stages: int | None = None  # explicit pipeline stage count (None: the planner's time-based cut)
+    dtype: str | None = None  # the weights' dtype at serve time as the config asks it (None: the engine's default)
 
     def to_dict(self, with_rate: bool) -> dict:
         """The entry as the config file writes it (`parse_model` reads it back unchanged)."""
@@ -52,7 +53,7 @@ class ModelConfig:
                 d["source_kind"] = self.source_kind
         if with_rate:
             d["rate"] = self.rate
-        for key in ("slo_ttft_ms", "slo_tbt_ms", "stages"):
+        for key in ("slo_ttft_ms", "slo_tbt_ms", "stages", "dtype"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
         return d
@@ -93,6 +94,7 @@ def parse_model(raw, path: str, base_dir: str) -> ModelConfig:
         source=source,
         source_kind=source_kind,
         stages=stages,
+        dtype=dtype,
     )
 
 

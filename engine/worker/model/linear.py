@@ -4,19 +4,24 @@ the stage's device.
 Place in the data flow: `DecoderLayer` and `Stage` wrap every projection weight (Q|K|V, O,
 gate|up, down, LM head) in a `Linear` at load time and call it on the packed tokens of a batch.
 
-Layouts, in order of preference:
-* CPU, float32, the compiled kernel loads (csrc/linear_f32.c, through engine/kernels/native_build.py):
-  the weight is packed once into column panels of 16 ([N/16][K][16]) and multiplied by the
-  kernel (6 x 16 register tiles, 8 x 32 on AVX-512, x broadcast from memory, the kernels'
-  thread pool). SmolLM2's projections on the 2-core AVX2 VM, one thread, all 30 layers with
-  cold caches: 1.3x oneDNN's packed kernel at 1 row (memory-bound: 19 vs 15 GB/s of weights)
-  and 1.25x at 32 rows; level to 1.2x at 512-4096 rows. A tied embedding reads its rows from the packed head (`rows`), so
-  the table is held once. `PARAFLEX_NATIVE_LINEAR=0` turns it off.
-* CPU, float32, no compiler: oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
-  the packing PyTorch's own CPU compiler uses for frozen linears), multiplied with
-  `_linear_pointwise`: 1.4-2.2x the MKL `torch.mm` of the same weights at 4-32 rows. Opaque
-  tensors: a tied embedding table stays beside such a head.
-* Everywhere else: the weight transposed to [in, out] and multiplied with `torch.mm` (on CUDA
+Layouts (`LAYOUTS`), in order of preference; where a weight has more than one, the fastest on
+this machine is measured once per shape and cached (engine/worker/model/layout_chooser.py;
+`PARAFLEX_LINEAR_CHOOSER=0` takes the first candidate instead):
+* "panels": CPU, float32, the compiled kernel loads (csrc/linear_f32.c, through
+  engine/kernels/native_build.py): the weight is packed once into column panels of 16
+  ([N/16][K][16]) and multiplied by the kernel (6 x 16 register tiles, 8 x 32 on AVX-512, x
+  broadcast from memory, the kernels' thread pool). SmolLM2's projections on the 2-core AVX2
+  VM, one thread, all 30 layers with cold caches: 1.3x oneDNN's packed kernel at 1 row
+  (memory-bound: 19 vs 15 GB/s of weights) and 1.25x at 32 rows; level to 1.2x at 512-4096
+  rows. A tied embedding reads its rows from the packed head (`rows`), so the table is held
+  once. `PARAFLEX_NATIVE_LINEAR=0` turns it off.
+* "onednn": CPU, float32, or bfloat16 where the CPU has native bf16 (avx512_bf16 / AMX):
+  oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the packing PyTorch's
+  own CPU compiler uses for frozen linears), multiplied with `_linear_pointwise` (on AMX CPUs
+  the bf16 kernel runs on the tile units): float32 1.4-2.2x the MKL `torch.mm` of the same
+  weights at 4-32 rows on the AVX2 VM. Opaque tensors: a tied embedding table stays beside
+  such a head.
+* "mm": everywhere: the weight transposed to [in, out] and multiplied with `torch.mm` (on CUDA
   this is the same cuBLAS call as `F.linear`).
 """
 
@@ -26,10 +31,13 @@ import ctypes
 
 import torch
 
-from paraflex.engine.kernels.native_build import THREAD_POOL, NativeLibrary
+from paraflex.engine.kernels.native_build import THREAD_POOL, NativeLibrary, native_bf16
+from paraflex.engine.worker.model import layout_chooser
+from paraflex.engine.worker.model.layout_choice import Verdict
 
 PACK_ROWS_HINT = 32  # oneDNN picks its blocking for this many rows; measured best from 4 to 256
 PANEL = 16  # columns per panel of the compiled kernel's layout
+LAYOUTS = ("panels", "onednn", "mm")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -49,25 +57,46 @@ def native_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and (dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16())))
+
+
+def candidate_layouts(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The layouts that can hold a weight of `dtype` on `device`, in order of preference."""
+    return ([name for name, usable in (("panels", native_available(device, dtype)),
+                                       ("onednn", onednn_packing_available(device, dtype))) if usable] + ["mm"])
 
 
 class Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """weight [out, in] (checkpoint layout), bias [out] or None."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, prefill: bool = True,
+                 layout: str | None = None) -> None:
+        """weight [out, in] (checkpoint layout), bias [out] or None. `prefill`: whether prefill-sized
+        batches reach this projection (not the LM head), for the chooser; `layout`: one of
+        `LAYOUTS` to take (default: the candidates' first, or the chooser's verdict)."""
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.panels = self.packed = self.weight_t = None
-        if native_available(weight.device, weight.dtype):
+        self.verdict: Verdict | None = None  # the chooser's, where it chose
+        if layout is None:
+            layouts = candidate_layouts(weight.device, weight.dtype)
+            layout = layouts[0]
+            if len(layouts) > 1 and layout_chooser.enabled():
+                self.verdict = layout_chooser.CHOOSER.choose(
+                    layouts, lambda name, w: Linear(w, layout=name), weight, prefill, LIBRARY.path)
+                layout = self.verdict.layout
+        self.layout = layout
+        if layout == "panels":
             self.panels = self._pack_panels(weight.contiguous())
             if bias is not None:  # padded to whole panels, as the kernel reads it
                 self.bias = torch.zeros(self.panels.shape[0] * PANEL, dtype=bias.dtype)
                 self.bias[: self.out_features] = bias
-        elif onednn_packing_available(weight.device, weight.dtype):
+        elif layout == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
-        else:
+        elif layout == "mm":
             self.weight_t = weight.t().contiguous()
+        else:
+            raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
 
     def _pack_panels(self, weight: torch.Tensor) -> torch.Tensor:
         n, k = weight.shape

@@ -48,7 +48,7 @@ class Stage:
         if self.last:
             head = weights.get("lm_head.weight")
             tied = head is None
-            self.lm_head = Linear(weights["model.embed_tokens.weight"] if tied else head)
+            self.lm_head = Linear(weights["model.embed_tokens.weight"] if tied else head, prefill=False)
             if tied and self.first and self.lm_head.holds_rows:
                 self.embed, self.head_is_embed = None, True
         ref = self.embed if self.embed is not None else self.norm
@@ -60,6 +60,15 @@ class Stage:
         """Whether the projections use a packed CPU layout (compiled panels or oneDNN; see `Linear`)."""
         linears = [layer.qkv for layer in self.layers] + ([self.lm_head] if self.lm_head else [])
         return any(lin.weight_t is None for lin in linears)
+
+    def projection_layouts(self) -> str:
+        """Each projection shape's layout (`Linear`), with the chooser's verdict where it chose."""
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        seen = {}
+        for lin in linears + ([self.lm_head] if self.lm_head else []):
+            shape = f"{lin.out_features}x{lin.in_features}"
+            seen.setdefault(shape, lin.verdict.describe() if lin.verdict else lin.layout)
+        return "; ".join(f"{shape} {what}" for shape, what in seen.items())
 
     @property
     def num_layers(self) -> int:

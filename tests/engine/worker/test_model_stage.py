@@ -1,6 +1,7 @@
 """Stage model vs transformers: cutting a model into stages computes the same logits."""
 
 import contextlib
+import os
 from unittest import mock
 
 import pytest
@@ -102,8 +103,10 @@ def test_bfloat16_stages_track_float32(tmp_path):
 
 
 def _layout(name):
-    """Build Linears in one layout: compiled panels (as on this machine), oneDNN, or plain mm."""
+    """Build Linears in one layout: compiled panels (as on this machine), oneDNN, or plain mm
+    (the first candidate left, the chooser off)."""
     stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.dict(os.environ, {"PARAFLEX_LINEAR_CHOOSER": "0"}))
     if name != "panels":
         stack.enter_context(mock.patch.object(linear_module, "native_available", lambda *_: False))
     if name == "plain":
@@ -145,7 +148,7 @@ def test_compiled_projections_give_the_same_sums_on_any_number_of_threads():
     _needs_layout("panels")
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(200, 64, generator=g), torch.randn(200, 64, generator=g)
-    lin = Linear(w)
+    lin = Linear(w, layout="panels")
     previous = torch.get_num_threads()
     try:
         outs = []
@@ -157,17 +160,22 @@ def test_compiled_projections_give_the_same_sums_on_any_number_of_threads():
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("rows", [1, 32])
-def test_bfloat16_weights_use_torch_mm(rows):
+@pytest.mark.parametrize("layout", ["onednn", "mm"])
+@pytest.mark.parametrize("rows", [1, 32, 300])
+def test_bfloat16_layouts_compute_x_times_w_transposed(layout, rows):
+    if layout == "onednn" and not linear_module.onednn_packing_available(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("this CPU has no native bfloat16 (avx512_bf16 / AMX): bfloat16 weights stay in torch.mm's layout")
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(96, 40, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
     x = torch.randn(rows, 40, generator=g).bfloat16()
-    plain, biased = Linear(w), Linear(w, b)
-    assert plain.weight_t is not None and plain.panels is None and plain.packed is None
+    plain, biased = Linear(w, layout=layout), Linear(w, b, layout=layout)
+    assert (plain.weight_t is not None, plain.packed is not None, plain.panels) == (layout == "mm", layout == "onednn", None)
+    assert "panels" not in linear_module.candidate_layouts(torch.device("cpu"), torch.bfloat16)
     tol = {"rtol": 2e-2, "atol": 5e-2}
     torch.testing.assert_close(plain(x), torch.nn.functional.linear(x, w), **tol)
     torch.testing.assert_close(biased(x), torch.nn.functional.linear(x, w, b), **tol)
-    assert biased.nbytes == (96 * 40 + 96) * w.element_size()
+    if layout == "mm":
+        assert biased.nbytes == (96 * 40 + 96) * w.element_size()
 
 
 @pytest.mark.parametrize("vocab", [VOCAB, VOCAB + 10])  # the second leaves a partial last panel
@@ -179,7 +187,8 @@ def test_tied_table_is_held_twice_only_beside_a_onednn_head(tmp_path, layout, vo
     assert arch.tie_embeddings
     with _layout(layout):
         f32 = Stage(arch, 0, 2, load_stage_weights(str(tmp_path), arch, 0, 2, source_kind="hf"))
-    bf16 = Stage(arch, 0, 2, load_stage_weights(str(tmp_path), arch, 0, 2, torch.bfloat16, source_kind="hf"))
+    with _layout("plain"):
+        bf16 = Stage(arch, 0, 2, load_stage_weights(str(tmp_path), arch, 0, 2, torch.bfloat16, source_kind="hf"))
     table = arch.embedding_bytes()
     padding = (-arch.vocab_size % linear_module.PANEL) * arch.hidden_size * 4 if layout == "panels" else 0
     assert f32.head_is_embed == (layout != "onednn")
@@ -202,7 +211,7 @@ def test_the_kernels_thread_pool_runs_thousands_of_small_jobs_exactly():
     NaN, an item of a stale job run on these outputs would write the wrong panel's values."""
     _needs_layout("panels")
     g = torch.Generator().manual_seed(1)
-    lins = [Linear(torch.randn(16 * n, 24, generator=g)) for n in (1, 3, 40)]
+    lins = [Linear(torch.randn(16 * n, 24, generator=g), layout="panels") for n in (1, 3, 40)]
     xs = [torch.randn(rows, 24, generator=g) for rows in (1, 5, 100)]
 
     def run(lin, x, threads):
@@ -225,7 +234,7 @@ def test_two_threads_calling_the_kernels_at_once_both_get_exact_results():
 
     _needs_layout("panels")
     g = torch.Generator().manual_seed(2)
-    lin = Linear(torch.randn(16 * 40, 64, generator=g))
+    lin = Linear(torch.randn(16 * 40, 64, generator=g), layout="panels")
     xs = [torch.randn(50, 64, generator=g) for _ in range(2)]
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
