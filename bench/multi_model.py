@@ -169,7 +169,8 @@ def start_vllm(python: str, names: list[str], checkpoints: dict[str, str]) -> di
 
     cores = os.cpu_count() or 1
     with ThreadPoolExecutor(len(names)) as pool:
-        futures = {name: pool.submit(vllm_peer.VllmServer, python, checkpoints[name], 1, 32, name=name,
+        # on a loaded machine three vLLM servers compiling at once take over 15 minutes to answer
+        futures = {name: pool.submit(vllm_peer.VllmServer, python, checkpoints[name], 1, 32, 1800.0, name=name,
                                      cores=str(i % cores), kv_gb=KV_GB_PER_MODEL) for i, name in enumerate(names)}
     started, failure = {}, None
     for name, future in futures.items():
