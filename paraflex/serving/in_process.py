@@ -4,8 +4,7 @@ Place in the data flow: `LLMCluster(config, placement=None)` plans (with `parafl
 when no placement is given), builds the engines (`InProcessEngines`,
 paraflex/serving/in_process_engines.py: one `EngineLoop` per engine, wired with one
 `LocalTransport`) and puts the serving frontend (paraflex/serving/frontend.py) over them: it
-admits each request, dispatches it to the replica of its model with the fewest outstanding
-requests, routes tokens back to the request's `OutputSink`, and restarts a request stopped to
+admits each request, dispatches it to a replica of its model (the config's dispatch rule), routes tokens back to the request's `OutputSink`, and restarts a request stopped to
 free KV in a stall by recompute (paraflex/serving/recompute.py). What this class adds: a queue of
 submits and aborts applied by the thread that steps the engines, the loop that steps them, and
 the exact stall check (no engine can run anything and nothing travels between them). A request

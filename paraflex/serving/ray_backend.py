@@ -2,7 +2,7 @@
 `paraflex serve` once `paraflex.serving.ray_startup.start_cluster` has started the engine actors).
 
 Data flow: the gateway calls `RayBackend.stream(...)`; the serving frontend
-(paraflex/serving/frontend.py) admits the request, picks a live replica (least outstanding)
+(paraflex/serving/frontend.py) admits the request, picks a live replica (the dispatch rule)
 and submits it to the replica's first-stage actor through `RayEngines`
 (paraflex/serving/ray_engines.py). Tokens come back from the last stage through the
 `OutputRouter`, which a poller thread here drains into the frontend, which maps each record

@@ -8,8 +8,8 @@ events of its group (`take_over`, `take_message`), hands back what runs at its c
 `send_batch`, `send_tokens`), and ends the stages it held (`replay_done`).
 
 Built by runner.py from a `SystemLayout` (systems.py). Request flow, as in the real system
-(paper §3, §5, §6): the gateway sends a request to the replica with the fewest outstanding
-requests (the engine core's dispatcher); the first-stage engine's scheduler forms batches;
+(paper §3, §5, §6): the gateway sends a request to a replica by the config's dispatch rule
+(the engine core's dispatcher: home-first or least outstanding); the first-stage engine's scheduler forms batches;
 each finished stage forwards its batch message to the next stage's engine after the hop time
 (hidden + residual bytes over the link between the two engines, inside a node or between
 nodes: `Topology`, paraflex/costs/topology.py, overlapping compute); the last stage emits one
@@ -81,7 +81,7 @@ class Cluster:
                 scheduler.add_stage(ref.model, ref.stage, b - a, -(-arch.kv_bytes_per_token_per_layer() // tp), mp.num_stages)
             self.engines.append(SimEngine(ep.id, scheduler, pool, cost, stages, swap_Bps))
         self.replicas = {name: mp.replicas for name, mp in placement.models.items()}
-        self.dispatcher = Dispatcher({name: len(r) for name, r in self.replicas.items()})
+        self.dispatcher = Dispatcher.from_placement(placement, config)
         self.records: dict[str, object] = {}
         # times of the heap events of each (model, replica): the decode fast-forward's horizon
         self.route_pending: dict[tuple[str, int], list[float]] = {

@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paraflex.costs.weight_load import stage_load_time
-from paraflex.engine.core.dispatcher import Dispatcher
 from paraflex.simulator.core.sim_engine import StageInfo
 
 TICK_S = 0.1  # how often drains, loads and the controller are looked at
@@ -186,14 +185,11 @@ class LivePlacement:
         eng.pool.grow(alloc, alloc.num_blocks + blocks)
 
     def _grow_dispatcher(self) -> None:
-        """A dispatcher with every slot, carrying the outstanding counts over."""
-        old, cl = self.cluster.dispatcher, self.cluster
-        new = Dispatcher({m: len(routes) for m, routes in cl.replicas.items()})
-        for m in cl.replicas:
-            for slot, n in enumerate(old.outstanding(m)):
-                for _ in range(n):
-                    new.pick(m, among=[slot])
-        cl.dispatcher = new
+        """A slot in the dispatcher for every new replica (counts and homes stay)."""
+        cl = self.cluster
+        for m, routes in cl.replicas.items():
+            while len(cl.dispatcher.outstanding(m)) < len(routes):
+                cl.dispatcher.add_replica(m)
 
     def _advance_loads(self, t: float) -> None:
         for load in self.loads:

@@ -24,7 +24,7 @@ When (all checked at the moment the first engine formed the batch, at time t):
   (model, replica) with unfinished requests whose route touches it (its pending events, and
   the next events of engines where its work waits in a queue, searched transitively, since
   such an engine decides at its own next event); and new requests for models resident on the
-  engines searched, except those the least-outstanding dispatcher provably sends to a replica
+  engines searched, except those the dispatcher provably sends to a replica
   away from them (`_skip_arrivals`);
 - no request of the batch produces its last token in a replayed cycle (finishing frees KV and
   wakes other engines: that cycle runs through the ordinary events);
@@ -255,8 +255,13 @@ class DecodeFastForward:
         Counts only fall between arrivals, except the frozen replicas' (which stay). So an
         arrival goes elsewhere if every replica touching `seen` holds more (a lower bound: its
         count if frozen, else 0) than the least loaded of the others can hold by then (an
-        upper bound: their counts now, plus the skipped arrivals, each on the least loaded)."""
+        upper bound: their counts now, plus the skipped arrivals, each on the least loaded).
+        Home-first dispatch (engine/core/dispatcher.py) sends it home or by the same rule, so
+        the proof holds when the model's home avoids `seen`; none is skipped otherwise."""
         cluster = self.cluster
+        home = cluster.dispatcher.homes.get(m)
+        if home is not None and not self.route_sets[m][home].isdisjoint(seen):
+            return i
         counts = cluster.dispatcher.outstanding(m)
         floor = None
         others = []

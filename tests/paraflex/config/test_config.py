@@ -91,6 +91,7 @@ def test_defaults_and_units():
     assert cfg.cluster.memory_bytes == int(144 * GIB)
     assert cfg.planner.target_stage_time == "auto" and cfg.planner.ring is False
     assert cfg.scheduler.max_batch_size == 32 and cfg.scheduler.block_bytes == 32768
+    assert cfg.scheduler.dispatch == "home-first" and cfg.scheduler.home_margin == 4
     assert cfg.workload is None
     assert cfg.model("b").slo_ttft_ms == 500 and cfg.model("a").slo_tbt_ms is None
     link = cfg.cluster.interconnect()
@@ -135,6 +136,8 @@ def test_defaults_and_units():
         ({"scheduler.block_bytes": 30000}, "scheduler.block_bytes", "power of two"),
         ({"scheduler.policy": "fifo"}, "scheduler.policy", "full-batch-first"),
         ({"scheduler.max_batch_size": 0}, "scheduler.max_batch_size", ">= 1"),
+        ({"scheduler.dispatch": "random"}, "scheduler.dispatch", "least-outstanding"),
+        ({"scheduler.home_margin": -1}, "scheduler.home_margin", ">= 0"),
         ({"workload.arrival": "burst"}, "workload.arrival", "poisson"),
         ({"workload.arrival": "trace"}, "workload.trace", "CSV"),
         ({"workload.trace": "nope.csv"}, "workload.trace", "does not exist"),
