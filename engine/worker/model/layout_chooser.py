@@ -10,8 +10,9 @@ interleaved rounds (each round's fastest pass, the median over rounds:
 paraflex/costs/robust_timing.py), then decided by `layout_choice.choose_layout` (pure). The
 cache file, under native_build.cache_dir()/linear_layouts/, is keyed by the CPU's flags, the
 torch version, the compiled kernel's digest and the thread count, so a change to any of them
-measures again. `PARAFLEX_LINEAR_CHOOSER=0` turns the measuring off: the first candidate (the
-compiled panels where they build) is taken, as before the chooser.
+measures again. `enabled` says when it measures: by default only among OpenMP layouts (not where
+the compiled panels are a candidate, see there); `PARAFLEX_LINEAR_CHOOSER=0` / `1` forces it off /
+on. Off, the first candidate (the compiled panels where they build) is taken.
 """
 
 from __future__ import annotations
@@ -41,8 +42,17 @@ NOISY_SPREAD = 0.5  # rounds disagreeing this much (a busy machine): the verdict
 Build = Callable[[str, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
 
 
-def enabled() -> bool:
-    return os.environ.get(SWITCH, "1") != "0"
+def enabled(layouts: list[str]) -> bool:
+    """Whether to measure among `layouts`. `PARAFLEX_LINEAR_CHOOSER=1` / `0` forces it on / off.
+    Unset, it is off where the compiled panels are a candidate: a shape is timed alone, but in a
+    step a stage that mixes the panels (the kernels' own thread pool) with oneDNN or `torch.mm`
+    (OpenMP's) switches pools between projections, and SmolLM2's chosen mix measured 1.3-1.45x
+    slower projections than the panels alone at batch 1-8 (bench/cpu_decode_step.py, 2-vCPU
+    AVX-512 Xeon, load 2); among OpenMP layouts alone (bf16: oneDNN vs `torch.mm`) it is on."""
+    forced = os.environ.get(SWITCH)
+    if forced is not None:
+        return forced != "0"
+    return "panels" not in layouts
 
 
 def worth_caching(noise: float) -> bool:

@@ -5,8 +5,8 @@ Place in the data flow: `DecoderLayer` and `Stage` wrap every projection weight 
 gate|up, down, LM head) in a `Linear` at load time and call it on the packed tokens of a batch.
 
 Layouts (`LAYOUTS`), in order of preference; where a weight has more than one, the fastest on
-this machine is measured once per shape and cached (engine/worker/model/layout_chooser.py;
-`PARAFLEX_LINEAR_CHOOSER=0` takes the first candidate instead):
+this machine is measured once per shape and cached (engine/worker/model/layout_chooser.py: by
+default only where the panels are not a candidate; `PARAFLEX_LINEAR_CHOOSER=1` / `0` forces it):
 * "panels": CPU, float32, the compiled kernel loads (csrc/linear_f32.c, through
   engine/kernels/native_build.py): the weight is packed once into column panels of 16
   ([N/16][K][16]) and multiplied by the kernel (6 x 16 register tiles, 8 x 32 on AVX-512, x
@@ -81,7 +81,7 @@ class Linear:
         if layout is None:
             layouts = candidate_layouts(weight.device, weight.dtype)
             layout = layouts[0]
-            if len(layouts) > 1 and layout_chooser.enabled():
+            if len(layouts) > 1 and layout_chooser.enabled(layouts):
                 self.verdict = layout_chooser.CHOOSER.choose(
                     layouts, lambda name, w: Linear(w, layout=name), weight, prefill, LIBRARY.path)
                 layout = self.verdict.layout

@@ -118,3 +118,13 @@ def test_linear_takes_the_verdict_and_the_switch_turns_the_chooser_off(cache, mo
     monkeypatch.setenv(layout_chooser.SWITCH, "0")
     off = Linear(torch.randn(32, 17))
     assert off.layout == layouts[0] and off.verdict is None
+
+
+def test_chooser_measures_by_default_only_among_openmp_layouts(monkeypatch):
+    monkeypatch.delenv(layout_chooser.SWITCH, raising=False)
+    assert not layout_chooser.enabled(["panels", "onednn", "mm"])  # mixing pools lost in the step
+    assert layout_chooser.enabled(["onednn", "mm"])  # bfloat16 on a native-bf16 CPU
+    monkeypatch.setenv(layout_chooser.SWITCH, "1")
+    assert layout_chooser.enabled(["panels", "onednn", "mm"])
+    monkeypatch.setenv(layout_chooser.SWITCH, "0")
+    assert not layout_chooser.enabled(["onednn", "mm"])
