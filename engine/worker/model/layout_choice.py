@@ -80,5 +80,6 @@ def choose_layout(times: dict[str, dict[int, float]], decode_rows: tuple[int, ..
             lost = next(regime for regime, (best, _) in per_regime.items() if best != chosen)
             best, regime_scores = per_regime[lost]
             gain = regime_scores[chosen] / regime_scores[best]
-            split = f"{best} would be {gain:.2f}x faster at {lost} rows"
+            if gain > 1:  # else `best` only kept its place by MARGIN there: the choice loses nothing
+                split = f"{best} would be {gain:.2f}x faster at {lost} rows"
     return Verdict(chosen, scores, split)

@@ -44,6 +44,13 @@ def test_decode_and_prefill_disagreeing_keep_one_layout_and_say_what_the_other_w
     assert v.layout == "panels" and v.split == "onednn would be 1.20x faster at prefill rows"
 
 
+def test_no_split_where_the_regime_winner_only_kept_its_place_by_the_margin():
+    # mm 2% faster than panels at decode rows (inside the margin: decode's winner stays panels)
+    # and 10% at prefill rows: mm wins overall and loses nothing at decode rows
+    v = choose_layout(times(panels=(1.0, 1.0), mm=(0.98, 0.9)))
+    assert v.layout == "mm" and v.split is None
+
+
 def test_a_head_is_decided_by_decode_rows_alone():
     t = times(panels=(1.0, 9.0), onednn=(1.2, 1.0))
     decode_only = {name: {r: s for r, s in by.items() if r in DECODE_ROWS} for name, by in t.items()}
