@@ -16,7 +16,6 @@ import argparse
 import csv
 import dataclasses
 import os
-import platform
 import sys
 
 from paraflex.models.catalog import ModelArch
@@ -24,6 +23,7 @@ from paraflex.costs.costmodel import CostModel
 from paraflex.costs.devices import DeviceSpec, get_device
 from paraflex.errors import UserError
 from paraflex.costs.profile_tables import LAYER_OPS, find_tables
+from paraflex.host_cpu import machine_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE_OF_FOLDER = {"a100": "a100-80g", "h100": "h100-80g"}
@@ -137,8 +137,7 @@ def main(argv=None) -> int:
     except UserError as exc:
         print(f"costmodel_fidelity: {exc}", file=sys.stderr)
         return 2
-    print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} CPUs "
-          f"python {platform.python_version()}; {len(tables)} tables under {root}")
+    print(f"machine: {machine_line()}; {len(tables)} tables under {root}")
     devices = {}
     for folder in sorted({t.device_folder for t in tables}):
         group = [t for t in tables if t.device_folder == folder]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from paraflex.engine.core.sampling_params import SamplingParams
 from paraflex.engine.worker.weights import load_stage_weights
 from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
 from paraflex.serving.in_process import LLMCluster
+from paraflex.host_cpu import machine_line
 
 LAYERS = 8
 # On CPU the figures are tokens per CPU-second of this process (time.process_time): on a shared
@@ -148,10 +148,9 @@ def main(argv=None) -> int:
         def CLOCK():  # noqa: N802 - wall clock after the queued GPU work
             torch.cuda.synchronize(device)
             return time.perf_counter()
-    print(f"machine: {platform.node()} {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} "
+    print(f"machine: {machine_line()}, "
           f"torch={torch.__version__} threads={torch.get_num_threads()} device={device}"
-          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "") + f" dtype={dtype}"
-          + (f" loadavg={os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""))
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "") + f" dtype={dtype}")
     print(f"clock: {'wall time' if device.type == 'cuda' else 'process CPU time'}")
     print(f"model: random Llama, {LAYERS} layers, hidden 512, GQA 8/4, vocab 8192; prompt {args.prompt}, "
           f"{args.gen} new tokens")

@@ -32,10 +32,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile

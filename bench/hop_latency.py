@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 
@@ -31,6 +30,7 @@ import torch  # noqa: E402
 from paraflex.engine.transport.hop_probe import CASES, HopPair, envelope, tensor_bytes  # noqa: E402
 from paraflex.engine.transport.ray_slots import DEFAULT_SLOT_BYTES  # noqa: E402
 from paraflex.engine.transport.ray_wire import encode_phase1  # noqa: E402
+from paraflex.host_cpu import machine_line  # noqa: E402
 
 ROUNDS = 5
 
@@ -78,10 +78,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _table(pair: HopPair, cases: list[str], args, iters: int, warmup: int) -> list[tuple]:
     """Measure and print each case: the hop, the bare actor call and the bare gloo send/recv."""
-    print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} CPUs, "
-          f"python {platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}, "
+    print(f"machine: {machine_line()}, torch {torch.__version__}, ray {ray.__version__}, "
           f"gloo on loopback; {args.iters} round trips per case after {warmup} warm-up; "
-          f"slot_bytes {args.slot_bytes}; load average {os.getloadavg()[0]:.1f}")
+          f"slot_bytes {args.slot_bytes}")
     print(f"{'case':<11} {'tensor bytes':>12} {'meta B':>7} {'hop med us':>10} {'hop p90':>8} "
           f"{'actor med':>9} {'gloo med':>8} {'floor med':>9} {'ratio':>6}")
     rows_out = []

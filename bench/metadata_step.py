@@ -22,8 +22,6 @@ Usage: python bench/metadata_step.py [--batches 1 64 128] [--contexts 512 2048] 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
 from types import SimpleNamespace
 
@@ -31,6 +29,7 @@ import torch
 
 from paraflex.engine.worker.attention import AttentionMetadata
 from paraflex.engine.worker.block_tables import IncrementalMetadata
+from paraflex.host_cpu import machine_line
 
 # the kept tables on the CPU device (their gathers run on the host), and on the meta device: every
 # host step as on a GPU (planning, packing, dispatching the device ops) with the device's work skipped
@@ -94,8 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"machine: {platform.machine()} {platform.processor() or platform.platform()}, {os.cpu_count()} cores, "
-          f"load {os.getloadavg()[0]:.2f}, torch {torch.__version__}, {args.threads} thread(s)")
+    print(f"machine: {machine_line()}, torch {torch.__version__}, {args.threads} thread(s)")
     print(f"{args.layers} layers, {args.tokens_per_block} tokens per block, decode steps; kept cpu: on the CPU device, "
           "kept host: the host work of a GPU step (meta device)")
     print(f"{'batch':>6} {'context':>8} {'build ms':>9} {'kept, cpu ms':>13} {'kept, host ms':>14} "

@@ -13,8 +13,6 @@ The MILP is the peer measured in the same run. Prints absolute Phi* values and t
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import sys
 import time
@@ -23,6 +21,7 @@ from paraflex.planner import milp
 from paraflex.planner.placement_optimizer import optimize
 from paraflex.planner.problem import ModelSpec, NoFeasiblePlan, Problem, UniformLayers
 from paraflex.planner.replication import choose_next
+from paraflex.host_cpu import machine_line
 
 
 def instance(seed: int) -> Problem:
@@ -45,7 +44,7 @@ def main() -> int:
     ap.add_argument("--instances", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    print(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, Python {platform.python_version()}")
+    print(f"machine: {machine_line()}")
     print(f"{'inst':>4} {'eng':>3} {'mod':>3} {'ring':>4} {'replicas':>18} {'heur':>8} {'no-pol':>8} {'opt':>8} "
           f"{'ratio':>6} {'raw':>6} {'t_heur':>7} {'t_milp':>7}")
     ratios, raw_ratios, wrong_failures, infeasible, early_stops = [], [], 0, 0, 0

@@ -13,14 +13,13 @@ Phi*, then the growth between sizes. Targets on a 2-core machine: 64 x 16 < 1 s,
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import sys
 import time
 
 from paraflex.planner.placement_optimizer import optimize
 from paraflex.planner.problem import ModelSpec, Problem, UniformLayers
+from paraflex.host_cpu import machine_line
 
 GIB = 2**30
 LAYER = 202_383_360  # bytes of one Llama-2-7B layer in fp16
@@ -48,7 +47,7 @@ def main() -> int:
     ap.add_argument("--models", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--repeat", type=int, default=1, help="runs per cell; the fastest is reported")
     args = ap.parse_args()
-    print(f"machine: {platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}")
+    print(f"machine: {machine_line()}")
     print(f"{'engines':>7} {'models':>6} {'replicas':>8} {'iters':>6} {'Phi* GiB':>9} {'paraflex s':>11} "
           f"{'alg1+2 s':>9} {'polish share':>12}")
     times: dict[tuple[int, int], float] = {}

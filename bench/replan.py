@@ -24,7 +24,6 @@ import argparse
 import csv
 import dataclasses
 import os
-import platform
 import time
 
 import numpy as np
@@ -35,6 +34,7 @@ from paraflex.planner.replan_controller import Replan
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.systems.layouts import build_system
 from paraflex.simulator.workload.schedule import RateSchedule
+from paraflex.host_cpu import machine_line
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "paper-base.yaml")
 NEVER = 1e12  # an interval and threshold no run reaches: the static peer
@@ -109,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     config = load_config(CONFIG)
     config.workload = dataclasses.replace(config.workload, arrival="poisson", duration_s=args.duration)
-    print(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores; config paper-base "
+    print(f"machine: {machine_line()}; config paper-base "
           f"(8 engines x 8 A100-80G), Poisson, base rate {args.rate:g} req/s, {args.duration:g} s, interval {args.interval:g} s")
     os.makedirs(args.out, exist_ok=True)
     rows, curves = [], {}

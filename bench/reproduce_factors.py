@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -33,6 +32,7 @@ from paraflex.config.schema import load_config
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.sweep import point_seed
 from paraflex.simulator.systems.layouts import SARATHI_CHUNK_TOKENS, build_system
+from paraflex.host_cpu import machine_line
 
 # (label, system, no_sharding, policy override)
 CELLS = [
@@ -79,7 +79,7 @@ def main() -> int:
     if args.trace:
         config.workload = dataclasses.replace(config.workload, arrival="trace", trace=os.path.abspath(args.trace))
     rates = [float(x) for x in args.rates.split(",")]
-    print(f"machine: {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}; "
+    print(f"machine: {machine_line()}; "
           f"window {args.duration:g} s, rates {rates}, {args.seeds} seeds, trace={config.workload.trace}")
     tasks = [(config, cell, rate, point_seed(args.seed, i, k)) for cell in CELLS for i, rate in enumerate(rates) for k in range(args.seeds)]
     t0 = time.perf_counter()

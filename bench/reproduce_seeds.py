@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import sys
 import time
 
@@ -33,6 +32,7 @@ from paraflex.config.schema import Config, load_config
 from paraflex.errors import UserError
 from paraflex.simulator.min_engines import find_min_engines
 from paraflex.simulator.runner import SimSettings, simulate
+from paraflex.host_cpu import machine_line
 
 MARKET_SYSTEMS = ["paraflex", "aegaeon", "prism", "muxserve", "alpaserve"]
 PRISM_SYSTEMS = ["prism", "muxserve", "ray-serve", "aegaeon", "paraflex"]
@@ -163,7 +163,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench-results/reproduce_seeds")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    lines = [f"machine: {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}; seed {args.seed}"]
+    lines = [f"machine: {machine_line()}; seed {args.seed}"]
     results: dict = {}
     chosen = args.scenarios.split(",")
     for name, fn in (("market", market), ("prism", prism_scenario), ("base", base_case)):

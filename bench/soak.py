@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import sys
 import time
@@ -37,9 +36,9 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is no package
 from serve_process import ServeProcess  # noqa: E402
+from paraflex.host_cpu import machine_line  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAGS_OF_INTEREST = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "neon", "asimd")
 LOST = (httpx.TransportError,)  # connection reset / refused / protocol error: the request vanished
 
 
@@ -138,21 +137,6 @@ async def soak(url: str, num_requests: int, concurrency: int, max_tokens: int, t
     return tally
 
 
-def machine() -> str:
-    model, flags = platform.processor() or platform.machine(), []
-    try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() in ("flags", "Features"):
-                flags = [f for f in FLAGS_OF_INTEREST if f in value.split()]
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} CPUs, flags: {' '.join(flags) or '-'}"
-
-
 def _quantiles(values: list[float]) -> str:
     if not values:
         return "-"
@@ -164,7 +148,7 @@ def _quantiles(values: list[float]) -> str:
 def report(tally: Tally, wall_s: float, cpu_s: float, args) -> str:
     kinds = lambda d: ", ".join(f"{k}: {v}" for k, v in sorted(d.items())) or "-"  # noqa: E731
     rows = [
-        ("machine", machine()),
+        ("machine", machine_line()),
         ("requests", f"{args.num_requests} streamed, at most {args.concurrency} at once, max_tokens {args.max_tokens}"),
         ("completed", str(tally.completed)),
         ("explicit errors", f"{tally.errors} ({kinds(tally.error_kinds)})"),

@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from paraflex.host_cpu import FLAGS_OF_INTEREST, cpu_flags
+
 log = logging.getLogger(__name__)
 # Not -ffast-math: a shared object built with it switches the loading process to flush-to-zero.
 BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
@@ -45,15 +47,6 @@ def cache_dir() -> str:
     return home if writable else os.path.join(tempfile.gettempdir(), f"paraflex-cache-{os.getuid()}")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none: not Linux)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return set(next(line for line in fh if line.startswith("flags")).split(":")[1].split())
-    except (OSError, StopIteration):
-        return set()
-
-
 def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (avx512_bf16 or AMX, as oneDNN sees it)."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -62,9 +55,8 @@ def native_bf16() -> bool:
 def capability_line() -> str:
     """What the kernels run with here, for a benchmark's report: CPU count, the vector flags
     that matter, torch's capability and whether oneDNN multiplies bfloat16 natively."""
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
     flags = cpu_flags()
-    return (f"cpus={os.cpu_count()} flags={','.join(f for f in wanted if f in flags) or '-'} "
+    return (f"cpus={os.cpu_count()} flags={','.join(f for f in FLAGS_OF_INTEREST if f in flags) or '-'} "
             f"capability={torch.backends.cpu.get_cpu_capability()} onednn_bf16={'native' if native_bf16() else 'no'}")
 
 

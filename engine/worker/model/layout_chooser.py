@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 
 from paraflex.costs.robust_timing import robust_time, spread
-from paraflex.engine.kernels.native_build import cache_dir, cpu_flags
+from paraflex.engine.kernels.native_build import cache_dir
+from paraflex.host_cpu import cpu_flags
 from paraflex.engine.worker.model.layout_choice import DECODE_ROWS, PREFILL_ROWS, Verdict, choose_layout
 
 log = logging.getLogger(__name__)
