@@ -257,7 +257,7 @@ def part_speed(ctx) -> dict:
     worker.add_stage("m", stage)
     if dev == "cuda":
         worker.capture_decode_graphs(max(s.batches), graph_reserve, "speed engine", say)
-    tpb = worker._views["m"].shape[2]
+    tpb = kv.model_view(arch.num_kv_heads, arch.head_dim, dtype).shape[2]  # tokens per block, as the worker sees it
     fits = lambda b, c: b * (-(-(c + s.new_tokens) // tpb)) * arch.num_layers <= kv.num_blocks  # noqa: E731
     decode = []
     for c in s.contexts:
