@@ -23,7 +23,7 @@ from paraflex.costs.costmodel import CostModel
 from paraflex.costs.devices import DeviceSpec, get_device
 from paraflex.errors import UserError
 from paraflex.costs.profile_tables import LAYER_OPS, find_tables
-from paraflex.host_cpu import machine_line
+from paraflex.cpu_info import machine_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE_OF_FOLDER = {"a100": "a100-80g", "h100": "h100-80g"}

@@ -43,7 +43,7 @@ from paraflex.engine.core.sampling_params import SamplingParams
 from paraflex.engine.worker.weights import load_stage_weights
 from paraflex.placement import EnginePlacement, ModelPlacement, Placement, StageRef
 from paraflex.serving.in_process import LLMCluster
-from paraflex.host_cpu import machine_line
+from paraflex.cpu_info import machine_line
 
 LAYERS = 8
 # On CPU the figures are tokens per CPU-second of this process (time.process_time): on a shared

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from paraflex.engine.transport.hop_probe import CASES, HopPair, envelope, tensor_bytes  # noqa: E402
 from paraflex.engine.transport.ray_slots import DEFAULT_SLOT_BYTES  # noqa: E402
 from paraflex.engine.transport.ray_wire import encode_phase1  # noqa: E402
-from paraflex.host_cpu import machine_line  # noqa: E402
+from paraflex.cpu_info import machine_line  # noqa: E402
 
 ROUNDS = 5
 

@@ -29,7 +29,7 @@ import torch
 
 from paraflex.engine.worker.attention import AttentionMetadata
 from paraflex.engine.worker.block_tables import IncrementalMetadata
-from paraflex.host_cpu import machine_line
+from paraflex.cpu_info import machine_line
 
 # the kept tables on the CPU device (their gathers run on the host), and on the meta device: every
 # host step as on a GPU (planning, packing, dispatching the device ops) with the device's work skipped

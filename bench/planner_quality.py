@@ -21,7 +21,7 @@ from paraflex.planner import milp
 from paraflex.planner.placement_optimizer import optimize
 from paraflex.planner.problem import ModelSpec, NoFeasiblePlan, Problem, UniformLayers
 from paraflex.planner.replication import choose_next
-from paraflex.host_cpu import machine_line
+from paraflex.cpu_info import machine_line
 
 
 def instance(seed: int) -> Problem:

@@ -19,7 +19,7 @@ import time
 
 from paraflex.planner.placement_optimizer import optimize
 from paraflex.planner.problem import ModelSpec, Problem, UniformLayers
-from paraflex.host_cpu import machine_line
+from paraflex.cpu_info import machine_line
 
 GIB = 2**30
 LAYER = 202_383_360  # bytes of one Llama-2-7B layer in fp16

@@ -34,7 +34,7 @@ from paraflex.planner.replan_controller import Replan
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.systems.layouts import build_system
 from paraflex.simulator.workload.schedule import RateSchedule
-from paraflex.host_cpu import machine_line
+from paraflex.cpu_info import machine_line
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "paper-base.yaml")
 NEVER = 1e12  # an interval and threshold no run reaches: the static peer

@@ -32,7 +32,7 @@ from paraflex.config.schema import load_config
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.sweep import point_seed
 from paraflex.simulator.systems.layouts import SARATHI_CHUNK_TOKENS, build_system
-from paraflex.host_cpu import machine_line
+from paraflex.cpu_info import machine_line
 
 # (label, system, no_sharding, policy override)
 CELLS = [

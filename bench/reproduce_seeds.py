@@ -32,7 +32,7 @@ from paraflex.config.schema import Config, load_config
 from paraflex.errors import UserError
 from paraflex.simulator.min_engines import find_min_engines
 from paraflex.simulator.runner import SimSettings, simulate
-from paraflex.host_cpu import machine_line
+from paraflex.cpu_info import machine_line
 
 MARKET_SYSTEMS = ["paraflex", "aegaeon", "prism", "muxserve", "alpaserve"]
 PRISM_SYSTEMS = ["prism", "muxserve", "ray-serve", "aegaeon", "paraflex"]

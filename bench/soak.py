@@ -36,7 +36,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is no package
 from serve_process import ServeProcess  # noqa: E402
-from paraflex.host_cpu import machine_line  # noqa: E402
+from paraflex.cpu_info import machine_line  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOST = (httpx.TransportError,)  # connection reset / refused / protocol error: the request vanished

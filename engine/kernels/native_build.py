@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from paraflex.host_cpu import FLAGS_OF_INTEREST, cpu_flags
+from paraflex.cpu_info import FLAGS_OF_INTEREST, cpu_flags
 
 log = logging.getLogger(__name__)
 # Not -ffast-math: a shared object built with it switches the loading process to flush-to-zero.

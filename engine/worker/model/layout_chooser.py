@@ -29,7 +29,7 @@ import torch
 
 from paraflex.costs.robust_timing import robust_time, spread
 from paraflex.engine.kernels.native_build import cache_dir
-from paraflex.host_cpu import cpu_flags
+from paraflex.cpu_info import cpu_flags
 from paraflex.engine.worker.model.layout_choice import DECODE_ROWS, PREFILL_ROWS, Verdict, choose_layout
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
-"""paraflex/host_cpu.py: the machine line every benchmark prints, read from /proc/cpuinfo."""
+"""paraflex/cpu_info.py: the machine line every benchmark prints, read from /proc/cpuinfo."""
 
 import os
 
-from paraflex import host_cpu
+from paraflex import cpu_info
 
 
 def test_first_processor_block_only(tmp_path, monkeypatch):
@@ -11,9 +11,9 @@ def test_first_processor_block_only(tmp_path, monkeypatch):
                     "processor\t: 1\nmodel name\t: Other CPU\nflags\t\t: fpu sse2\n")
     real_open = open
     monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(info if p == "/proc/cpuinfo" else p, *a, **k))
-    assert host_cpu.cpu_model() == "Test CPU A"
-    assert host_cpu.cpu_flags() == {"fpu", "avx2", "fma", "avx512f", "amx_tile"}
-    line = host_cpu.machine_line()
+    assert cpu_info.cpu_model() == "Test CPU A"
+    assert cpu_info.cpu_flags() == {"fpu", "avx2", "fma", "avx512f", "amx_tile"}
+    line = cpu_info.machine_line()
     assert line.startswith(f"Test CPU A, {os.cpu_count()} CPUs, flags avx2,fma,avx512f,amx_tile, Python ")
     assert "load average" in line
 
@@ -23,6 +23,6 @@ def test_no_cpuinfo_gives_empty_flags(monkeypatch):
         raise FileNotFoundError("/proc/cpuinfo")
 
     monkeypatch.setattr("builtins.open", missing)
-    assert host_cpu.cpu_flags() == set()
-    assert host_cpu.cpu_model()  # falls back to what `platform` knows
-    assert ", flags -, " in host_cpu.machine_line()
+    assert cpu_info.cpu_flags() == set()
+    assert cpu_info.cpu_model()  # falls back to what `platform` knows
+    assert ", flags -, " in cpu_info.machine_line()
