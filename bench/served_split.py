@@ -110,8 +110,7 @@ def served_parts(log_path: str, steps_dir: str, ids: set, start: float, end: flo
     text = "; ".join(f"{m} " + "/".join(f"{1000 * p[k]:.1f}" for k in PARTS) for m, p in parts.items())
     served = hops(steps)
     hop, back = measured_hop(profile), return_path(profile)
-    back_text = (f"{1000 * back.latency_s:.1f} ms + {1000 * back.per_busy_engine_s:.1f} ms per busy engine" if back
-                 else "0 ms")
+    back_text = f"{1000 * back.latency_s:.1f} ms x the host's stretch" if back else "0 ms"
     hop_text = (f"served hop (receiver idle) median {1000 * float(np.median(served)):.2f} ms over {len(served)}"
                 if served else "no served hop")
     return (f"served TTFT parts, median ms ({' / '.join(PARTS)}): {text}; simulated: "
