@@ -25,8 +25,8 @@ from __future__ import annotations
 from bisect import bisect_right
 
 from paraflex.costs.costmodel import CostModel
-from paraflex.costs.serving_terms import host_cpu
 from paraflex.costs.host_cpu import busy_engines
+from paraflex.costs.serving_terms import host_cpu
 from paraflex.costs.topology import Topology
 from paraflex.engine.core.block_pool import BlockPool
 from paraflex.engine.core.dispatcher import Dispatcher
@@ -162,7 +162,7 @@ class Cluster:
             self.metrics.swap(len(sb.swap_out) * eng.block_bytes, len(sb.swap_in) * eng.block_bytes)
         run, decodes, tokens = eng.batch_time(eng.stages[sb.model], sb)
         if self.host is not None:  # the other engines' recent work and the open requests share the host's cores
-            run *= self.host.stretch(1.0 + self.busy_engines(t, self.host.window_s, eng), self.in_flight(t))
+            run *= self.host.stretch(1.0 + self.engines_busy_before(t, self.host.window_s, eng), self.in_flight(t))
         self.start_batch(eng, sb, t, t + eng.swap_time(swapped) + run, decodes, tokens)
 
     def start_batch(self, eng: SimEngine, sb, t: float, end: float, decodes: int, tokens: int) -> None:
@@ -231,7 +231,7 @@ class Cluster:
         eng.running = None
         eng.busy = False
 
-    def busy_engines(self, t: float, window_s: float, exclude: SimEngine | None = None) -> float:
+    def engines_busy_before(self, t: float, window_s: float, exclude: SimEngine | None = None) -> float:
         """The mean number of engines (but `exclude`) executing over the `window_s` before t:
         finished batches (the metrics' timeline, measured as the fits measure the served step log:
         paraflex/costs/host_cpu.py) and running ones."""
@@ -252,7 +252,7 @@ class Cluster:
         host = self.host
         if host is None:
             return lambda t: term.delay_s()
-        return lambda t: term.delay_s(host.stretch(self.busy_engines(t, host.window_s), self.in_flight(t)))
+        return lambda t: term.delay_s(host.stretch(self.engines_busy_before(t, host.window_s), self.in_flight(t)))
 
     def _emit_tokens(self, eng: SimEngine, info: StageInfo, done, t: float) -> None:
         """Last stage: record the tokens, free finished requests on the middle stages (the
