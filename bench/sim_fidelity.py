@@ -277,7 +277,7 @@ def report(out: str, profile: str | None, windows: list[dict]) -> list[dict]:
         gateway = [r["gateway_s"] for r in real if "gateway_s" in r]
         split = f"gateway (HTTP arrival -> frontend) {1000 * float(np.median(gateway)):.1f} ms; " if gateway else ""
         if profile:
-            print(f"{load}: {step_split(sim_config, placement, steps, start, end)}")
+            print(f"{load}: {step_split(sim_config, placement, steps, start, end, log_path)}")
             print(f"{load}: {served_parts(log_path, steps, {r['id'] for r in real}, start, end, profile)}")
         print(f"{load}: {len(real)}/{len(requests)} logged; {split}median TTFT at the client "
               f"{1000 * w['client_ttft_s']:.1f} ms vs {1000 * log_ttft:.1f} ms in the server log: client + HTTP "
