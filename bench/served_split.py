@@ -27,8 +27,9 @@ from collections import defaultdict
 
 import numpy as np
 
+from paraflex.costs.host_cpu import engine_timelines, in_flight_fn, step_busy_engines
 from paraflex.costs.loop_fit import read_step_log, stage_time_fn
-from paraflex.costs.serving_terms import measured_hop, request_delay_s, return_path
+from paraflex.costs.serving_terms import host_cpu, measured_hop, request_delay_s, return_path
 
 PARTS = ("gateway", "to prefill", "prefill", "back")
 
@@ -85,21 +86,38 @@ def hops(steps: list[dict]) -> list[float]:
     return out
 
 
-def step_split(config, placement, steps_dir: str, start: float, end: float) -> str:
+def step_split(config, placement, steps_dir: str, start: float, end: float, log_path: str | None = None) -> str:
     """Where a window's decode time goes: the served engine steps (mean loop iteration per stage
-    step, from the step log) against the simulator's time for the very same steps."""
-    rows = [r for r in read_step_log(steps_dir) if start <= float(r["start_s"]) <= end and r["kind"] == "decode"]
+    step, from the step log) against the simulator's time for the very same steps, stretched by
+    the profile's shared host CPU (paraflex/costs/host_cpu.py) as the served timeline and the
+    requests open in `log_path` say."""
+    logged = read_step_log(steps_dir)
+    rows = [r for r in logged if start <= float(r["start_s"]) <= end and r["kind"] == "decode"]
     if not rows:
         return "no decode steps logged"
     stage_time = stage_time_fn(config.cluster.cost_model(), placement, {m.name: m.arch for m in config.models})
+    host = host_cpu(config.cluster)
+    stretch = (lambda r: 1.0) if host is None else _served_stretch(host, logged, _rows(log_path) if log_path else [])
     out = []
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == model]
         if mine:
             served = float(np.mean([float(r["busy_s"]) for r in mine]))
-            sim = float(np.mean([stage_time(r) for r in mine]))
+            sim = float(np.mean([stage_time(r) * stretch(r) for r in mine]))
             out.append(f"{model} {1000 * served:.2f} vs {1000 * sim:.2f} ms ({(sim - served) / served:+.0%})")
-    return "decode stage step, served vs simulated for the same steps: " + "; ".join(out)
+    shared = "" if host is None else " (stretched by the shared host CPU on the served timeline)"
+    return f"decode stage step, served vs simulated for the same steps{shared}: " + "; ".join(out)
+
+
+def _served_stretch(host, steps: list[dict], requests: list[dict]):
+    """A logged step's stretch by `host` from the served engines' timelines and open requests."""
+    timelines, open_at = engine_timelines(steps), in_flight_fn(requests)
+
+    def stretch(r: dict) -> float:
+        t = float(r["start_s"])
+        return host.stretch(step_busy_engines(timelines, r["engine"], t, host.window_s), open_at(t))
+
+    return stretch
 
 
 def served_parts(log_path: str, steps_dir: str, ids: set, start: float, end: float, profile: str) -> str:
@@ -110,8 +128,7 @@ def served_parts(log_path: str, steps_dir: str, ids: set, start: float, end: flo
     text = "; ".join(f"{m} " + "/".join(f"{1000 * p[k]:.1f}" for k in PARTS) for m, p in parts.items())
     served = hops(steps)
     hop, back = measured_hop(profile), return_path(profile)
-    back_text = (f"{1000 * back.latency_s:.1f} ms + {1000 * back.per_busy_engine_s:.1f} ms per busy engine" if back
-                 else "0 ms")
+    back_text = f"{1000 * back.latency_s:.1f} ms x the host's stretch" if back else "0 ms"
     hop_text = (f"served hop (receiver idle) median {1000 * float(np.median(served)):.2f} ms over {len(served)}"
                 if served else "no served hop")
     return (f"served TTFT parts, median ms ({' / '.join(PARTS)}): {text}; simulated: "

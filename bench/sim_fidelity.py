@@ -10,7 +10,8 @@ on it: a few requests one at a time, the saturation rate (a burst, then open loo
 rate: the lower of the two), then requests open loop at half of it; from the lone and the
 half-load requests and their steps (not the saturation runs') `paraflex profile --gateway-log
 --step-log` stores in the profile the Ray engine loop's time per stage step (lines in the step's
-size), each token's return path (a line in the engines busy before it) and the per-request
+size), the shared host CPU (cores' worth per busy engine and per open request), each token's
+return path (a latency the host's load stretches) and the per-request
 delays (gateway; frontend <-> engines). Then at three loads
 (light, ~60% and ~90% of saturation) write a request list (simulator/workload/requests_file.py),
 replay it open loop against the server (same arrival times, ignore_eos with fixed output
@@ -276,7 +277,7 @@ def report(out: str, profile: str | None, windows: list[dict]) -> list[dict]:
         gateway = [r["gateway_s"] for r in real if "gateway_s" in r]
         split = f"gateway (HTTP arrival -> frontend) {1000 * float(np.median(gateway)):.1f} ms; " if gateway else ""
         if profile:
-            print(f"{load}: {step_split(sim_config, placement, steps, start, end)}")
+            print(f"{load}: {step_split(sim_config, placement, steps, start, end, log_path)}")
             print(f"{load}: {served_parts(log_path, steps, {r['id'] for r in real}, start, end, profile)}")
         print(f"{load}: {len(real)}/{len(requests)} logged; {split}median TTFT at the client "
               f"{1000 * w['client_ttft_s']:.1f} ms vs {1000 * log_ttft:.1f} ms in the server log: client + HTTP "

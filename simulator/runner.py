@@ -129,12 +129,16 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
         last = max((r.arrival for r in requests), default=0.0)
         cluster.live = LivePlacement(cluster, controller, config, layout.gpus_per_engine, settings.host_link_gbps, last)
         loop.schedule(LiveTickEvent(0.0))
-    # ParaFlex's served return path (seed systems model none); each token's way back depends on
-    # the engines busy before it, so the run goes step by step (no fast-forward)
+    # ParaFlex's served return path (seed systems model none) and a CPU cluster's shared host
+    # (paraflex/costs/host_cpu.py): a token's way back and an engine's step depend on the engines
+    # busy before them, so such a run goes step by step (the fast path steps aside)
     back = return_path(config.cluster.profile_dir) if layout.seed is None else None
     if back is not None:
         metrics.token_delay = cluster.token_delay_fn(back)
-    elif settings.replan_interval is None and settings.fast_forward and layout.seed is None:
+    shared_host = layout.seed is None and cluster.host is not None
+    if shared_host:  # the requests it counts open: from their gateway arrival (the records' arrival)
+        cluster.gateway_arrivals = sorted(r.arrival - metrics.request_delay for r in requests)
+    if back is None and not shared_host and settings.replan_interval is None and settings.fast_forward and layout.seed is None:
         cluster.enable_fast_forward(requests)
     # Freeze the set-up objects out of the cyclic GC and pause it during the run (the loop
     # creates no reference cycles): collections over the block tables would cost run time.

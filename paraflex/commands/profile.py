@@ -19,8 +19,9 @@ their logged arrivals with this profile, on the config's placement (`--placement
 and first, as `engine_loop`, what the served engine loop adds per stage step: the logged mean TBT
 minus the simulated one of the same request alone, over the model's stages (with `--step-log
 DIR`: lines fitted from the logged steps, paraflex/costs/loop_fit.py). With both logs of one
-served run it also stores `return_path`, each token's way back to the frontend as a line in the
-engines busy before it (paraflex/costs/return_path.py).
+served run it also stores `return_path`, each token's way back to the frontend, and on a `device:
+cpu` cluster (with `--step-log`) `host_cpu`, the shared host CPU that stretches steps and tokens
+while other engines run (paraflex/costs/return_path.py, paraflex/costs/host_cpu.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import sys
 from paraflex.config.schema import load_config
 from paraflex.costs.serving_terms import (ENGINE_LOOP_KEY, GATEWAY_KEY, HOP_KEY, RETURN_PATH_KEY, EngineLoopTerm,
                                           GatewayTerm, HopTerm, read_log, store)
+from paraflex.costs.host_cpu import HOST_CORES_KEY, HOST_CPU_KEY
 from paraflex.costs.step_overheads import KEY as STEP_KEY, NOISE_KEY
 from paraflex.errors import UserError
 from paraflex.models.engine_support import require_runnable
@@ -147,7 +149,7 @@ def run(args) -> int:
     overheads, noise["steps"] = ([], {}) if args.no_steps else _step_overheads(config, names, args, device, progress)
     meta = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cluster_device": config.cluster.device, "hardware": hardware, "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "tokens": list(tokens), "repeats": args.repeats, "tables": written,
+            "threads": torch.get_num_threads(), HOST_CORES_KEY: os.cpu_count(), "tokens": list(tokens), "repeats": args.repeats, "tables": written,
             STEP_KEY: [o.to_dict() for o in overheads], NOISE_KEY: noise}
     if not args.no_hop:
         meta[HOP_KEY] = asdict(_hop(progress))
@@ -196,13 +198,19 @@ def _store_gateway(config, args) -> int:
     if unknown:
         raise UserError(f"--gateway-log {args.gateway_log}: model {unknown[0]!r} is not in the config; pass the "
                         f"config the logged server ran")
-    store(args.output, ENGINE_LOOP_KEY, None)
-    store(args.output, RETURN_PATH_KEY, None)
+    for key in (ENGINE_LOOP_KEY, RETURN_PATH_KEY, HOST_CPU_KEY):
+        store(args.output, key, None)
     profiled, layout = _profiled(config, args)
     archs = {m.name: m.arch for m in profiled.models}
-    loop = None
+    loop = host = None
     if args.step_log:
-        loop = EngineLoopTerm.from_lines(_loop_lines(profiled, layout, args.step_log), archs)
+        lines, host = _loop_lines(profiled, layout, args.step_log, args.output, rows)
+        loop = EngineLoopTerm.from_lines(lines, archs)
+        store(args.output, HOST_CPU_KEY, host)
+        if host is not None:
+            print(f"shared host CPU, fitted from {host.steps} logged steps: {host.cores} cores; each busy engine "
+                  f"{host.demand_per_engine:g} and each request in flight {host.demand_per_request:g} cores' worth "
+                  f"of runnable work")
     elif rows:
         stages = {name: mp.num_stages for name, mp in layout.placement.models.items()}
         loop = EngineLoopTerm.fit(rows, [tbt for _, tbt in _simulated(profiled, layout, rows)], stages, archs)
@@ -216,12 +224,11 @@ def _store_gateway(config, args) -> int:
         from paraflex.costs.loop_fit import read_step_log
         from paraflex.costs.return_path import fit_return_path
 
-        back = fit_return_path(rows, read_step_log(args.step_log))
+        back = fit_return_path(rows, read_step_log(args.step_log), host)
         store(args.output, RETURN_PATH_KEY, back)
         if back is not None:
             print(f"return path per token (last-stage step end -> frontend), fitted from {back.tokens} logged tokens: "
-                  f"{1000 * back.latency_s:.2f} ms + {1000 * back.per_busy_engine_s:.2f} ms per engine busy in the "
-                  f"{1000 * back.window_s:.0f} ms before")
+                  f"{1000 * back.latency_s:.2f} ms" + (" x the shared host CPU's stretch" if host else ""))
     arrival0 = min(float(r["arrival_s"]) for r in rows)
     ttft = [t for t, _ in _simulated(*_profiled(config, args), rows, [float(r["arrival_s"]) - arrival0 for r in rows])]
     term = GatewayTerm.from_log(rows, args.gateway_log, ttft)
@@ -259,15 +266,25 @@ def _profiled(config, args) -> tuple:
     return profiled, layout
 
 
-def _loop_lines(profiled, layout, step_log: str) -> dict:
-    """The engine loop's lines per model from the step log against the profiled cost model's
-    stage time of each logged step (no engine loop term: OUTPUT's was dropped)."""
+def _loop_lines(profiled, layout, step_log: str, output: str, requests: list[dict]) -> tuple[dict, object]:
+    """(the engine loop's lines per model, the shared host CPU or None) from the step log against
+    the profiled cost model's stage time of each logged step (no engine loop term: OUTPUT's was
+    dropped). On a `device: cpu` cluster the lines are fitted on the steps de-stretched by the
+    host CPU fitted with them (paraflex/costs/host_cpu.py) over OUTPUT's `host_cores` (this
+    machine's where the profile has none) and the served `requests` in flight (none: engines only)."""
+    from paraflex.costs.host_cpu import fit_host_cpu
     from paraflex.costs.loop_fit import fit_loop_lines, read_step_log, stage_time_fn
 
     models = layout.placement.models
     rows = [r for r in read_step_log(step_log) if r["model"] in models]
     archs = {m.name: m.arch for m in profiled.models}
-    return fit_loop_lines(rows, stage_time_fn(profiled.cluster.cost_model(), layout.placement, archs))
+    stage_time = stage_time_fn(profiled.cluster.cost_model(), layout.placement, archs)
+    if profiled.cluster.device != "cpu" or not rows:
+        return fit_loop_lines(rows, stage_time), None
+    with open(os.path.join(output, "profile.json"), encoding="utf-8") as fh:
+        cores = json.load(fh).get(HOST_CORES_KEY) or os.cpu_count() or 1
+    host, lines = fit_host_cpu(rows, stage_time, cores, requests)
+    return lines, host
 
 
 def _simulated(profiled, layout, rows: list[dict], arrivals: list[float] | None = None) -> list[tuple[float, float]]:

@@ -7,7 +7,8 @@ CONFIG --step-log DIR` reads the rows (`read_step_log`) and calls `fit_loop_line
 extra time `busy_s` minus the cost model's time for the same stage execution (op tables and
 served-step residual, no engine loop term), per model and kind (prefill, decode) a least-squares
 line of that extra in the step's size (prompt tokens; decode requests), fitted through the mean
-extra at each size (each size weighted by its steps). Means, not medians: a request's TBT is the
+extra at each size (each size weighted by its steps); on a shared host CPU the steps are first
+divided by what the other engines stretched them by (paraflex/costs/host_cpu.py). Means, not medians: a request's TBT is the
 mean of its steps, and an engine's capacity under load is set by its mean step. The lines go
 into `EngineLoopTerm` (paraflex/costs/serving_terms.py, `engine_loop` in profile.json), which
 the cost model adds to every stage execution at its size. Mixed (Sarathi) steps are not used.
@@ -20,7 +21,7 @@ import csv
 import glob
 import os
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Sequence
 
 from paraflex.errors import UserError
 
@@ -75,14 +76,18 @@ def step_size(row: dict) -> tuple[bool, int] | None:
     return None
 
 
-def fit_loop_lines(rows: list[dict], stage_time: Callable[[dict], float]) -> dict[str, dict]:
+def fit_loop_lines(rows: list[dict], stage_time: Callable[[dict], float],
+                   stretches: Sequence[float] | None = None) -> dict[str, dict]:
     """model -> {prefill_s, prefill_per_token_s, decode_s, decode_per_seq_s, steps}: the lines of
-    `busy_s - stage_time(row)` per model and kind (a kind without rows: zero)."""
+    `busy_s / stretch - stage_time(row)` per model and kind (a kind without rows: zero);
+    `stretches`, one per row, what the shared host CPU stretched each step by (host_cpu.py; None:
+    1 each)."""
     extra: dict[tuple[str, bool], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in rows:
+    for i, r in enumerate(rows):
         sized = step_size(r)
         if sized is not None:
-            extra[(r["model"], sized[0])][sized[1]].append(float(r["busy_s"]) - stage_time(r))
+            stretch = stretches[i] if stretches is not None else 1.0
+            extra[(r["model"], sized[0])][sized[1]].append(float(r["busy_s"]) / stretch - stage_time(r))
     out: dict[str, dict] = {}
     for (model, prefill), points in sorted(extra.items()):
         a, b = weighted_line(points)
@@ -91,3 +96,13 @@ def fit_loop_lines(rows: list[dict], stage_time: Callable[[dict], float]) -> dic
         e.update({"prefill_s": a, "prefill_per_token_s": b} if prefill else {"decode_s": a, "decode_per_seq_s": b})
         e["steps"] += sum(len(v) for v in points.values())
     return out
+
+
+def loop_line_s(lines: dict[str, dict], row: dict) -> float | None:
+    """The value of `fit_loop_lines`' line for a logged step `row` at its size; None for a mixed
+    step or a model without lines."""
+    sized, e = step_size(row), lines.get(row["model"])
+    if sized is None or e is None:
+        return None
+    prefill, size = sized
+    return e["prefill_s"] + e["prefill_per_token_s"] * size if prefill else e["decode_s"] + e["decode_per_seq_s"] * size

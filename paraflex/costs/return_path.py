@@ -1,62 +1,31 @@
-"""The served return path of a token as a function of how busy the engines are, fitted from a
-served run's step log and request log together.
+"""The served return path of a token as the shared host CPU stretches it, fitted from a served
+run's step log and request log together.
 
 Place in the data flow: `paraflex serve --step-log DIR --request-log FILE` logs every engine
 step with the request ids of its batch (engine/step_log.py) and every request's first-token and
 finish time at the frontend (paraflex/serving/request_log.py). `paraflex profile CONFIG
 --gateway-log FILE --step-log DIR` calls `fit_return_path`: per logged request, the way back of
 its first token (end of its last-stage prefill step -> first token at the frontend) and of its
-last (end of its last step -> finish), against `busy_seconds` of every engine over the window
-before that step ended; a least-squares line gives a `ReturnPathTerm`
-(paraflex/costs/serving_terms.py, `return_path` in profile.json). The simulator measures the same
-busy engines over the same window from its own engine timeline (simulator/core/cluster.py,
-`busy_seconds` again) and adds the line to every token it records. Pure: rows are dicts.
+last (end of its last step -> finish), against the host's stretch over the engines busy in the
+window before that step ended and the requests in flight then (paraflex/costs/host_cpu.py, fitted from the same step log); a
+least-squares latency gives a `ReturnPathTerm` (paraflex/costs/serving_terms.py, `return_path` in
+profile.json). The simulator measures the same busy engines over the same window from its own
+engine timeline (simulator/core/cluster.py) and records each token `latency_s` x that stretch
+later. Pure: rows are dicts.
 
-Why busy engines and not the token rate: on the 2-vCPU machine the way back of a token was
-~4 ms while at most one engine was executing and 8-9 ms while both were (the output push, the
-OutputRouter actor and the gateway's poller thread wait for a core), a clearer signal than the
-token rate before it (docs/simulate.md, fifth pass).
+Why the host's stretch: on the 2-vCPU machine the way back of a token was ~4 ms while at most
+one engine was executing and 8-13 ms while both were (the output push, the OutputRouter actor
+and the gateway's poller thread wait for a core the engines hold); a latency stretched by the
+one shared-CPU term fits the logged tokens as well as the separate line in the busy engines
+that it replaces (docs/simulate.md, "The shared host CPU").
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import defaultdict
-from typing import Sequence
 
+from paraflex.costs.host_cpu import HostCpu, busy_engines, engine_timelines, in_flight_fn
 from paraflex.costs.serving_terms import ReturnPathTerm
-
-WINDOW_S = 0.02  # the window before a token whose busy engines count
-
-
-def busy_seconds(flat: Sequence[float], t0: float, t1: float) -> float:
-    """Seconds of [t0, t1] covered by one engine's busy intervals `flat` ([start, end, start,
-    end, ...] in time order, not overlapping)."""
-    i = max(0, bisect_right(flat, t0) - 1)
-    i -= i % 2  # the interval that may straddle t0
-    total = 0.0
-    while i < len(flat) and flat[i] < t1:
-        total += max(0.0, min(flat[i + 1], t1) - max(flat[i], t0))
-        i += 2
-    return total
-
-
-def engine_timelines(steps: list[dict]) -> list[list[float]]:
-    """Each logged engine's busy intervals (flat, in time order, back-to-back steps merged)."""
-    by_engine: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for s in steps:
-        start = float(s["start_s"])
-        by_engine[s["engine"]].append((start, start + float(s["busy_s"])))
-    out = []
-    for intervals in by_engine.values():
-        flat: list[float] = []
-        for start, end in sorted(intervals):
-            if flat and flat[-1] >= start:
-                flat[-1] = max(flat[-1], end)
-            else:
-                flat += [start, end]
-        out.append(flat)
-    return out
 
 
 def token_backs(requests: list[dict], steps: list[dict]) -> list[tuple[float, float]]:
@@ -80,17 +49,15 @@ def token_backs(requests: list[dict], steps: list[dict]) -> list[tuple[float, fl
     return out
 
 
-def fit_return_path(requests: list[dict], steps: list[dict], window_s: float = WINDOW_S) -> ReturnPathTerm | None:
-    """The least-squares line of the way back in the busy engines before it (intercept and slope
-    kept >= 0); None where no request of `requests` has its steps in `steps`."""
+def fit_return_path(requests: list[dict], steps: list[dict], host: HostCpu | None = None) -> ReturnPathTerm | None:
+    """The way back as `latency_s` x the host's stretch over the busy engines before each token
+    (least squares through the origin; `host` None: the mean way back); None where no request of
+    `requests` has its steps in `steps`."""
     backs = token_backs(requests, steps)
     if not backs:
         return None
-    timelines = engine_timelines(steps)
-    xs = [sum(busy_seconds(f, t - window_s, t) for f in timelines) / window_s for t, _ in backs]
-    ys = [b for _, b in backs]
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx) if sxx > 0 else 0.0
-    return ReturnPathTerm(max(0.0, my - slope * mx), slope, window_s, n)
+    timelines, open_at = list(engine_timelines(steps).values()), in_flight_fn(requests)
+    stretches = [1.0 if host is None else host.stretch(busy_engines(timelines, t, host.window_s), open_at(t))
+                 for t, _ in backs]
+    latency = sum(s * b for s, (_, b) in zip(stretches, backs)) / sum(s * s for s in stretches)
+    return ReturnPathTerm(max(0.0, latency), len(backs))

@@ -24,9 +24,10 @@ Place in the data flow:
   (`EngineLoopTerm.from_lines`), which the cost model adds at each stage execution's size.
 - With both logs, it also fits a `ReturnPathTerm` under ``return_path`` (paraflex/costs/
   return_path.py): the way back of each token from the end of its last-stage step to the
-  frontend (output push, OutputRouter actor, the gateway's poller thread), a line in how many
-  engines were executing in the window before; the simulator (simulator/core/cluster.py) adds it
-  to every token it records.
+  frontend (output push, OutputRouter actor, the gateway's poller thread), a latency stretched by
+  the shared host CPU (`host_cpu`, paraflex/costs/host_cpu.py, fitted from the same step log and
+  stored under ``host_cpu``); the simulator (simulator/core/cluster.py) adds it to every token it
+  records and stretches every stage execution of a `device: cpu` cluster by the same term.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import os
 import statistics
 from dataclasses import asdict, dataclass
 
+from paraflex.costs.host_cpu import HOST_CPU_KEY, HostCpu
 from paraflex.costs.interconnect import Interconnect
 from paraflex.costs.step_overheads import PROFILE_FILE, arch_key
 from paraflex.errors import UserError
@@ -146,18 +148,15 @@ class EngineLoopTerm:
 
 @dataclass(frozen=True)
 class ReturnPathTerm:
-    """A token's way back from the end of its last-stage step to the frontend: `latency_s` +
-    `per_busy_engine_s` x the mean number of engines executing a step over the `window_s` before
-    (the output path's threads wait for a core the engines hold), fitted over `tokens` logged
-    first and last tokens."""
+    """A token's way back from the end of its last-stage step to the frontend: `latency_s` on a
+    quiet host, stretched by the shared host CPU (the output path's threads wait for a core the
+    engines hold: paraflex/costs/host_cpu.py), fitted over `tokens` logged first and last tokens."""
 
     latency_s: float
-    per_busy_engine_s: float
-    window_s: float
     tokens: int
 
-    def delay_s(self, busy_engines: float) -> float:
-        return self.latency_s + self.per_busy_engine_s * busy_engines
+    def delay_s(self, stretch: float = 1.0) -> float:
+        return self.latency_s * stretch
 
 
 def read_log(path: str) -> list[dict]:
@@ -190,7 +189,20 @@ def engine_loop(profile_dir: str | None) -> EngineLoopTerm | None:
 
 def return_path(profile_dir: str | None) -> ReturnPathTerm | None:
     d = _read(profile_dir).get(RETURN_PATH_KEY)
+    if d and "per_busy_engine_s" in d:
+        raise UserError(f"{os.path.join(profile_dir, PROFILE_FILE)}: its return_path is a line in the busy engines "
+                        f"from before the shared host CPU term; fit it again: paraflex profile CONFIG --gateway-log "
+                        f"FILE --step-log DIR -o {profile_dir}")
     return ReturnPathTerm(**d) if d else None
+
+
+def host_cpu(cluster) -> HostCpu | None:
+    """The shared host CPU fitted for `cluster` (a ClusterConfig): its profile's ``host_cpu``;
+    None for a GPU cluster (a GPU's host threads are not its compute) or a profile without one."""
+    if cluster.device != "cpu":
+        return None
+    d = _read(cluster.profile_dir).get(HOST_CPU_KEY)
+    return HostCpu(**d) if d else None
 
 
 def request_delay_s(profile_dir: str | None) -> float:

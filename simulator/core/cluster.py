@@ -15,13 +15,18 @@ each finished stage forwards its batch message to the next stage's engine after 
 nodes: `Topology`, paraflex/costs/topology.py, overlapping compute); the last stage emits one
 token per request, sends the tokens back to the first stage (metadata only: that link's
 latency) and frees finished requests' KV on every stage. Engines decide what to run with the
-engine core's scheduler; this module only moves messages and adds time.
+engine core's scheduler; this module only moves messages and adds time. On a `device: cpu`
+cluster whose profile fitted a shared host CPU (paraflex/costs/host_cpu.py) every stage execution
+is stretched by the engines busy in the window before it (the fast path then steps aside).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 from paraflex.costs.costmodel import CostModel
-from paraflex.costs.return_path import busy_seconds
+from paraflex.costs.host_cpu import busy_engines
+from paraflex.costs.serving_terms import host_cpu
 from paraflex.costs.topology import Topology
 from paraflex.engine.core.block_pool import BlockPool
 from paraflex.engine.core.dispatcher import Dispatcher
@@ -91,6 +96,10 @@ class Cluster:
         self.woken: list[SimEngine] = []
         self.fast_path: FastPath | None = None
         self.live = None  # a LivePlacement (live_placement.py) when the run re-plans
+        # a `device: cpu` cluster's shared host CPU (paraflex/costs/host_cpu.py; None: engines are
+        # independent devices): every stage execution stretches with the engines busy before it
+        self.host = host_cpu(cl)
+        self.gateway_arrivals: list[float] = []  # sorted; the runner sets them where `host` counts open requests
 
     def enable_fast_forward(self, requests) -> None:
         """Replay in closed form what the engines' policy allows (simulator/fastpath/hook.py);
@@ -152,6 +161,8 @@ class Cluster:
         if swapped:
             self.metrics.swap(len(sb.swap_out) * eng.block_bytes, len(sb.swap_in) * eng.block_bytes)
         run, decodes, tokens = eng.batch_time(eng.stages[sb.model], sb)
+        if self.host is not None:  # the other engines' recent work and the open requests share the host's cores
+            run *= self.host.stretch(1.0 + self.engines_busy_before(t, self.host.window_s, eng), self.in_flight(t))
         self.start_batch(eng, sb, t, t + eng.swap_time(swapped) + run, decodes, tokens)
 
     def start_batch(self, eng: SimEngine, sb, t: float, end: float, decodes: int, tokens: int) -> None:
@@ -220,19 +231,28 @@ class Cluster:
         eng.running = None
         eng.busy = False
 
+    def engines_busy_before(self, t: float, window_s: float, exclude: SimEngine | None = None) -> float:
+        """The mean number of engines (but `exclude`) executing over the `window_s` before t:
+        finished batches (the metrics' timeline, measured as the fits measure the served step log:
+        paraflex/costs/host_cpu.py) and running ones."""
+        busy = self.metrics.busy
+        total = busy_engines((busy[e.id] for e in self.engines if e is not exclude), t, window_s)
+        t0 = t - window_s
+        return total + sum(max(0.0, t - max(e.running.start, t0)) for e in self.engines
+                           if e.running is not None and e is not exclude) / window_s
+
+    def in_flight(self, t: float) -> int:
+        """Requests open at t: arrived at the gateway, not finished."""
+        return bisect_right(self.gateway_arrivals, t) - self.metrics.finished
+
     def token_delay_fn(self, term):
-        """The way back of a token produced at t (`term`: a ReturnPathTerm) from the engines
-        executing over the window before t: finished batches (the metrics' timeline, measured as
-        the fit measures the served step log: paraflex/costs/return_path.py) and running ones."""
-        busy, window = self.metrics.busy, term.window_s
-
-        def delay(t: float) -> float:
-            t0 = t - window
-            total = sum(busy_seconds(flat, t0, t) for flat in busy)
-            total += sum(max(0.0, t - max(e.running.start, t0)) for e in self.engines if e.running is not None)
-            return term.delay_s(total / window)
-
-        return delay
+        """The way back of a token produced at t (`term`: a ReturnPathTerm): its latency, stretched
+        by the shared host CPU over the engines busy before t and the requests open at t where the
+        cluster has one."""
+        host = self.host
+        if host is None:
+            return lambda t: term.delay_s()
+        return lambda t: term.delay_s(host.stretch(self.engines_busy_before(t, host.window_s), self.in_flight(t)))
 
     def _emit_tokens(self, eng: SimEngine, info: StageInfo, done, t: float) -> None:
         """Last stage: record the tokens, free finished requests on the middle stages (the

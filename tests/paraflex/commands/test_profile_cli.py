@@ -135,7 +135,7 @@ def test_a_step_log_gives_the_engine_loop_as_lines_in_the_steps_size(tmp_path, c
 
 def test_a_step_log_with_its_request_log_gives_the_return_path_and_the_delays(tmp_path, capsys):
     """`--gateway-log FILE --step-log DIR` of one served run: the way back of each logged token
-    (its last step's end -> the frontend) becomes `return_path`; the engine path is what the
+    (its last step's end -> the frontend) becomes `return_path`, the steps `host_cpu`; the engine path is what the
     logged TTFT has beyond the simulated one, the return path included."""
     from paraflex.engine.step_log import STEP_LOG_COLUMNS
     from paraflex.serving.request_log import LOG_COLUMNS
@@ -162,5 +162,8 @@ def test_a_step_log_with_its_request_log_gives_the_return_path_and_the_delays(tm
     assert "return path per token" in capsys.readouterr().out
     meta = json.loads((out / "profile.json").read_text())
     back = meta["return_path"]
-    assert back["tokens"] == 6 and back["latency_s"] + back["per_busy_engine_s"] == pytest.approx(0.004, abs=2e-4)
+    assert back == {"latency_s": pytest.approx(0.004, abs=2e-4), "tokens": 6}  # one engine, one request: no stretch
+    host = meta["host_cpu"]  # a cpu cluster: the shared host CPU, fitted from the same steps, on the profiled cores
+    assert host["cores"] == meta["host_cores"] and host["steps"] == 6
+    assert host["demand_per_engine"] + host["demand_per_request"] <= host["cores"]
     assert meta["gateway"]["delay_s"] == pytest.approx(0.001, abs=1e-5) and meta["gateway"]["engine_path_s"] < 0.015

@@ -1,0 +1,134 @@
+"""The shared host CPU of a `device: cpu` cluster: engines that processor-share the machine's
+cores, so a step (and a token's way back to the frontend) takes longer while other engines run.
+
+Place in the data flow: `paraflex profile` records the machine's cores (`host_cores` in
+profile.json). `paraflex profile CONFIG --step-log DIR` (a served run's engine step log) fits
+`fit_host_cpu`: how many cores' worth of runnable work one busy engine puts on the host
+(`demand_per_engine`: its torch threads, its loop, transport and output threads) and, from the
+run's request log, each request in flight (`demand_per_request`: the client's, the gateway's and
+the output router's work for an open request), chosen so that the step times de-stretched by
+them and the engine loop's lines fitted on them (loop_fit.py) predict the logged steps best; it
+stores a `HostCpu` under ``host_cpu`` next to the lines. The
+simulator (simulator/core/cluster.py) reads it (serving_terms.host_cpu) and stretches every stage
+execution by `stretch(busy engines)`, where the busy engines are the stepping engine plus the
+mean number of other engines executing over the `window_s` before the step starts
+(`busy_seconds` over the same timelines the fit reads from the step log), and the requests in
+flight then; the return path (return_path.py) is its latency stretched by all engines busy over
+the window before a token and the requests in flight.
+
+Off for GPU clusters (a GPU's host threads are not its compute): `host_cpu` returns None unless
+the cluster's device is `cpu`. Pure: rows are dicts, times are floats.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from paraflex.costs.loop_fit import fit_loop_lines, loop_line_s
+
+HOST_CPU_KEY = "host_cpu"
+HOST_CORES_KEY = "host_cores"  # written by `paraflex profile` next to `threads`
+WINDOW_S = 0.02  # the window before a step (or token) whose busy engines count
+DEMANDS = tuple(0.25 * k for k in range(1, 17))  # cores' worth per busy engine the fit tries: 0.25 ... 4
+PER_REQUEST = (0.0, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4)  # ... per request in flight
+
+
+def busy_seconds(flat: Sequence[float], t0: float, t1: float) -> float:
+    """Seconds of [t0, t1] covered by one engine's busy intervals `flat` ([start, end, start,
+    end, ...] in time order, not overlapping)."""
+    i = max(0, bisect_right(flat, t0) - 1)
+    i -= i % 2  # the interval that may straddle t0
+    total = 0.0
+    while i < len(flat) and flat[i] < t1:
+        total += max(0.0, min(flat[i + 1], t1) - max(flat[i], t0))
+        i += 2
+    return total
+
+
+def engine_timelines(steps: list[dict]) -> dict[str, list[float]]:
+    """Each logged engine's busy intervals (flat, in time order, back-to-back steps merged)."""
+    by_engine: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for s in steps:
+        start = float(s["start_s"])
+        by_engine[s["engine"]].append((start, start + float(s["busy_s"])))
+    out = {}
+    for engine, intervals in by_engine.items():
+        flat: list[float] = []
+        for start, end in sorted(intervals):
+            if flat and flat[-1] >= start:
+                flat[-1] = max(flat[-1], end)
+            else:
+                flat += [start, end]
+        out[engine] = flat
+    return out
+
+
+@dataclass(frozen=True)
+class HostCpu:
+    """`cores` shared by the engines and the serving processes: each busy engine puts
+    `demand_per_engine` cores' worth of runnable work on them, each request in flight (HTTP
+    arrival to finish: the client's, gateway's and output router's work for it)
+    `demand_per_request`; fitted from `steps` logged steps."""
+
+    cores: int
+    demand_per_engine: float
+    demand_per_request: float = 0.0
+    window_s: float = WINDOW_S
+    steps: int = 0
+
+    def stretch(self, busy_engines: float, in_flight: int = 0) -> float:
+        """How much longer work takes while `busy_engines` engines run and `in_flight` requests
+        are open: the demand over the cores, >= 1."""
+        return max(1.0, (busy_engines * self.demand_per_engine + in_flight * self.demand_per_request) / self.cores)
+
+
+def busy_engines(timelines: Iterable[Sequence[float]], t: float, window_s: float = WINDOW_S) -> float:
+    """The mean number of engines (of `timelines`) executing over the `window_s` before t."""
+    return sum(busy_seconds(flat, t - window_s, t) for flat in timelines) / window_s
+
+
+def step_busy_engines(timelines: dict[str, list[float]], engine: str, t: float, window_s: float = WINDOW_S) -> float:
+    """The engines a step of `engine` starting at t shares the host with: itself plus the mean
+    number of the others executing over the `window_s` before t."""
+    return 1.0 + busy_engines((flat for e, flat in timelines.items() if e != engine), t, window_s)
+
+
+def in_flight_fn(requests: list[dict]) -> Callable[[float], int]:
+    """The number of logged `requests` (request-log rows with an HTTP arrival) open at t."""
+    events = sorted([(float(r["http_arrival_s"]), 1) for r in requests if r.get("http_arrival_s")]
+                    + [(float(r["finish_s"]), -1) for r in requests if r.get("http_arrival_s")])
+    times = [t for t, _ in events]
+    level = [0]
+    for _, step in events:
+        level.append(level[-1] + step)
+    return lambda t: level[bisect_right(times, t)]
+
+
+def fit_host_cpu(rows: list[dict], stage_time: Callable[[dict], float], cores: int,
+                 requests: list[dict] | None = None) -> tuple[HostCpu, dict]:
+    """(the HostCpu, the engine loop's lines fitted on the steps de-stretched by it) whose
+    prediction `(stage_time + line) x stretch` of the logged steps `rows` has the least squared
+    error, over a grid of demands per engine (up to `cores`: an engine alone runs as profiled) and,
+    with the served `requests` of the same run, per request in flight (else 0)."""
+    timelines = engine_timelines(rows)
+    busy = [step_busy_engines(timelines, r["engine"], float(r["start_s"])) for r in rows]
+    open_at = in_flight_fn(requests or [])
+    in_flight = [open_at(float(r["start_s"])) for r in rows]
+    compute = {id(r): stage_time(r) for r in rows}  # once per row, not once per grid point
+    best = None
+    for per_engine in [d for d in DEMANDS if d <= cores]:
+        for per_request in PER_REQUEST if requests else (0.0,):
+            host = HostCpu(cores, per_engine, per_request, WINDOW_S, len(rows))
+            stretches = [host.stretch(b, n) for b, n in zip(busy, in_flight)]
+            lines = fit_loop_lines(rows, lambda r: compute[id(r)], stretches)
+            error = 0.0
+            for r, s in zip(rows, stretches):
+                line = loop_line_s(lines, r)
+                if line is not None:
+                    error += (float(r["busy_s"]) - (compute[id(r)] + line) * s) ** 2
+            if best is None or error < best[0]:
+                best = (error, host, lines)
+    return best[1], best[2]

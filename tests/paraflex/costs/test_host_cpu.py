@@ -1,0 +1,67 @@
+"""The shared host CPU of a `device: cpu` cluster (paraflex/costs/host_cpu.py): busy engines
+over a window, the stretch, requests in flight, and the fit recovering a planted demand."""
+
+import pytest
+
+from paraflex.costs.host_cpu import (HostCpu, busy_seconds, engine_timelines, fit_host_cpu, in_flight_fn,
+                                     step_busy_engines)
+
+
+def test_busy_seconds_is_the_overlap_of_an_engines_intervals_with_the_window():
+    flat = [0.0, 1.0, 2.0, 3.0, 5.0, 6.0]
+    assert busy_seconds(flat, 0.5, 2.5) == pytest.approx(1.0)  # 0.5 of the first, 0.5 of the second
+    assert busy_seconds(flat, 3.0, 5.0) == 0.0
+    assert busy_seconds(flat, -1.0, 10.0) == pytest.approx(3.0)
+    assert busy_seconds(flat, 5.5, 5.6) == pytest.approx(0.1)
+    assert busy_seconds([], 0.0, 1.0) == 0.0
+
+
+def _step(engine, start, busy, model="a", kind="decode", size=1):
+    return {"engine": str(engine), "model": model, "stage": "0", "num_stages": "1", "kind": kind, "batch_size": str(size),
+            "prefill_tokens": "0", "total_context": "8", "start_s": str(start), "busy_s": str(busy), "req_ids": ""}
+
+
+def test_an_engines_back_to_back_steps_are_one_busy_interval():
+    timelines = engine_timelines([_step(0, 1.0, 0.5), _step(0, 1.5, 0.5), _step(0, 3.0, 1.0), _step(1, 0.0, 0.1)])
+    assert timelines == {"0": [1.0, 2.0, 3.0, 4.0], "1": [0.0, 0.1]}
+    # a step of engine 0 at 0.1 s: itself, and engine 1 busy over the whole 20 ms before
+    assert step_busy_engines(timelines, "0", 0.1) == pytest.approx(2.0)
+    assert step_busy_engines(timelines, "1", 1.01) == pytest.approx(1.5)  # engine 0 over half the window
+
+
+def test_one_engine_alone_runs_as_profiled_and_two_on_one_core_take_twice_as_long():
+    assert HostCpu(cores=2, demand_per_engine=2.0).stretch(1.0) == 1.0
+    assert HostCpu(cores=1, demand_per_engine=1.0).stretch(1.0) == 1.0
+    assert HostCpu(cores=1, demand_per_engine=1.0).stretch(2.0) == 2.0
+    assert HostCpu(cores=2, demand_per_engine=1.0, demand_per_request=0.1).stretch(2.0, in_flight=10) == pytest.approx(1.5)
+
+
+def test_requests_in_flight_count_from_the_http_arrival_to_the_finish():
+    rows = [{"http_arrival_s": "1.0", "finish_s": "3.0"}, {"http_arrival_s": "2.0", "finish_s": "2.5"},
+            {"http_arrival_s": "", "finish_s": "9.0"}]  # not logged over HTTP: not counted
+    open_at = in_flight_fn(rows)
+    assert [open_at(t) for t in (0.5, 1.5, 2.2, 2.7, 3.5)] == [0, 1, 2, 1, 0]
+
+
+def _planted(host: HostCpu, base_s: float) -> list[dict]:
+    """Steps of `base_s` each (stage time only, no loop time), stretched by `host`: engine 0
+    alone for 0.2 s, then both engines back to back for 0.2 s, generated in start order."""
+    steps, ends = [], {"0": 0.0, "1": 1.0}
+    while min(ends.values()) < 1.2:
+        engine = min(ends, key=ends.get)
+        start = ends[engine]
+        busy = step_busy_engines(engine_timelines(steps), engine, start) if steps else 1.0
+        steps.append(_step(engine, start, base_s * host.stretch(busy)))
+        ends[engine] = start + float(steps[-1]["busy_s"])
+        if engine == "0" and 0.2 <= ends["0"] < 1.0:
+            ends["0"] = 1.0  # idle until engine 1 starts
+    return steps
+
+
+def test_the_fit_recovers_a_planted_demand_per_engine():
+    planted = HostCpu(cores=2, demand_per_engine=1.5)
+    steps = _planted(planted, 0.002)
+    host, lines = fit_host_cpu(steps, lambda r: 0.002, cores=2)
+    assert host.demand_per_engine == 1.5 and host.demand_per_request == 0.0 and host.steps == len(steps)
+    assert lines["a"]["decode_s"] == pytest.approx(0.0, abs=1e-9)  # de-stretched, nothing is left to the loop
+    assert max(float(s["busy_s"]) for s in steps) == pytest.approx(0.002 * 1.5)
