@@ -175,7 +175,7 @@ class _Capture:
         """What runs on the engine: (a decode batch, its start, its end or None if it starts
         now), or (None, 0, None) when nothing or a stage the replay takes over as such runs (a
         stage an earlier replay held, a one-stage prompt that joins its batch at its end)."""
-        eng, j = es.eng, es.j
+        eng = es.eng
         if eng is self.first:
             return self.sb, self.t, None
         if not eng.busy:
