@@ -112,12 +112,14 @@ class NativeLibrary:
     (the kernels call the thread pool's `pf_pool_run`); `global_symbols`: load this one so.
     `hold_gil`: load with ctypes.PyDLL (the GIL stays held during calls: right for calls of
     microseconds, where releasing and taking it back costs more and can hand the interpreter to
-    another thread); else ctypes.CDLL (released: long kernels)."""
+    another thread); else ctypes.CDLL (released: long kernels). `dtypes`: the tensor dtypes its
+    kernels take."""
 
     def __init__(self, source: str, switch: str, what: str, declare: Callable[[ctypes.CDLL], None], *,
                  extra_flags: tuple[str, ...] = (), depends: tuple["NativeLibrary", ...] = (),
-                 global_symbols: bool = False, hold_gil: bool = False) -> None:
-        self.source, self.switch, self.what = source, switch, what
+                 global_symbols: bool = False, hold_gil: bool = False,
+                 dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+        self.source, self.switch, self.what, self.dtypes = source, switch, what, dtypes
         self.declare, self.extra_flags, self.hold_gil = declare, list(extra_flags), hold_gil
         self.depends, self.global_symbols = depends, global_symbols
         self.lib: ctypes.CDLL | None = None
@@ -146,9 +148,9 @@ class NativeLibrary:
         return lib
 
     def serves(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether this library runs tensors of `device` and `dtype`: every kernel here is for
-        float32 on CPU, and only once the library has loaded."""
-        return device.type == "cpu" and dtype == torch.float32 and self.load() is not None
+        """Whether this library runs tensors of `device` and `dtype`: CPU tensors of one of its
+        `dtypes`, and only once the library has loaded."""
+        return device.type == "cpu" and dtype in self.dtypes and self.load() is not None
 
     def forget(self) -> None:
         """Load again on the next call (tests of the build rules)."""

@@ -1,0 +1,61 @@
+/* bfloat16 storage for the CPU kernels: the top 16 bits of a float32. Widening is exact (a
+ * shift); narrowing rounds to nearest, ties to even, NaN to the quiet NaN 0x7FC0: the rule of
+ * torch's own conversion (c10::round_to_nearest_even), so a kernel that narrows where the torch
+ * formula does gives the torch path's bits. Integer arithmetic only (no avx512_bf16
+ * instructions: VCVTNEPS2BF16 flushes subnormals, torch does not), so it vectorises on AVX2
+ * and AVX-512 alike.
+ *
+ * Place in the data flow: included by decoder_layer_ops.c (the bf16 layer ops) and
+ * paged_decode_attention.c (the bf16 KV pool), which engine/kernels/native_build.py compiles.
+ */
+#ifndef PARAFLEX_BF16_H
+#define PARAFLEX_BF16_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "vec_math.h"
+
+typedef uint16_t bf16_t;
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+static inline float bf16_to_float(bf16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline bf16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    return f != f ? (bf16_t)0x7FC0 : (bf16_t)rounded;
+}
+
+/* f rounded to the nearest bfloat16, as a float (the rounding point of a torch bf16 op) */
+static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+static inline v8f load8_bf16(const bf16_t *p) {
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    return (v8f)(__builtin_convertvector(h, v8u) << 16);
+}
+
+static inline v8h narrow8(v8f f) {
+    const v8u bits = (v8u)f;
+    const v8u rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    const v8u nan = (v8u)(f != f);
+    return __builtin_convertvector((rounded & ~nan) | (0x7FC0u & nan), v8h);
+}
+
+static inline void store8_bf16(bf16_t *p, v8f f) {
+    const v8h h = narrow8(f);
+    memcpy(p, &h, sizeof h);
+}
+
+/* the 8 floats rounded to bfloat16 and widened back */
+static inline v8f round8_bf16(v8f f) { return (v8f)(__builtin_convertvector(narrow8(f), v8u) << 16); }
+
+#endif
