@@ -15,8 +15,8 @@ Place in the project: a benchmark (not a test) for the CPU engine's compiled/pac
    twice, the rotation of queries and keys, SiLU(gate) * up) vs their torch formulas, all 30 layers;
 4. the whole `Stage.forward` of a decode step with all fast paths vs with none.
 
-bfloat16 (--dtype bfloat16): the compiled attention and layer ops are float32-only, so only the
-projections and the step are compared. Prints, per batch size, the least wall time of --repeat
+bfloat16 (--dtype bfloat16): the same rows, the compiled attention and layer ops in their
+bfloat16 variants (float32 math, bfloat16 in and out). Prints, per batch size, the least wall time of --repeat
 runs of each contender (interleaved), the ratio (peer / ours: > 1 means ours is faster), the
 layouts chosen, and the machine: its CPU flags, torch's vector capability, whether oneDNN has
 native bf16, and the load.
@@ -136,10 +136,10 @@ def main(argv=None) -> int:
             stage.lm_head(x)
 
         def glue():
-            stream, x = torch.randn(b, arch.hidden_size), torch.randn(b, arch.hidden_size)
-            qkv = torch.randn(b, (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim)
-            gate_up = torch.randn(b, 2 * arch.intermediate_size)
-            cos, sin = fast.rotary.cos_sin(torch.full((b,), ctx - 1), torch.float32)
+            stream, x = torch.randn(b, arch.hidden_size).to(dtype), torch.randn(b, arch.hidden_size).to(dtype)
+            qkv = torch.randn(b, (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim).to(dtype)
+            gate_up = torch.randn(b, 2 * arch.intermediate_size).to(dtype)
+            cos, sin = fast.rotary.cos_sin(torch.full((b,), ctx - 1), dtype)
             with torch.inference_mode():
                 for layer in fast.layers:
                     layer_ops.add_rms_norm(stream, x, layer.input_norm, layer.eps)
@@ -151,11 +151,10 @@ def main(argv=None) -> int:
             with torch.inference_mode():
                 stage.forward(ids, meta(), kv)
 
-        rows = [("attention", *least_pair(attention, torch_attention(attention), args.repeat))] if dtype == torch.float32 else []
+        rows = [("attention", *least_pair(attention, torch_attention(attention), args.repeat))]
         rows += [(f"proj vs {layout}", *least_pair(lambda: projections(fast), lambda s=stage: projections(s), args.repeat))
                  for layout, stage in alone.items()]
-        if dtype == torch.float32:
-            rows.append(("layer ops", *least_pair(glue, torch_ops(glue), args.repeat)))
+        rows.append(("layer ops", *least_pair(glue, torch_ops(glue), args.repeat)))
         rows.append(("step", *least_pair(lambda: step(fast), torch_ops(torch_attention(lambda: step(plain))), args.repeat)))
         for what, t_ours, t_peer in rows:
             print(f"{b:>5} {what:<14} {t_ours * 1e3:9.1f} {t_peer * 1e3:9.1f} {t_peer / t_ours:9.2f}x")

@@ -55,7 +55,19 @@ static inline void store8_bf16(bf16_t *p, v8f f) {
     memcpy(p, &h, sizeof h);
 }
 
-/* the 8 floats rounded to bfloat16 and widened back */
-static inline v8f round8_bf16(v8f f) { return (v8f)(__builtin_convertvector(narrow8(f), v8u) << 16); }
+/* dst[i] = src[i] rounded to bfloat16, i < n */
+static inline void narrow_row(const float *src, bf16_t *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8_bf16(dst + i, load8(src + i));
+    for (; i < n; i++) dst[i] = float_to_bf16(src[i]);
+}
+
+/* the 8 floats rounded to bfloat16 and widened back (in 32-bit lanes: no narrowing) */
+static inline v8f round8_bf16(v8f f) {
+    const v8u bits = (v8u)f;
+    const v8u rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    const v8u nan = (v8u)(f != f);
+    return (v8f)((rounded & ~nan) | (0x7FC00000u & nan));
+}
 
 #endif

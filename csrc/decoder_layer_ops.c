@@ -255,6 +255,8 @@ void pf_rotary_bf16(bf16_t *x, int64_t tokens, int64_t row_stride, int heads, in
     over_rows(rotary_rows_bf16, &a, tokens, (int64_t)heads * head_dim, num_threads);
 }
 
+#define SILU_CHUNK 64
+
 typedef struct {
     const bf16_t *gate_up;
     bf16_t *out;
@@ -266,16 +268,12 @@ static void silu_rows_bf16(const void *c, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
         const bf16_t *gate = a->gate_up + r * 2 * a->inter, *up = gate + a->inter;
         bf16_t *o = a->out + r * a->inter;
-        int64_t i = 0;
-        for (; i + 8 <= a->inter; i += 8) {  /* silu over a float copy: a loop that vectorises */
-            float g[8], silu[8];
-            store8(g, load8_bf16(gate + i));
-            for (int k = 0; k < 8; k++) silu[k] = g[k] / (1.0f + exp_clamped(-g[k]));
-            store8_bf16(o + i, round8_bf16(load8(silu)) * load8_bf16(up + i));
-        }
-        for (; i < a->inter; i++) {
-            const float g = bf16_to_float(gate[i]);
-            o[i] = float_to_bf16(round_bf16(g / (1.0f + exp_clamped(-g))) * bf16_to_float(up[i]));
+        for (int64_t i0 = 0; i0 < a->inter; i0 += SILU_CHUNK) {  /* widened chunks: float loops that vectorise */
+            const int m = a->inter - i0 < SILU_CHUNK ? (int)(a->inter - i0) : SILU_CHUNK;
+            float g[SILU_CHUNK];
+            for (int k = 0; k < m; k++) g[k] = bf16_to_float(gate[i0 + k]);
+            for (int k = 0; k < m; k++) g[k] = round_bf16(g[k] / (1.0f + exp_clamped(-g[k]))) * bf16_to_float(up[i0 + k]);
+            narrow_row(g, o + i0, m);
         }
     }
 }
