@@ -13,13 +13,16 @@ Place in the project: a benchmark (not a test) for the CPU engine's compiled/pac
    as in a step);
 3. layer ops: the compiled elementwise ops (csrc/decoder_layer_ops.c: residual add + RMSNorm
    twice, the rotation of queries and keys, SiLU(gate) * up) vs their torch formulas, all 30 layers;
-4. the whole `Stage.forward` of a decode step with all fast paths vs with none.
+4. the whole `Stage.forward` of a decode step with all fast paths vs with none ("step"), and vs
+   the same layouts with the compiled attention and layer ops off ("step, ops off": what those
+   two kernels save in a step).
 
 bfloat16 (--dtype bfloat16): the same rows, the compiled attention and layer ops in their
 bfloat16 variants (float32 math, bfloat16 in and out). Prints, per batch size, the least wall time of --repeat
 runs of each contender (interleaved), the ratio (peer / ours: > 1 means ours is faster), the
 layouts chosen, and the machine: its CPU flags, torch's vector capability, whether oneDNN has
-native bf16, and the load.
+native bf16, the OpenMP wait policy and the load. `paraflex serve` runs its engines with
+OMP_WAIT_POLICY=PASSIVE (engine/kernels/omp_policy.py): set it here to measure as it serves.
 
 Usage: python bench/cpu_decode_step.py [--batches 1 8 32] [--context 192] [--threads 2] [--repeat 5]
                                        [--dtype float32|bfloat16]
@@ -89,7 +92,8 @@ def main(argv=None) -> int:
         print("the compiled kernels cannot be built here (see the warning above); nothing to compare")
         return 1
     print(f"machine: {platform.machine()} {platform.processor() or ''} torch={torch.__version__} threads={args.threads} "
-          f"{capability_line()} loadavg={os.getloadavg()[0]:.1f}")
+          f"{capability_line()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')} "
+          f"loadavg={os.getloadavg()[0]:.1f}")
     path = smollm2_gguf_path()
     arch = arch_from_gguf(path, "smollm2-135m")
     weights = load_stage_weights(path, arch, 0, arch.num_layers, dtype, "cpu", "gguf")
@@ -110,7 +114,7 @@ def main(argv=None) -> int:
     torch.nn.init.normal_(kv)
     print(f"model: SmolLM2-135M {args.dtype}, {layers} layers, context {ctx} per request, {tpb} tokens per block; "
           f"least of {args.repeat} runs, contenders interleaved\n")
-    print(f"{'batch':>5} {'what':<14} {'ours ms':>9} {'peer ms':>9} {'peer/ours':>10}")
+    print(f"{'batch':>5} {'what':<15} {'ours ms':>9} {'peer ms':>9} {'peer/ours':>10}")
     for b in args.batches:
         perm = torch.randperm(num_blocks - 1)[: layers * b * per] + 1  # scattered blocks, as in a used pool
         tables = perm.view(layers, b, per).tolist()
@@ -156,12 +160,15 @@ def main(argv=None) -> int:
                  for layout, stage in alone.items()]
         rows.append(("layer ops", *least_pair(glue, torch_ops(glue), args.repeat)))
         rows.append(("step", *least_pair(lambda: step(fast), torch_ops(torch_attention(lambda: step(plain))), args.repeat)))
+        rows.append(("step, ops off", *least_pair(lambda: step(fast), torch_ops(torch_attention(lambda: step(fast))),
+                                                  args.repeat)))
         for what, t_ours, t_peer in rows:
-            print(f"{b:>5} {what:<14} {t_ours * 1e3:9.1f} {t_peer * 1e3:9.1f} {t_peer / t_ours:9.2f}x")
+            print(f"{b:>5} {what:<15} {t_ours * 1e3:9.1f} {t_peer * 1e3:9.1f} {t_peer / t_ours:9.2f}x")
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     print("attention peer: the torch path (row index_select + grouped matmuls); projection peers: each layout alone "
           "(panels: the compiled kernel, onednn: oneDNN's packed kernel, mm: torch.mm over [in, out] weights); layer "
-          "ops peer: their torch formulas; step peer: all of them off (the plain-torch engine)")
+          "ops peer: their torch formulas; step peer: all of them off (the plain-torch engine); 'step, ops off' peer: "
+          "the chosen layouts with the compiled attention and layer ops off")
     return 0
 
 

@@ -13,6 +13,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #include "vec_math.h"
 
@@ -37,17 +40,28 @@ static inline bf16_t float_to_bf16(float f) {
 /* f rounded to the nearest bfloat16, as a float (the rounding point of a torch bf16 op) */
 static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
+/* (GCC 12 splits the vector-extension widening and narrowing into halves; where AVX2 /
+   AVX-512VL have one instruction for them, it is named) */
 static inline v8f load8_bf16(const bf16_t *p) {
+#ifdef __AVX2__
+    return (v8f)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
     v8h h;
     memcpy(&h, p, sizeof h);
     return (v8f)(__builtin_convertvector(h, v8u) << 16);
+#endif
 }
 
 static inline v8h narrow8(v8f f) {
     const v8u bits = (v8u)f;
     const v8u rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
     const v8u nan = (v8u)(f != f);
-    return __builtin_convertvector((rounded & ~nan) | (0x7FC0u & nan), v8h);
+    const v8u out = (rounded & ~nan) | (0x7FC0u & nan);
+#ifdef __AVX512VL__
+    return (v8h)_mm256_cvtepi32_epi16((__m256i)out);
+#else
+    return __builtin_convertvector(out, v8h);
+#endif
 }
 
 static inline void store8_bf16(bf16_t *p, v8f f) {

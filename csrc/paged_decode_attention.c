@@ -67,6 +67,47 @@ static inline __attribute__((always_inline)) float dot(const float *a, const voi
     return s;
 }
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+/* a . b over n bfloat16s (n a multiple of 8): pairs multiplied exactly and summed in float32 by
+   VDPBF16PS (16 products per instruction, no widening) */
+static inline float dot_bf16(const bf16_t *a, const bf16_t *b, int n) {
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    int c = 0;
+    for (; c + 32 <= n; c += 32) {
+        even = _mm256_dpbf16_ps(even, (__m256bh)_mm256_loadu_si256((const __m256i *)(a + c)),
+                                (__m256bh)_mm256_loadu_si256((const __m256i *)(b + c)));
+        odd = _mm256_dpbf16_ps(odd, (__m256bh)_mm256_loadu_si256((const __m256i *)(a + c + 16)),
+                               (__m256bh)_mm256_loadu_si256((const __m256i *)(b + c + 16)));
+    }
+    if (c + 16 <= n) {
+        even = _mm256_dpbf16_ps(even, (__m256bh)_mm256_loadu_si256((const __m256i *)(a + c)),
+                                (__m256bh)_mm256_loadu_si256((const __m256i *)(b + c)));
+        c += 16;
+    }
+    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(even), _mm256_extractf128_ps(even, 1));
+    sum = _mm_add_ps(sum, _mm_add_ps(_mm256_castps256_ps128(odd), _mm256_extractf128_ps(odd, 1)));
+    if (c < n)
+        sum = _mm_dpbf16_ps(sum, (__m128bh)_mm_loadu_si128((const __m128i *)(a + c)),
+                            (__m128bh)_mm_loadu_si128((const __m128i *)(b + c)));
+    float lanes[4];
+    _mm_storeu_ps(lanes, sum);
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+}
+#define WIDEN_QUERIES 0
+#else
+#define WIDEN_QUERIES 1
+#endif
+
+/* query head . key head: both bfloat16 where the CPU has avx512_bf16, else the query widened */
+static inline __attribute__((always_inline)) float score(const void *q, const void *k, int n, const int bf16) {
+#ifdef __AVX512BF16__
+    if (bf16) return dot_bf16((const bf16_t *)q, (const bf16_t *)k, n);
+#endif
+    return dot((const float *)q, k, n, bf16);
+}
+
 /* Prefetch one slot's keys and values (all kv heads: `bytes` each). */
 static inline void prefetch_slot(const char *k, int64_t v_bytes, int64_t bytes) {
     for (int64_t c = 0; c < bytes; c += 64) {
@@ -87,11 +128,14 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int64_t
     const int64_t n = j->context_lens[b];
     const int64_t *table = j->block_table + b * j->max_blocks;
     const int64_t elem = bf16 ? (int64_t)sizeof(bf16_t) : (int64_t)sizeof(float);
-    float *q = (float *)elem_at(j->q, b * (int64_t)HQ * D, bf16), *out = (float *)elem_at(j->out, b * (int64_t)HQ * D, bf16);
-    if (bf16) {  /* widen the queries once; sum the output in float32 */
+    const void *q = elem_at(j->q, b * (int64_t)HQ * D, bf16);
+    float *out = (float *)elem_at(j->out, b * (int64_t)HQ * D, bf16);
+    if (bf16) {  /* sum the output in float32; widen the queries once (without avx512_bf16) */
         float *wide = sc + HQ * n;
-        for (int c = 0; c < HQ * D; c += 8) store8(wide + c, load8_at(q, c, 1));
-        q = wide;
+        if (WIDEN_QUERIES) {
+            for (int c = 0; c < HQ * D; c += 8) store8(wide + c, load8_at(q, c, 1));
+            q = wide;
+        }
         out = wide + HQ * D;
     }
     for (int64_t t0 = 0, blk = 0; t0 < n; t0 += tpb, blk++) {
@@ -101,7 +145,8 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int64_t
         for (int64_t s = 0; s < end; s++, k = elem_at(k, row, bf16)) {
             if (next) prefetch_slot((const char *)next + s * row * elem, j->v_offset * elem, row * elem);
             for (int hq = 0; hq < HQ; hq++)
-                sc[hq * n + t0 + s] = rounded(rounded(dot(q + hq * D, elem_at(k, (hq / G) * D, bf16), D, bf16), bf16)
+                sc[hq * n + t0 + s] = rounded(rounded(score(elem_at(q, hq * D, bf16 && !WIDEN_QUERIES),
+                                                            elem_at(k, (hq / G) * D, bf16), D, bf16), bf16)
                                               * j->scale, bf16);
         }
     }
@@ -113,17 +158,36 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int64_t
         const float inv = 1.0f / sum;
         for (int64_t t = 0; t < n; t++) s[t] = rounded(s[t] * inv, bf16);
     }
-    memset(out, 0, sizeof(float) * (size_t)HQ * D);
-    for (int64_t t0 = 0, blk = 0; t0 < n; t0 += tpb, blk++) {
-        const void *v = elem_at(j->pool, table[blk] * j->block_stride + j->v_offset, bf16);
-        const int64_t end = n - t0 < tpb ? n - t0 : tpb;
-        for (int64_t s = 0; s < end; s++, v = elem_at(v, row, bf16)) {
-            for (int hq = 0; hq < HQ; hq++) {
-                const float p = sc[hq * n + t0 + s];
-                const void *vh = elem_at(v, (hq / G) * D, bf16);
-                float *o = out + hq * D;
-                for (int c = 0; c < D; c += 8) store8(o + c, load8(o + c) + p * load8_at(vh, c, bf16));
+    /* out[hq] = sum over t of p[hq, t] v[t, hq / G], in slices of 32 (then 8) floats whose sums
+       stay in registers over the whole context (the values of one kv head stay in cache) */
+    for (int hq = 0; hq < HQ; hq++) {
+        const float *p = sc + hq * n;
+        const int64_t head = (int64_t)(hq / G) * D + j->v_offset;
+        int c0 = 0;
+        for (; c0 + 32 <= D; c0 += 32) {
+            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t t0 = 0, blk = 0; t0 < n; t0 += tpb, blk++) {
+                const void *v = elem_at(j->pool, table[blk] * j->block_stride + head + c0, bf16);
+                const int64_t end = n - t0 < tpb ? n - t0 : tpb;
+                for (int64_t s = 0; s < end; s++, v = elem_at(v, row, bf16)) {
+                    const float w = p[t0 + s];
+                    a0 += w * load8_at(v, 0, bf16);
+                    a1 += w * load8_at(v, 8, bf16);
+                    a2 += w * load8_at(v, 16, bf16);
+                    a3 += w * load8_at(v, 24, bf16);
+                }
             }
+            float *o = out + hq * D + c0;
+            store8(o, a0), store8(o + 8, a1), store8(o + 16, a2), store8(o + 24, a3);
+        }
+        for (; c0 < D; c0 += 8) {
+            v8f a = {0};
+            for (int64_t t0 = 0, blk = 0; t0 < n; t0 += tpb, blk++) {
+                const void *v = elem_at(j->pool, table[blk] * j->block_stride + head + c0, bf16);
+                const int64_t end = n - t0 < tpb ? n - t0 : tpb;
+                for (int64_t s = 0; s < end; s++, v = elem_at(v, row, bf16)) a += p[t0 + s] * load8_at(v, 0, bf16);
+            }
+            store8(out + hq * D + c0, a);
         }
     }
     if (bf16) {

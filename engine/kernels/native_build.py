@@ -68,6 +68,15 @@ def capability_line() -> str:
             f"capability={torch.backends.cpu.get_cpu_capability()} onednn_bf16={'native' if native_bf16() else 'no'}")
 
 
+def capability_flags() -> list[str]:
+    """The vector flags the kernels are built with here: those of torch's capability, plus
+    -mavx512bf16 where an AVX-512 CPU has avx512_bf16 (the bfloat16 attention's VDPBF16PS)."""
+    flags = list(CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), []))
+    if "-mavx512f" in flags and "avx512_bf16" in cpu_flags():
+        flags.append("-mavx512bf16")
+    return flags
+
+
 def compiler() -> str | None:
     """The C compiler the kernels are built with: $CC, else cc or gcc on PATH (None: none)."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -79,7 +88,7 @@ def build(source: str, extra_flags: list[str]) -> str:
     package = resources.files("paraflex.csrc")
     files = {source: package.joinpath(source).read_bytes()}
     files.update({f.name: f.read_bytes() for f in package.iterdir() if f.name.endswith(".h")})
-    flags = [*BASE_FLAGS, *extra_flags, *CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    flags = [*BASE_FLAGS, *extra_flags, *capability_flags()]
     digest = hashlib.sha256(" ".join(flags).encode())
     for name in sorted(files):
         digest.update(name.encode() + b"\0" + files[name])

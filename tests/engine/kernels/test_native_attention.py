@@ -170,3 +170,15 @@ def test_softmax_of_extreme_scores_matches_torch(context):
     with mock.patch.object(native_attention, "usable", lambda *_: False):
         ref = paged_attention(q, k, v, kv_torch, 0, meta, 0.25)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("capability, flags, expected", [
+    ("AVX512", {"avx512f", "avx512_bf16"}, ["-mavx512f", "-mavx512vl", "-mfma", "-mavx512bf16"]),
+    ("AVX512", {"avx512f"}, ["-mavx512f", "-mavx512vl", "-mfma"]),
+    ("AVX2", {"avx2", "avx512_bf16"}, ["-mavx2", "-mfma"]),  # torch held to AVX2: no AVX-512 code at all
+    ("DEFAULT", set(), []),
+])
+def test_bf16_instructions_only_where_the_cpu_has_them(monkeypatch, capability, flags, expected):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(native_build, "cpu_flags", lambda: flags)
+    assert native_build.capability_flags() == expected
