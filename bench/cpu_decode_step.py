@@ -15,7 +15,9 @@ Place in the project: a benchmark (not a test) for the CPU engine's compiled/pac
    twice, the rotation of queries and keys, SiLU(gate) * up) vs their torch formulas, all 30 layers;
 4. the whole `Stage.forward` of a decode step with all fast paths vs with none ("step"), and vs
    the same layouts with the compiled attention and layer ops off ("step, ops off": what those
-   two kernels save in a step).
+   two kernels save in a step);
+5. a --prompt-token prefill of one request (its first token: TTFT's forward) with the compiled
+   layer ops vs without (same layouts; prompts' attention is torch's either way).
 
 bfloat16 (--dtype bfloat16): the same rows, the compiled attention and layer ops in their
 bfloat16 variants (float32 math, bfloat16 in and out). Prints, per batch size, the least wall time of --repeat
@@ -85,6 +87,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=192, help="tokens of context per request (default 192)")
+    ap.add_argument("--prompt", type=int, default=128, help="tokens of the prefill compared (default 128; 0: none)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -114,12 +117,13 @@ def main(argv=None) -> int:
             alone[layout] = Stage(arch, 0, arch.num_layers, weights)
     plain = alone["mm"]
     layers, ctx = arch.num_layers, args.context
-    tpb = 32768 // (2 * arch.num_kv_heads * arch.head_dim * 4)
+    tpb = 32768 // (2 * arch.num_kv_heads * arch.head_dim * dtype.itemsize)  # as the pool view holds them
     per = -(-ctx // tpb)
-    num_blocks = layers * max(args.batches) * per + 1
+    num_blocks = layers * max(max(args.batches) * per, -(-args.prompt // tpb)) + 1
     kv_cache = KVCache(num_blocks, 32768)
     kv = kv_cache.model_view(arch.num_kv_heads, arch.head_dim, dtype)
     torch.nn.init.normal_(kv)
+    assert kv.shape[2] == tpb
     print(f"model: SmolLM2-135M {args.dtype}, {layers} layers, context {ctx} per request, {tpb} tokens per block; "
           f"least {args.clock} time of {args.repeat} runs, contenders interleaved\n")
     print(f"{'batch':>5} {'what':<15} {'ours ms':>9} {'peer ms':>9} {'peer/ours':>10}")
@@ -174,11 +178,22 @@ def main(argv=None) -> int:
         rows.append(("step, ops off", *pair(lambda: step(fast), torch_ops(torch_attention(lambda: step(fast))))))
         for what, t_ours, t_peer in rows:
             print(f"{b:>5} {what:<15} {t_ours * 1e3:9.1f} {t_peer * 1e3:9.1f} {t_peer / t_ours:9.2f}x")
+    if args.prompt:
+        prompt_ids = torch.randint(0, arch.vocab_size, (args.prompt,))
+        prompt_tables = [[list(range(1 + layer * -(-args.prompt // tpb), 1 + (layer + 1) * -(-args.prompt // tpb)))]
+                         for layer in range(layers)]
+
+        def prefill():
+            with torch.inference_mode():
+                fast.forward(prompt_ids, AttentionMetadata.build([args.prompt], [args.prompt], prompt_tables, tpb), kv)
+
+        t_ours, t_peer = least_pair(prefill, torch_ops(prefill), args.repeat, CLOCKS[args.clock])
+        print(f"{1:>5} {f'prefill {args.prompt}':<15} {t_ours * 1e3:9.1f} {t_peer * 1e3:9.1f} {t_peer / t_ours:9.2f}x")
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     print("attention peer: the torch path (row index_select + grouped matmuls); projection peers: each layout alone "
           "(panels: the compiled kernel, onednn: oneDNN's packed kernel, mm: torch.mm over [in, out] weights); layer "
           "ops peer: their torch formulas; step peer: all of them off (the plain-torch engine); 'step, ops off' peer: "
-          "the chosen layouts with the compiled attention and layer ops off")
+          "the chosen layouts with the compiled attention and layer ops off; prefill peer: the layer ops off")
     return 0
 
 
