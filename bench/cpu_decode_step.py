@@ -13,16 +13,21 @@ Place in the project: a benchmark (not a test) for the CPU engine's compiled/pac
    as in a step);
 3. layer ops: the compiled elementwise ops (csrc/decoder_layer_ops.c: residual add + RMSNorm
    twice, the rotation of queries and keys, SiLU(gate) * up) vs their torch formulas, all 30 layers;
-4. the whole `Stage.forward` of a decode step with all fast paths vs with none.
+4. the whole `Stage.forward` of a decode step with all fast paths vs with none ("step"), and vs
+   the same layouts with the compiled attention and layer ops off ("step, ops off": what those
+   two kernels save in a step);
+5. a --prompt-token prefill of one request (its first token: TTFT's forward) with the compiled
+   layer ops vs without (same layouts; prompts' attention is torch's either way).
 
-bfloat16 (--dtype bfloat16): the compiled attention and layer ops are float32-only, so only the
-projections and the step are compared. Prints, per batch size, the least wall time of --repeat
+bfloat16 (--dtype bfloat16): the same rows, the compiled attention and layer ops in their
+bfloat16 variants (float32 math, bfloat16 in and out). Prints, per batch size, the least wall time of --repeat
 runs of each contender (interleaved), the ratio (peer / ours: > 1 means ours is faster), the
 layouts chosen, and the machine: its CPU flags, torch's vector capability, whether oneDNN has
-native bf16, and the load.
+native bf16, the OpenMP wait policy and the load. `paraflex serve` runs its engines with
+OMP_WAIT_POLICY=PASSIVE (engine/kernels/omp_policy.py): set it here to measure as it serves.
 
 Usage: python bench/cpu_decode_step.py [--batches 1 8 32] [--context 192] [--threads 2] [--repeat 5]
-                                       [--dtype float32|bfloat16]
+                                       [--dtype float32|bfloat16] [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -47,15 +52,18 @@ from paraflex.engine.worker.model import linear as linear_module
 from paraflex.engine.worker.weights import load_stage_weights
 
 
-def least_pair(ours, peer, repeat: int) -> tuple[float, float]:
-    """Least wall time of each, the two run alternately (so load changes hit both)."""
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def least_pair(ours, peer, repeat: int, clock=time.perf_counter) -> tuple[float, float]:
+    """Least time of each by `clock`, the two run alternately (so load changes hit both)."""
     ours(), peer()
     best = [float("inf"), float("inf")]
     for _ in range(repeat):
         for i, fn in enumerate((ours, peer)):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
+            best[i] = min(best[i], clock() - t0)
     return best[0], best[1]
 
 
@@ -79,17 +87,24 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=192, help="tokens of context per request (default 192)")
+    ap.add_argument("--prompt", type=int, default=128, help="tokens of the prefill compared (default 128; 0: none)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                    help="cpu: the process's CPU time, for --threads 1 on a machine others load (time the OS "
+                         "gives other processes is not counted; with more threads it sums them)")
     args = ap.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu needs --threads 1 (the CPU time of several threads is their sum)")
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     if any(lib.load() is None for lib in (native_attention.LIBRARY, native_ops.LIBRARY, linear_module.LIBRARY)):
         print("the compiled kernels cannot be built here (see the warning above); nothing to compare")
         return 1
     print(f"machine: {platform.machine()} {platform.processor() or ''} torch={torch.__version__} threads={args.threads} "
-          f"{capability_line()} loadavg={os.getloadavg()[0]:.1f}")
+          f"{capability_line()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')} "
+          f"loadavg={os.getloadavg()[0]:.1f}")
     path = smollm2_gguf_path()
     arch = arch_from_gguf(path, "smollm2-135m")
     weights = load_stage_weights(path, arch, 0, arch.num_layers, dtype, "cpu", "gguf")
@@ -102,15 +117,16 @@ def main(argv=None) -> int:
             alone[layout] = Stage(arch, 0, arch.num_layers, weights)
     plain = alone["mm"]
     layers, ctx = arch.num_layers, args.context
-    tpb = 32768 // (2 * arch.num_kv_heads * arch.head_dim * 4)
+    tpb = 32768 // (2 * arch.num_kv_heads * arch.head_dim * dtype.itemsize)  # as the pool view holds them
     per = -(-ctx // tpb)
-    num_blocks = layers * max(args.batches) * per + 1
+    num_blocks = layers * max(max(args.batches) * per, -(-args.prompt // tpb)) + 1
     kv_cache = KVCache(num_blocks, 32768)
     kv = kv_cache.model_view(arch.num_kv_heads, arch.head_dim, dtype)
     torch.nn.init.normal_(kv)
+    assert kv.shape[2] == tpb
     print(f"model: SmolLM2-135M {args.dtype}, {layers} layers, context {ctx} per request, {tpb} tokens per block; "
-          f"least of {args.repeat} runs, contenders interleaved\n")
-    print(f"{'batch':>5} {'what':<14} {'ours ms':>9} {'peer ms':>9} {'peer/ours':>10}")
+          f"least {args.clock} time of {args.repeat} runs, contenders interleaved\n")
+    print(f"{'batch':>5} {'what':<15} {'ours ms':>9} {'peer ms':>9} {'peer/ours':>10}")
     for b in args.batches:
         perm = torch.randperm(num_blocks - 1)[: layers * b * per] + 1  # scattered blocks, as in a used pool
         tables = perm.view(layers, b, per).tolist()
@@ -136,10 +152,10 @@ def main(argv=None) -> int:
             stage.lm_head(x)
 
         def glue():
-            stream, x = torch.randn(b, arch.hidden_size), torch.randn(b, arch.hidden_size)
-            qkv = torch.randn(b, (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim)
-            gate_up = torch.randn(b, 2 * arch.intermediate_size)
-            cos, sin = fast.rotary.cos_sin(torch.full((b,), ctx - 1), torch.float32)
+            stream, x = torch.randn(b, arch.hidden_size).to(dtype), torch.randn(b, arch.hidden_size).to(dtype)
+            qkv = torch.randn(b, (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim).to(dtype)
+            gate_up = torch.randn(b, 2 * arch.intermediate_size).to(dtype)
+            cos, sin = fast.rotary.cos_sin(torch.full((b,), ctx - 1), dtype)
             with torch.inference_mode():
                 for layer in fast.layers:
                     layer_ops.add_rms_norm(stream, x, layer.input_norm, layer.eps)
@@ -151,18 +167,33 @@ def main(argv=None) -> int:
             with torch.inference_mode():
                 stage.forward(ids, meta(), kv)
 
-        rows = [("attention", *least_pair(attention, torch_attention(attention), args.repeat))] if dtype == torch.float32 else []
-        rows += [(f"proj vs {layout}", *least_pair(lambda: projections(fast), lambda s=stage: projections(s), args.repeat))
+        def pair(ours, peer):
+            return least_pair(ours, peer, args.repeat, CLOCKS[args.clock])
+
+        rows = [("attention", *pair(attention, torch_attention(attention)))]
+        rows += [(f"proj vs {layout}", *pair(lambda: projections(fast), lambda s=stage: projections(s)))
                  for layout, stage in alone.items()]
-        if dtype == torch.float32:
-            rows.append(("layer ops", *least_pair(glue, torch_ops(glue), args.repeat)))
-        rows.append(("step", *least_pair(lambda: step(fast), torch_ops(torch_attention(lambda: step(plain))), args.repeat)))
+        rows.append(("layer ops", *pair(glue, torch_ops(glue))))
+        rows.append(("step", *pair(lambda: step(fast), torch_ops(torch_attention(lambda: step(plain))))))
+        rows.append(("step, ops off", *pair(lambda: step(fast), torch_ops(torch_attention(lambda: step(fast))))))
         for what, t_ours, t_peer in rows:
-            print(f"{b:>5} {what:<14} {t_ours * 1e3:9.1f} {t_peer * 1e3:9.1f} {t_peer / t_ours:9.2f}x")
+            print(f"{b:>5} {what:<15} {t_ours * 1e3:9.1f} {t_peer * 1e3:9.1f} {t_peer / t_ours:9.2f}x")
+    if args.prompt:
+        prompt_ids = torch.randint(0, arch.vocab_size, (args.prompt,))
+        prompt_tables = [[list(range(1 + layer * -(-args.prompt // tpb), 1 + (layer + 1) * -(-args.prompt // tpb)))]
+                         for layer in range(layers)]
+
+        def prefill():
+            with torch.inference_mode():
+                fast.forward(prompt_ids, AttentionMetadata.build([args.prompt], [args.prompt], prompt_tables, tpb), kv)
+
+        t_ours, t_peer = least_pair(prefill, torch_ops(prefill), args.repeat, CLOCKS[args.clock])
+        print(f"{1:>5} {f'prefill {args.prompt}':<15} {t_ours * 1e3:9.1f} {t_peer * 1e3:9.1f} {t_peer / t_ours:9.2f}x")
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     print("attention peer: the torch path (row index_select + grouped matmuls); projection peers: each layout alone "
           "(panels: the compiled kernel, onednn: oneDNN's packed kernel, mm: torch.mm over [in, out] weights); layer "
-          "ops peer: their torch formulas; step peer: all of them off (the plain-torch engine)")
+          "ops peer: their torch formulas; step peer: all of them off (the plain-torch engine); 'step, ops off' peer: "
+          "the chosen layouts with the compiled attention and layer ops off; prefill peer: the layer ops off")
     return 0
 
 

@@ -4,6 +4,6 @@ Place in the data flow: `paraflex.engine.kernels.native_build` reads the C files
 and compiles each once per machine: `thread_pool.c` (the worker threads every kernel shares),
 `linear_f32.c` (projections over packed weight panels), `paged_decode_attention.c` (decode
 attention over the paged KV pool) and `decoder_layer_ops.c` (RMSNorm, rotation, SiLU · up,
-greedy argmax), with the headers `vec_math.h` and `thread_pool.h`; `model/linear`,
+greedy argmax), with the headers `vec_math.h`, `bf16.h` (bfloat16 storage) and `thread_pool.h`; `model/linear`,
 `native_attention` and `native_ops` call them.
 """

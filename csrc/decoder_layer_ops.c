@@ -1,6 +1,6 @@
-/* The per-row work around the projections on CPU, float32: RMSNorm (with the residual add fused
- * in), the rotary embedding of queries and keys (in place), SiLU(gate) * up, and the greedy
- * pick (argmax) over a last stage's logits.
+/* The per-row work around the projections on CPU, float32 and bfloat16: RMSNorm (with the
+ * residual add fused in), the rotary embedding of queries and keys (in place), SiLU(gate) * up,
+ * and the greedy pick (argmax, float32) over a last stage's logits.
  *
  * Place in the data flow: engine/native_ops.py compiles this file once per machine (through
  * engine/native_build.py, with -ffp-contract=off so that no multiply-add is fused: the rotation
@@ -9,10 +9,14 @@
  * argmax: torch's goes parallel and stalls when the other core is busy). Rows are contiguous.
  * The torch path's arithmetic is kept: RMSNorm is w * (x * (1 / sqrt(mean(x^2) + eps))) (only the
  * order of the sum of squares differs), SiLU is g / (1 + e^-g) with the exponential of
- * vec_math.h.
+ * vec_math.h. The bfloat16 variants (`_bf16`) widen to float32, compute the same formulas and
+ * round to bfloat16 (bf16.h) at the points where the torch formulas of layer_ops.py do: the
+ * residual sum, x * inv before the weight, each product and the sum of the rotation, SiLU
+ * before the multiply by up, and every output.
  */
 #include <math.h>
 
+#include "bf16.h"
 #include "thread_pool.h"
 #include "vec_math.h"
 
@@ -152,6 +156,132 @@ static void silu_rows(const void *c, int64_t r0, int64_t r1) {
 void pf_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter, int num_threads) {
     const silu_t a = {gate_up, out, inter};
     over_rows(silu_rows, &a, rows, inter, num_threads);
+}
+
+/* ---- bfloat16 rows: float32 math inside, rounded where the torch formulas round ---- */
+
+/* o = bf16(w * bf16(x * (1 / sqrt(mean(x^2) + eps)))) for one row of n bfloat16s. */
+static void norm_row_bf16(const bf16_t *x, const bf16_t *w, bf16_t *o, int64_t n, float eps) {
+    v8f acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8f v = load8_bf16(x + i);
+        acc += v * v;
+    }
+    float s = 0;
+    for (int k = 0; k < 8; k++) s += acc[k];
+    for (int64_t j = i; j < n; j++) s += bf16_to_float(x[j]) * bf16_to_float(x[j]);
+    const float inv = 1.0f / sqrtf(s / (float)n + eps);
+    for (i = 0; i + 8 <= n; i += 8) store8_bf16(o + i, load8_bf16(w + i) * round8_bf16(load8_bf16(x + i) * inv));
+    for (; i < n; i++) o[i] = float_to_bf16(bf16_to_float(w[i]) * round_bf16(bf16_to_float(x[i]) * inv));
+}
+
+typedef struct {
+    bf16_t *stream;
+    const bf16_t *x, *w;
+    bf16_t *out;
+    int64_t n;
+    float eps;
+} norm_bf16_t;
+
+static void norm_rows_bf16(const void *c, int64_t r0, int64_t r1) {
+    const norm_bf16_t *a = (const norm_bf16_t *)c;
+    for (int64_t r = r0; r < r1; r++) norm_row_bf16(a->x + r * a->n, a->w, a->out + r * a->n, a->n, a->eps);
+}
+
+static void add_norm_rows_bf16(const void *c, int64_t r0, int64_t r1) {
+    const norm_bf16_t *a = (const norm_bf16_t *)c;
+    for (int64_t r = r0; r < r1; r++) {
+        bf16_t *sr = a->stream + r * a->n, *o = a->out + r * a->n;
+        const bf16_t *xr = a->x + r * a->n;
+        int64_t i = 0;
+        for (; i + 8 <= a->n; i += 8) store8_bf16(sr + i, load8_bf16(sr + i) + load8_bf16(xr + i));
+        for (; i < a->n; i++) sr[i] = float_to_bf16(bf16_to_float(sr[i]) + bf16_to_float(xr[i]));
+        norm_row_bf16(sr, a->w, o, a->n, a->eps);
+    }
+}
+
+/* pf_rms_norm for bfloat16 rows and weight. */
+void pf_rms_norm_bf16(const bf16_t *x, const bf16_t *w, bf16_t *out, int64_t rows, int64_t n, float eps,
+                      int num_threads) {
+    const norm_bf16_t a = {NULL, x, w, out, n, eps};
+    over_rows(norm_rows_bf16, &a, rows, n, num_threads);
+}
+
+/* pf_add_rms_norm for bfloat16 rows and weight (the sum rounded to bfloat16 in the stream). */
+void pf_add_rms_norm_bf16(bf16_t *stream, const bf16_t *x, const bf16_t *w, bf16_t *out, int64_t rows, int64_t n,
+                          float eps, int num_threads) {
+    const norm_bf16_t a = {stream, x, w, out, n, eps};
+    over_rows(add_norm_rows_bf16, &a, rows, n, num_threads);
+}
+
+typedef struct {
+    bf16_t *x;
+    int64_t row_stride;
+    int heads, head_dim;
+    const bf16_t *cos, *ssin;
+} rotary_bf16_t;
+
+/* lo * c + hi * s with each product and the sum rounded to bfloat16 (torch's x * cos + roll(x) * sin) */
+static inline v8f rotate8(v8f lo, v8f hi, v8f c, v8f s) { return round8_bf16(lo * c) + round8_bf16(hi * s); }
+
+static void rotary_rows_bf16(const void *c, int64_t t0, int64_t t1) {
+    const rotary_bf16_t *a = (const rotary_bf16_t *)c;
+    const int half = a->head_dim / 2;
+    for (int64_t t = t0; t < t1; t++) {
+        const bf16_t *cs = a->cos + t * a->head_dim, *sn = a->ssin + t * a->head_dim;
+        for (int h = 0; h < a->heads; h++) {
+            bf16_t *p = a->x + t * a->row_stride + (int64_t)h * a->head_dim;
+            int i = 0;
+            for (; i + 8 <= half; i += 8) {
+                const v8f lo = load8_bf16(p + i), hi = load8_bf16(p + i + half);
+                store8_bf16(p + i, rotate8(lo, hi, load8_bf16(cs + i), load8_bf16(sn + i)));
+                store8_bf16(p + i + half, rotate8(hi, lo, load8_bf16(cs + i + half), load8_bf16(sn + i + half)));
+            }
+            for (; i < half; i++) {
+                const float lo = bf16_to_float(p[i]), hi = bf16_to_float(p[i + half]);
+                p[i] = float_to_bf16(round_bf16(lo * bf16_to_float(cs[i])) + round_bf16(hi * bf16_to_float(sn[i])));
+                p[i + half] = float_to_bf16(round_bf16(hi * bf16_to_float(cs[i + half]))
+                                            + round_bf16(lo * bf16_to_float(sn[i + half])));
+            }
+        }
+    }
+}
+
+/* pf_rotary for bfloat16 rows and bfloat16 cos/ssin. */
+void pf_rotary_bf16(bf16_t *x, int64_t tokens, int64_t row_stride, int heads, int head_dim, const bf16_t *cos,
+                    const bf16_t *ssin, int num_threads) {
+    const rotary_bf16_t a = {x, row_stride, heads, head_dim, cos, ssin};
+    over_rows(rotary_rows_bf16, &a, tokens, (int64_t)heads * head_dim, num_threads);
+}
+
+#define SILU_CHUNK 64
+
+typedef struct {
+    const bf16_t *gate_up;
+    bf16_t *out;
+    int64_t inter;
+} silu_bf16_t;
+
+static void silu_rows_bf16(const void *c, int64_t r0, int64_t r1) {
+    const silu_bf16_t *a = (const silu_bf16_t *)c;
+    for (int64_t r = r0; r < r1; r++) {
+        const bf16_t *gate = a->gate_up + r * 2 * a->inter, *up = gate + a->inter;
+        bf16_t *o = a->out + r * a->inter;
+        for (int64_t i0 = 0; i0 < a->inter; i0 += SILU_CHUNK) {  /* widened chunks: float loops that vectorise */
+            const int m = a->inter - i0 < SILU_CHUNK ? (int)(a->inter - i0) : SILU_CHUNK;
+            float g[SILU_CHUNK];
+            for (int k = 0; k < m; k++) g[k] = bf16_to_float(gate[i0 + k]);
+            for (int k = 0; k < m; k++) g[k] = round_bf16(g[k] / (1.0f + exp_clamped(-g[k]))) * bf16_to_float(up[i0 + k]);
+            narrow_row(g, o + i0, m);
+        }
+    }
+}
+
+/* pf_silu_mul for bfloat16 rows: bf16(bf16(silu(g)) * up). */
+void pf_silu_mul_bf16(const bf16_t *gate_up, bf16_t *out, int64_t rows, int64_t inter, int num_threads) {
+    const silu_bf16_t a = {gate_up, out, inter};
+    over_rows(silu_rows_bf16, &a, rows, inter, num_threads);
 }
 
 /* out[r] = index of the first largest value of row r (of n floats), or of its first NaN (as

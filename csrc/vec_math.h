@@ -2,8 +2,8 @@
  * AVX register where the machine has AVX; the compiler splits them elsewhere), unaligned loads
  * and stores, and an exponential without libm that vectorises.
  *
- * Place in the data flow: included by linear_f32.c, paged_decode_attention.c and
- * decoder_layer_ops.c, which engine/native_build.py compiles (headers copied beside the source; their text is part of the
+ * Place in the data flow: included by linear_f32.c, paged_decode_attention.c,
+ * decoder_layer_ops.c and bf16.h, which engine/native_build.py compiles (headers copied beside the source; their text is part of the
  * build's cache key).
  */
 #ifndef PARAFLEX_VEC_MATH_H

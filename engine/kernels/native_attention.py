@@ -1,7 +1,7 @@
 """The compiled CPU decode-attention kernel (csrc/paged_decode_attention.c): load, call.
 
 Place in the data flow: `paged_attention` (engine/worker/attention.py) calls `decode_attention` for a
-float32 decode batch on CPU; the kernel stores the new keys/values in the pool and attends over
+float32 or bfloat16 decode batch on CPU; the kernel stores the new keys/values in the pool and attends over
 each request's context where its blocks lie, instead of copying the whole context of the batch
 into one tensor per layer (the torch path's cost on CPU). Built and loaded by
 engine/kernels/native_build.py on first use (ctypes releases the GIL during the call);
@@ -20,12 +20,13 @@ from paraflex.engine.kernels.native_build import THREAD_POOL, NativeLibrary
 def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.pf_paged_decode_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, i32, ptr, i64, ptr, i64, ctypes.c_float, ptr, i32]
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, i32, ptr, i64, ptr, i64, ctypes.c_float, ptr, i32, i32]
     fn.restype = ctypes.c_int
 
 
 LIBRARY = NativeLibrary("paged_decode_attention.c", "PARAFLEX_NATIVE_ATTENTION", "compiled CPU attention",
-                        _declare, extra_flags=("-ffp-contract=fast",), depends=(THREAD_POOL,))
+                        _declare, extra_flags=("-ffp-contract=fast",), depends=(THREAD_POOL,),
+                        dtypes=(torch.float32, torch.bfloat16))
 
 
 def load() -> ctypes.CDLL | None:
@@ -34,9 +35,9 @@ def load() -> ctypes.CDLL | None:
 
 
 def usable(q: torch.Tensor, kv: torch.Tensor) -> bool:
-    """Whether this decode batch can take the kernel: float32 on CPU, head_dim a multiple of the
-    kernel's vector width (8), kernel loaded."""
-    return kv.dtype == torch.float32 and q.shape[-1] % 8 == 0 and LIBRARY.serves(q.device, q.dtype)
+    """Whether this decode batch can take the kernel: queries and pool both float32 or both
+    bfloat16 on CPU, head_dim a multiple of the kernel's vector width (8), kernel loaded."""
+    return kv.dtype == q.dtype and q.shape[-1] % 8 == 0 and LIBRARY.serves(q.device, q.dtype)
 
 
 def decode_attention(q, k, v, kv, block_table, context_lens, scale: float) -> torch.Tensor:
@@ -50,7 +51,7 @@ def decode_attention(q, k, v, kv, block_table, context_lens, scale: float) -> to
     rc = LIBRARY.lib.pf_paged_decode_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1), tpb,
         kv_heads, num_heads // kv_heads, head_dim, block_table.data_ptr(), block_table.shape[1],
-        context_lens.data_ptr(), b, scale, out.data_ptr(),
+        context_lens.data_ptr(), b, scale, out.data_ptr(), int(q.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
     if rc != 0:

@@ -60,6 +60,15 @@ def capability_line() -> str:
             f"capability={torch.backends.cpu.get_cpu_capability()} onednn_bf16={'native' if native_bf16() else 'no'}")
 
 
+def capability_flags() -> list[str]:
+    """The vector flags the kernels are built with here: those of torch's capability, plus
+    -mavx512bf16 where an AVX-512 CPU has avx512_bf16 (the bfloat16 attention's VDPBF16PS)."""
+    flags = list(CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), []))
+    if "-mavx512f" in flags and "avx512_bf16" in cpu_flags():
+        flags.append("-mavx512bf16")
+    return flags
+
+
 def compiler() -> str | None:
     """The C compiler the kernels are built with: $CC, else cc or gcc on PATH (None: none)."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -71,7 +80,7 @@ def build(source: str, extra_flags: list[str]) -> str:
     package = resources.files("paraflex.csrc")
     files = {source: package.joinpath(source).read_bytes()}
     files.update({f.name: f.read_bytes() for f in package.iterdir() if f.name.endswith(".h")})
-    flags = [*BASE_FLAGS, *extra_flags, *CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    flags = [*BASE_FLAGS, *extra_flags, *capability_flags()]
     digest = hashlib.sha256(" ".join(flags).encode())
     for name in sorted(files):
         digest.update(name.encode() + b"\0" + files[name])
@@ -104,12 +113,14 @@ class NativeLibrary:
     (the kernels call the thread pool's `pf_pool_run`); `global_symbols`: load this one so.
     `hold_gil`: load with ctypes.PyDLL (the GIL stays held during calls: right for calls of
     microseconds, where releasing and taking it back costs more and can hand the interpreter to
-    another thread); else ctypes.CDLL (released: long kernels)."""
+    another thread); else ctypes.CDLL (released: long kernels). `dtypes`: the tensor dtypes its
+    kernels take."""
 
     def __init__(self, source: str, switch: str, what: str, declare: Callable[[ctypes.CDLL], None], *,
                  extra_flags: tuple[str, ...] = (), depends: tuple["NativeLibrary", ...] = (),
-                 global_symbols: bool = False, hold_gil: bool = False) -> None:
-        self.source, self.switch, self.what = source, switch, what
+                 global_symbols: bool = False, hold_gil: bool = False,
+                 dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+        self.source, self.switch, self.what, self.dtypes = source, switch, what, dtypes
         self.declare, self.extra_flags, self.hold_gil = declare, list(extra_flags), hold_gil
         self.depends, self.global_symbols = depends, global_symbols
         self.lib: ctypes.CDLL | None = None
@@ -138,9 +149,9 @@ class NativeLibrary:
         return lib
 
     def serves(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether this library runs tensors of `device` and `dtype`: every kernel here is for
-        float32 on CPU, and only once the library has loaded."""
-        return device.type == "cpu" and dtype == torch.float32 and self.load() is not None
+        """Whether this library runs tensors of `device` and `dtype`: CPU tensors of one of its
+        `dtypes`, and only once the library has loaded."""
+        return device.type == "cpu" and dtype in self.dtypes and self.load() is not None
 
     def forget(self) -> None:
         """Load again on the next call (tests of the build rules)."""

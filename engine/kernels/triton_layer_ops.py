@@ -1,7 +1,7 @@
 """Triton kernels for the elementwise ops of a decoder layer on a GPU in half precision.
 
 Place in the data flow: `engine/worker/model/layer_ops.py` calls these for CUDA float16/bfloat16
-tensors (the serving dtypes on a GPU); CPU float32 takes the compiled C ops
+tensors (the serving dtypes on a GPU); CPU float32 and bfloat16 take the compiled C ops
 (engine/kernels/native_ops.py), everything else the torch formulas. Each op here is one kernel
 launch where the torch formulas launch 2-9 (RMSNorm alone: cast, square, mean, add, rsqrt,
 multiply, cast, multiply): ~20 fewer launches per layer, which is what a batch-1 decode step

@@ -12,7 +12,7 @@ Pool layout seen here (one model's view, see `paraflex.engine.worker.kv_cache`):
 unused slack bytes. Batched prefill (any number of new tokens per request, including chunks
 after cached context) and decode (one new token per request) are the same code path.
 
-CPU float32 decode batches (one new token per request) go to the compiled kernel of
+CPU float32 and bfloat16 decode batches (one new token per request) go to the compiled kernel of
 `paraflex.engine.kernels.native_attention`, which writes the new keys/values and attends over each
 request's blocks where they lie (no copy of the context); batches on CUDA tensors go to the
 Triton kernels of `paraflex.engine.kernels.triton_paged_attention` (same idea, decode and

@@ -21,17 +21,18 @@ def test_the_kernel_builds_on_a_machine_with_a_compiler():
     assert native_attention.load() is not None  # a failed build would only warn: fail here instead
 
 
-def _decode_case(g, contexts, kv_heads, group, head_dim, tpb, num_layers=2):
+def _decode_case(g, contexts, kv_heads, group, head_dim, tpb, num_layers=2, dtype=torch.float32):
     num_blocks = num_layers * sum(-(-n // tpb) for n in contexts) + 8  # the tables use all but 8 blocks
-    cache = KVCache(num_blocks=num_blocks, block_bytes=tpb * 2 * kv_heads * head_dim * 4 + 20)
-    kv = cache.model_view(kv_heads, head_dim, torch.float32)
+    cache = KVCache(num_blocks=num_blocks, block_bytes=tpb * 2 * kv_heads * head_dim * dtype.itemsize + 20)
+    kv = cache.model_view(kv_heads, head_dim, dtype)
+    assert kv.shape[2] == tpb
     kv.copy_(torch.randn(kv.shape, generator=g))  # old contents everywhere, as in a used pool
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables = [[[free.pop() for _ in range(-(-n // tpb))] for n in contexts] for _ in range(num_layers)]
     meta = AttentionMetadata.build([1] * len(contexts), contexts, tables, tpb)
     b = len(contexts)
-    q = torch.randn(b, kv_heads * group, head_dim, generator=g)
-    k, v = torch.randn(b, kv_heads, head_dim, generator=g), torch.randn(b, kv_heads, head_dim, generator=g)
+    q = torch.randn(b, kv_heads * group, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(b, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
     return kv, meta, q, k, v
 
 
@@ -74,6 +75,41 @@ def test_decode_batches_take_the_kernel_and_prompts_do_not(monkeypatch):
     assert calls == [1]
     assert not native_attention.usable(q.double(), kv)
     assert not native_attention.usable(torch.randn(2, 4, 12), kv)  # head_dim not a multiple of 8
+
+
+@given(
+    contexts=st.lists(st.integers(1, 200), min_size=1, max_size=5),
+    kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([8, 24, 64]),
+    tpb=st.sampled_from([1, 7, 21]),
+    seed=st.integers(0, 10_000),
+)
+@settings(max_examples=60, deadline=None)
+def test_bf16_kernel_rounds_like_the_torch_path(contexts, kv_heads, group, head_dim, tpb, seed):
+    """bfloat16 pool and queries: the kernel rounds each score, scaled score, probability and
+    output to bfloat16 as the torch path's bfloat16 tensors do; only its float32 sums run in
+    another order, so results differ at most by a bfloat16 step of a score (~0.4% of a weight)
+    and are mostly bit-identical."""
+    g = torch.Generator().manual_seed(seed)
+    kv, meta, q, k, v = _decode_case(g, contexts, kv_heads, group, head_dim, tpb, dtype=torch.bfloat16)
+    assert native_attention.usable(q, kv)
+    kv_torch = kv.clone()
+    out = paged_attention(q, k, v, kv, 1, meta, head_dim ** -0.5)
+    with mock.patch.object(native_attention, "usable", lambda *_: False):
+        ref = paged_attention(q, k, v, kv_torch, 1, meta, head_dim ** -0.5)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(kv, kv_torch)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -7)
+    assert (out == ref).float().mean().item() >= 0.9
+
+
+def test_mixed_dtypes_take_the_torch_path():
+    g = torch.Generator().manual_seed(1)
+    kv, _, q, _, _ = _decode_case(g, [5], 1, 2, 8, 4, dtype=torch.bfloat16)
+    assert native_attention.usable(q, kv)
+    assert not native_attention.usable(q.float(), kv)
+    assert not native_attention.usable(q, kv.float())
 
 
 @pytest.fixture
@@ -134,3 +170,15 @@ def test_softmax_of_extreme_scores_matches_torch(context):
     with mock.patch.object(native_attention, "usable", lambda *_: False):
         ref = paged_attention(q, k, v, kv_torch, 0, meta, 0.25)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("capability, flags, expected", [
+    ("AVX512", {"avx512f", "avx512_bf16"}, ["-mavx512f", "-mavx512vl", "-mfma", "-mavx512bf16"]),
+    ("AVX512", {"avx512f"}, ["-mavx512f", "-mavx512vl", "-mfma"]),
+    ("AVX2", {"avx2", "avx512_bf16"}, ["-mavx2", "-mfma"]),  # torch held to AVX2: no AVX-512 code at all
+    ("DEFAULT", set(), []),
+])
+def test_bf16_instructions_only_where_the_cpu_has_them(monkeypatch, capability, flags, expected):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(native_build, "cpu_flags", lambda: flags)
+    assert native_build.capability_flags() == expected

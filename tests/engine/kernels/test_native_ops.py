@@ -1,5 +1,5 @@
-"""The compiled elementwise ops of a CPU float32 layer against their torch formulas, and a whole
-stage with them against the same stage without them."""
+"""The compiled elementwise ops of a CPU float32 or bfloat16 layer against their torch formulas,
+and a whole stage with them against the same stage without them."""
 
 from unittest import mock
 
@@ -79,9 +79,81 @@ def test_silu_mul_matches_torch_including_large_gates(rows, inter, seed):
     torch.testing.assert_close(out, ref, rtol=3e-6, atol=1e-6)
 
 
-def test_bf16_and_strided_inputs_take_the_torch_path():
+def bf16_steps_apart(a: torch.Tensor, b: torch.Tensor, tiny: float = 1e-30) -> int:
+    """The most bfloat16 steps between a and b, element by element (their bits as integers), over
+    the pairs not both below `tiny` in size (SiLU of a gate below -88: the compiled exponential is
+    clamped there, giving ~1e-35 where torch gives 0)."""
+    assert a.dtype == b.dtype == torch.bfloat16
+    counted = (a.float().abs() >= tiny) | (b.float().abs() >= tiny)
+    apart = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()[counted]
+    return int(apart.max()) if apart.numel() else 0
+
+
+@given(rows=st.integers(1, 9), width=st.integers(1, 70), scale=st.sampled_from([1e-3, 1.0, 300.0]),
+       seed=st.integers(0, 10_000))
+@settings(max_examples=60, deadline=None)
+def test_bf16_add_rms_norm_gives_the_torch_sum_and_a_norm_within_one_step(rows, width, scale, seed):
+    bf16 = torch.bfloat16
+    stream, x = _rows(seed, rows, width, scale).to(bf16), _rows(seed + 1, rows, width, scale).to(bf16)
+    weight = _rows(seed + 2, 1, width)[0].to(bf16)
+    stream_ref = stream.clone()
+    out = layer_ops.add_rms_norm(stream, x, weight, 1e-5)
+    assert native_ops.applies(stream)
+    with torch_path():
+        ref = layer_ops.add_rms_norm(stream_ref, x, weight, 1e-5)
+        norm_ref = layer_ops.rms_norm(x, weight, 1e-6)
+    assert torch.equal(stream, stream_ref)  # the same rounded additions
+    assert bf16_steps_apart(out, ref) <= 1  # the float32 inv may differ in its last bit, tipping a rounding
+    assert bf16_steps_apart(_norm_native(x, weight, 1e-6), norm_ref) <= 1
+
+
+@given(tokens=st.integers(1, 6), heads=st.integers(1, 5), extra=st.integers(0, 3),
+       head_dim=st.sampled_from([2, 8, 16, 24, 64]), seed=st.integers(0, 10_000))
+@settings(max_examples=40, deadline=None)
+def test_bf16_rotation_gives_the_torch_bits(tokens, heads, extra, head_dim, seed):
+    qkv = _rows(seed, tokens, (heads + extra) * head_dim, 10.0).to(torch.bfloat16)
+    positions = torch.randint(0, 5000, (tokens,), generator=torch.Generator().manual_seed(seed))
+    cos, sin = Rotary(head_dim, 10000.0, None, "cpu").cos_sin(positions, torch.bfloat16)
+    before = qkv.clone()
+    rotated = layer_ops.rotate_queries_keys(qkv, heads, head_dim, cos, sin)
+    assert rotated.data_ptr() == qkv.data_ptr()  # the compiled path: rotated in place
+    with torch_path():
+        ref = layer_ops.rotate_queries_keys(before, heads, head_dim, cos, sin)
+    assert torch.equal(rotated, ref)
+    assert torch.equal(qkv[:, heads * head_dim:], before[:, heads * head_dim:])
+
+
+@given(rows=st.integers(1, 5), inter=st.integers(1, 40), seed=st.integers(0, 10_000))
+@settings(max_examples=40, deadline=None)
+def test_bf16_silu_mul_within_one_step_of_torch(rows, inter, seed):
+    gate_up = _rows(seed, rows, 2 * inter, 30.0).to(torch.bfloat16)
+    out = layer_ops.silu_mul(gate_up)
+    with torch_path():
+        ref = layer_ops.silu_mul(gate_up)
+    assert bf16_steps_apart(out, ref) <= 1  # the exponentials differ in float32's last bits (and the clamp)
+
+
+def test_bf16_ops_are_mostly_bit_identical_at_smollm2_widths():
+    """Over 32 rows of SmolLM2's widths the one-step differences are rare: at most 1 value in 1000."""
+    g = torch.Generator().manual_seed(7)
+    bf16 = torch.bfloat16
+    stream, x = torch.randn(32, 576, generator=g).to(bf16), torch.randn(32, 576, generator=g).to(bf16)
+    weight, gate_up = torch.randn(576, generator=g).to(bf16), (torch.randn(32, 3072, generator=g) * 4).to(bf16)
+    outs = (layer_ops.add_rms_norm(stream.clone(), x, weight, 1e-5), layer_ops.silu_mul(gate_up))
+    with torch_path():
+        refs = (layer_ops.add_rms_norm(stream.clone(), x, weight, 1e-5), layer_ops.silu_mul(gate_up))
+    for out, ref in zip(outs, refs):
+        assert bf16_steps_apart(out, ref) <= 1
+        assert (out != ref).sum().item() <= out.numel() // 1000
+
+
+def test_mixed_dtypes_and_strided_inputs_take_the_torch_path():
     x = torch.randn(3, 16, dtype=torch.bfloat16)
-    assert not native_ops.applies(x)
+    weight32 = torch.randn(16)
+    calls = []
+    with mock.patch.object(native_ops, "rms_norm", lambda *a: calls.append(1)):
+        ref = layer_ops.rms_norm(x, weight32, 1e-5)  # a float32 weight on bfloat16 rows: the torch formula
+    assert calls == [] and ref.dtype == torch.float32
     wide = torch.randn(3, 32)
     strided = wide[:, ::2]
     weight = torch.randn(16)
