@@ -41,7 +41,8 @@ AGGREGATED = ("throughput_rps", "e2e_median_s", "e2e_p99_s", "ttft_median_s", "t
 
 ABLATIONS = {"no-sharding": "no_sharding", "random-placement": "random_placement", "prefill-first": "prefill_first",
              "pipeline-first": "pipeline_first",
-             "unbounded-decode-batches": "unbounded_decode_batches", "paper-replication": "paper_replication"}
+             "unbounded-decode-batches": "unbounded_decode_batches", "paper-replication": "paper_replication",
+             "one-prompt-prefills": "one_prompt_prefills"}
 
 
 def parse_system(spec: str, base: SimSettings) -> SimSettings:

@@ -59,6 +59,9 @@ def add_arguments(p) -> None:
     a.add_argument("--paper-replication", action="store_true",
                    help="paraflex: the paper's Alg. 1 stop, no replicas for the other models once the chosen one is full "
                         "(planner.fill_engines: false)")
+    a.add_argument("--one-prompt-prefills", action="store_true",
+                   help="paraflex: the paper's one prompt per prefill batch instead of packing waiting prompts "
+                        "(scheduler.pack_prompts: false)")
     a.add_argument("--prefill-engines", type=int, help="aegaeon: engines in the prefill pool (default: the paper's 6:10 split)")
     g = p.add_argument_group("GPUs-needed search (Prism Table 1)")
     g.add_argument("--find-min-engines", type=float, metavar="TARGET",
@@ -198,6 +201,7 @@ def _settings(args, rate: float, seed: int):
                        random_placement=args.random_placement, prefill_first=args.prefill_first,
                        pipeline_first=args.pipeline_first,
                        unbounded_decode_batches=args.unbounded_decode_batches, paper_replication=args.paper_replication,
+                       one_prompt_prefills=args.one_prompt_prefills,
                        host_link_gbps=args.host_link_gbps, check_invariants=args.check_invariants,
                        prefill_engines=args.prefill_engines,
                        fast_forward=not args.no_fast_forward, replan_interval=args.replan_interval,

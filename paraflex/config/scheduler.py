@@ -23,9 +23,12 @@ class SchedulerConfig:
     max_batch_size: int = 32
     block_bytes: int = 32768
     policy: str = "full-batch-first"
-    # None: one request per prefill batch (the paper's setting); a number: pack prompts (and
-    # size Sarathi chunks) up to this many tokens per prefill batch.
+    # None: the engine's default budget (4096 tokens); a number: pack prompts (and size Sarathi
+    # chunks) up to this many tokens per prefill batch.
     prefill_token_budget: int | None = None
+    # pack waiting prompts (up to max_batch_size, under the budget) into one prefill batch; false
+    # with no budget is the paper's one prompt per prefill batch (§8.1). docs/engine-core.md
+    pack_prompts: bool = True
     # decode batches of a multi-stage model in flight at once: "stages" (S; the default), "Nx"
     # (N x S), a number, or "unbounded" (the paper's rule). engine/core/policies/inflight_bound.py
     decode_batches_in_flight: str | int = "stages"
@@ -38,17 +41,19 @@ class SchedulerConfig:
         """EngineScheduler keyword arguments (minus the policy's engine id), the same for a
         served engine (engine_builder) and a simulated one (simulator/core/cluster.py).
 
-        A `prefill_token_budget` packs waiting prompts (up to `max_batch_size` of them) into
-        one prefill batch under that many tokens, as the config promises. Without one, a GPU
-        engine keeps the paper's one prompt per prefill batch, while a CPU engine packs under
-        the scheduler's default budget: a CPU matmul over all prompts' rows at once runs ~1.4x
-        more FLOP/s than one prompt at a time (M=4096 vs M=128 rows for SmolLM2's shapes), and
-        the engine's one forward pass per batch is the unit of work on a CPU."""
+        Waiting prompts (up to `max_batch_size` of them) are packed into one prefill batch under
+        the token budget (`prefill_token_budget`, else the scheduler's default): on a GPU a
+        prompt's prefill costs less per token in a larger batch, and with one prompt per batch
+        full-batch-first drained a skewed load's backlog late (issue 26, docs/engine-core.md,
+        "Round 3"); a CPU matmul over all prompts' rows at once runs ~1.4x more FLOP/s than one
+        prompt at a time (M=4096 vs M=128 rows for SmolLM2's shapes). `pack_prompts: false`
+        without a budget keeps the paper's one prompt per prefill batch on a GPU (§8.1); a CPU
+        engine packs whatever, its one forward pass per batch being the unit of work."""
         opts: dict = {"max_batch_size": self.max_batch_size, "policy": self.policy,
                       "decode_batches_in_flight": self.decode_batches_in_flight}
         if self.prefill_token_budget is not None:
             opts["prefill_token_budget"] = self.prefill_token_budget
-        if self.prefill_token_budget is not None or on_cpu:
+        if self.pack_prompts or self.prefill_token_budget is not None or on_cpu:
             opts["prefill_max_requests"] = self.max_batch_size
         return opts
 
@@ -63,6 +68,7 @@ def parse_scheduler(raw) -> SchedulerConfig:
         block_bytes=block,
         policy=s.str("policy", "full-batch-first", choices=POLICIES),
         prefill_token_budget=s.int("prefill_token_budget", None, minimum=1),
+        pack_prompts=s.bool("pack_prompts", True),
         decode_batches_in_flight=_inflight(s),
         dispatch=s.str("dispatch", "home-first", choices=DISPATCH_RULES),
         home_margin=s.int("home_margin", 4, minimum=0),

@@ -64,6 +64,8 @@ class Cluster:
             options["prefill_token_budget"] = layout.prefill_token_budget
         if layout.decode_batches_in_flight is not None:
             options["decode_batches_in_flight"] = layout.decode_batches_in_flight
+        if layout.prefill_max_requests is not None:
+            options["prefill_max_requests"] = layout.prefill_max_requests
         self.engines: list[SimEngine] = []
         for ep in placement.engines:
             # One pool per GPU of the TP group, all in lock-step: each GPU holds 1/tp of every

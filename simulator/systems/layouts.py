@@ -24,8 +24,9 @@ with the pipeline-first policy: a multi-stage model's decode batches ahead, an o
 model-size dispersion, docs/engine-core.md "Still open"). Departures from the
 paper kept as ablations of `paraflex` (docs/engine-core.md, docs/plan.md):
 `unbounded_decode_batches` (no in-flight bound on a pipeline's decode batches:
-`scheduler.decode_batches_in_flight: unbounded`) and `paper_replication` (Alg. 1 stops when the
-chosen model is full: `planner.fill_engines: false`).
+`scheduler.decode_batches_in_flight: unbounded`), `paper_replication` (Alg. 1 stops when the
+chosen model is full: `planner.fill_engines: false`) and `one_prompt_prefills` (one prompt per
+prefill batch, §8.1: `scheduler.pack_prompts: false`).
 """
 
 from __future__ import annotations
@@ -105,9 +106,9 @@ def vllm_tp(config, settings) -> SystemLayout:
 def build_system(config, settings) -> SystemLayout:
     builder = SYSTEMS.get(settings.system, "--system")
     if (settings.no_sharding or settings.random_placement or settings.paper_replication
-            or settings.pipeline_first) and settings.system != "paraflex":
-        raise UserError("--no-sharding, --random-placement, --paper-replication and --pipeline-first are ablations of "
-                        "--system paraflex; drop them or use paraflex")
+            or settings.pipeline_first or settings.one_prompt_prefills) and settings.system != "paraflex":
+        raise UserError("--no-sharding, --random-placement, --paper-replication, --pipeline-first and "
+                        "--one-prompt-prefills are ablations of --system paraflex; drop them or use paraflex")
     if settings.prefill_first and settings.pipeline_first:
         raise UserError("--prefill-first and --pipeline-first each replace the policy; pass one of them")
     if settings.no_sharding and settings.random_placement:
@@ -119,4 +120,6 @@ def build_system(config, settings) -> SystemLayout:
         layout.policy = "pipeline-first"
     if settings.unbounded_decode_batches:
         layout.decode_batches_in_flight = "unbounded"
+    if settings.one_prompt_prefills:
+        layout.prefill_max_requests = 1
     return layout

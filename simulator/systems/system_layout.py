@@ -25,6 +25,7 @@ class SystemLayout:
     memory_bytes: int  # per engine: weights + KV
     prefill_token_budget: int | None = None  # overrides scheduler.prefill_token_budget
     decode_batches_in_flight: str | int | None = None  # overrides scheduler.decode_batches_in_flight
+    prefill_max_requests: int | None = None  # overrides the prompts per prefill batch (scheduler.pack_prompts)
     seed: object | None = None  # a seed system's SeedSpec (simulator/seeds/): its own simulated cluster
 
     def describe(self) -> dict:
@@ -36,6 +37,7 @@ class SystemLayout:
             "gpus_per_engine": self.gpus_per_engine,
             "prefill_token_budget": self.prefill_token_budget,
             "decode_batches_in_flight": self.decode_batches_in_flight,
+            "prefill_max_requests": self.prefill_max_requests,
             "memory_bytes_per_engine": self.memory_bytes,
             "models": {name: {"stages": m.num_stages, "replicas": m.num_replicas} for name, m in self.placement.models.items()},
             **({"seed": self.seed.describe()} if self.seed is not None else {}),

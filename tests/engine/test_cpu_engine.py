@@ -32,10 +32,13 @@ def _config(budget=None):
     })
 
 
-def test_scheduler_options_pack_prompts_on_cpu_and_keep_the_paper_default_on_gpu():
+def test_scheduler_options_pack_prompts_and_pack_prompts_false_is_the_paper_setting_on_gpu():
     sc = _config().scheduler
     assert sc.engine_options(on_cpu=True)["prefill_max_requests"] == 8
-    assert "prefill_max_requests" not in sc.engine_options(on_cpu=False)
+    assert sc.engine_options(on_cpu=False)["prefill_max_requests"] == 8
+    sc.pack_prompts = False
+    assert "prefill_max_requests" not in sc.engine_options(on_cpu=False)  # one prompt per prefill batch (§8.1)
+    assert sc.engine_options(on_cpu=True)["prefill_max_requests"] == 8  # a CPU engine packs whatever
     budgeted = _config(budget=64).scheduler.engine_options(on_cpu=False)
     assert budgeted["prefill_token_budget"] == 64 and budgeted["prefill_max_requests"] == 8
 

@@ -95,8 +95,9 @@ def test_bad_system_and_ablation_combinations(config):
 
 
 def test_simulated_engines_batch_prompts_as_served_engines_do(config):
-    """CPU engines pack waiting prompts (as engine_builder's served engines do); GPU engines
-    keep the paper's one prompt per prefill batch unless the config sets a budget."""
+    """CPU engines pack waiting prompts (as engine_builder's served engines do), and so do GPU
+    engines by default (`scheduler.pack_prompts`); `--one-prompt-prefills` gives the paper's one
+    prompt per prefill batch."""
     from paraflex.config.schema import Config
     from paraflex.simulator.runner import simulate
 
@@ -113,7 +114,32 @@ def test_simulated_engines_batch_prompts_as_served_engines_do(config):
     gpu = _layout(config, "paraflex")
     gpu_res = simulate(config, SimSettings(system="paraflex", rate=1.0), layout=gpu,
                        requests=[])
-    assert all(e.scheduler.prefill_max_requests == 1 for e in gpu_res.engines)
+    assert all(e.scheduler.prefill_max_requests == config.scheduler.max_batch_size for e in gpu_res.engines)
+    one = _layout(config, "paraflex", one_prompt_prefills=True)
+    assert one.describe()["prefill_max_requests"] == 1
+    one_res = simulate(config, SimSettings(system="paraflex", rate=1.0, one_prompt_prefills=True), layout=one,
+                       requests=[])
+    assert all(e.scheduler.prefill_max_requests == 1 for e in one_res.engines)
+    with pytest.raises(UserError, match="ablations of --system paraflex"):
+        _layout(config, "alpaserve", one_prompt_prefills=True)
+
+
+def test_packed_prompts_share_prefill_batches_and_the_ablation_runs_one_each(config):
+    """A burst on the base case: by default waiting prompts share prefill batches; with
+    `one_prompt_prefills` every prefill batch holds one prompt (per stage of its model)."""
+    import dataclasses
+
+    from paraflex.simulator.runner import simulate
+
+    burst = dataclasses.replace(config, workload=dataclasses.replace(config.workload, arrival="poisson",
+                                                                     num_requests=200, duration_s=None))
+    stages = {m: mp.num_stages for m, mp in _layout(config, "paraflex").placement.models.items()}
+    packed = simulate(burst, SimSettings(system="paraflex", rate=400.0, seed=1))
+    one = simulate(burst, SimSettings(system="paraflex", rate=400.0, seed=1, one_prompt_prefills=True))
+    assert packed.summary["finished"] == one.summary["finished"] == one.summary["requests"]
+    prompt_batches = sum(stages[r.model] for r in one.metrics.requests.values())
+    assert one.metrics.prefill_batches == prompt_batches
+    assert packed.metrics.prefill_batches < prompt_batches
 
 
 def test_departures_from_the_paper_are_the_default_and_their_ablations_restore_it(config):

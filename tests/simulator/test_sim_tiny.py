@@ -30,14 +30,14 @@ class FixedCost:
         return lambda total_context: plus
 
 
-def _config(engines, policy="full-batch-first", gbps=8.0, latency_us=1000.0):
-    # A GPU device: its engines keep the paper's one prompt per prefill batch (CPU engines pack
-    # prompts); stage times come from FixedCost, not the device.
+def _config(engines, policy="full-batch-first", gbps=8.0, latency_us=1000.0, pack_prompts=False):
+    # A GPU device with the paper's one prompt per prefill batch (`pack_prompts: false`, §8.1),
+    # unless asked; stage times come from FixedCost, not the device.
     return Config.from_dict({
         "cluster": {"num_engines": engines, "device": "a100-80g", "memory_gb": 1, "interconnect_gbps": gbps,
                     "interconnect_latency_us": latency_us},
         "models": [{"name": "m", "arch": "tiny-2l"}],
-        "scheduler": {"max_batch_size": 32, "policy": policy},
+        "scheduler": {"max_batch_size": 32, "policy": policy, "pack_prompts": pack_prompts},
     })
 
 
@@ -75,6 +75,15 @@ def test_two_requests_full_batch_first_prefills_one_at_a_time():
     assert recs[0].first_token == pytest.approx(P) and recs[1].first_token == pytest.approx(2 * P)
     assert recs[0].finish == pytest.approx(2 * P + D) and recs[1].finish == pytest.approx(2 * P + D)
     assert res.summary["decode_batch_size_mean"] == 2
+
+
+def test_two_requests_full_batch_first_packs_waiting_prompts_by_default():
+    # scheduler.pack_prompts (the default): both waiting prompts in one prefill batch at t=0,
+    # then one decode batch {r0, r1}: tokens at P and P + D
+    recs, res = _run(_config(1, pack_prompts=True), 1, [SimRequest(0, "m", 0.0, 10, 2), SimRequest(1, "m", 0.0, 10, 2)])
+    assert recs[0].first_token == pytest.approx(P) and recs[1].first_token == pytest.approx(P)
+    assert recs[0].finish == pytest.approx(P + D) and recs[1].finish == pytest.approx(P + D)
+    assert res.summary["prefill_batches"] == 1 and res.summary["decode_batch_size_mean"] == 2
 
 
 def test_two_requests_prefill_first_packs_prompts():
