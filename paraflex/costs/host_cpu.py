@@ -13,8 +13,10 @@ simulator (simulator/core/cluster.py) reads it (serving_terms.host_cpu) and stre
 execution by `stretch(busy engines)`, where the busy engines are the stepping engine plus the
 mean number of other engines executing over the `window_s` before the step starts
 (`busy_seconds` over the same timelines the fit reads from the step log), and the requests in
-flight then; the return path (return_path.py) is its latency stretched by all engines busy over
-the window before a token and the requests in flight.
+flight then; the return path (return_path.py) and the gateway's delay (serving_terms.GatewayTerm) are
+latencies stretched by all engines busy over the window before a token (a request's HTTP
+arrival) and the requests in flight then (`fit_stretched_latency` fits both). The requests'
+demand together is capped at `REQUEST_CORES`.
 
 Off for GPU clusters (a GPU's host threads are not its compute): `host_cpu` returns None unless
 the cluster's device is `cpu`. Pure: rows are dicts, times are floats.

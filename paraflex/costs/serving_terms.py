@@ -13,7 +13,9 @@ Place in the data flow:
   frontend <-> engines path (submission to the first engine and the tokens' way back through
   the output router: logged TTFT minus the simulated TTFT of the same request alone, computed by
   the profile command). The simulator (simulator/runner.py) delays every request by their sum
-  (`request_delay_s`) between its arrival and the engines taking it. From the same requests it
+  (`request_delay_s`) between its arrival and the engines taking it; with a shared host CPU the
+  gateway's part is `quiet_delay_s` stretched at each arrival instead (`GatewayTerm.delay_s_at`,
+  simulator/core/events/gateway_arrival.py). From the same requests it
   stores an `EngineLoopTerm` under ``engine_loop``: what the served engine loop (the Ray engine
   actor's inbox, transport polling and output push, which the in-process step profiler does not
   run) adds to every engine step of a stage: per model, the logged mean TBT minus the simulated
