@@ -29,7 +29,7 @@ import numpy as np
 
 from paraflex.costs.host_cpu import engine_timelines, in_flight_fn, step_busy_engines
 from paraflex.costs.loop_fit import read_step_log, stage_time_fn
-from paraflex.costs.serving_terms import host_cpu, measured_hop, request_delay_s, return_path
+from paraflex.costs.serving_terms import gateway, host_cpu, measured_hop, request_delay_s, return_path
 
 PARTS = ("gateway", "to prefill", "prefill", "back")
 
@@ -127,12 +127,16 @@ def served_parts(log_path: str, steps_dir: str, ids: set, start: float, end: flo
     parts = ttft_parts([r for r in _rows(log_path) if r["id"] in ids], steps)
     text = "; ".join(f"{m} " + "/".join(f"{1000 * p[k]:.1f}" for k in PARTS) for m, p in parts.items())
     served = hops(steps)
-    hop, back = measured_hop(profile), return_path(profile)
+    hop, back, term = measured_hop(profile), return_path(profile), gateway(profile)
     back_text = f"{1000 * back.latency_s:.1f} ms x the host's stretch" if back else "0 ms"
+    before = f"{1000 * request_delay_s(profile):.1f} ms per request before the engines"
+    if term is not None and term.quiet_delay_s is not None:  # stretched where the cluster is a shared host CPU
+        before = (f"{1000 * term.engine_path_s:.1f} ms + the gateway's {1000 * term.quiet_delay_s:.1f} ms x the host's "
+                  f"stretch per request before the engines")
     hop_text = (f"served hop (receiver idle) median {1000 * float(np.median(served)):.2f} ms over {len(served)}"
                 if served else "no served hop")
     return (f"served TTFT parts, median ms ({' / '.join(PARTS)}): {text}; simulated: "
-            f"{1000 * request_delay_s(profile):.1f} ms per request before the engines, back {back_text}; {hop_text} vs "
+            f"{before}, back {back_text}; {hop_text} vs "
             f"{1000 * hop.latency_s if hop else float('nan'):.2f} ms simulated")
 
 

@@ -15,13 +15,13 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
-from paraflex.costs.serving_terms import request_delay_s, return_path
+from paraflex.costs.serving_terms import gateway, request_delay_s, return_path
 from paraflex.errors import ParaflexError, UserError
 from paraflex.simulator.core.cluster import Cluster
 from paraflex.simulator.core.event_loop import EventLoop
 from paraflex.planner.incremental import DEFAULT_HYSTERESIS
 from paraflex.planner.replan_controller import DEFAULT_THRESHOLD, ReplanController
-from paraflex.simulator.core.events import LiveTickEvent, RequestArrivalEvent
+from paraflex.simulator.core.events import GatewayArrivalEvent, LiveTickEvent, RequestArrivalEvent
 from paraflex.simulator.core.live_placement import LivePlacement
 from paraflex.simulator.metrics.records import MetricsStore, model_slos
 from paraflex.simulator.systems.layouts import SystemLayout, build_system
@@ -110,19 +110,31 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
     else:
         info = {"requests": len(requests), "given": True}
     metrics = MetricsStore(model_slos(config.models), layout.placement.num_engines, layout.gpus_per_engine)
-    # The measured gateway and frontend <-> engines share: the engines see each request that
-    # much after its arrival; its records keep the arrival (paraflex/costs/serving_terms.py).
-    metrics.request_delay = request_delay_s(config.cluster.profile_dir)
-    if metrics.request_delay:
-        requests = [replace(r, arrival=r.arrival + metrics.request_delay) for r in requests]
     loop = loop if loop is not None else EventLoop()
     cluster = (layout.seed.cluster if layout.seed is not None else Cluster)(config, layout, settings, loop, metrics, cost)
     sim = _Sim(loop, cluster)
+    shared_host = layout.seed is None and cluster.host is not None
+    # The measured gateway and frontend <-> engines share: the engines see each request that
+    # much after its arrival; its records keep the arrival (paraflex/costs/serving_terms.py).
+    # On a shared host CPU with a fitted quiet gateway delay, the gateway's part stretches with
+    # the host's demand at each arrival (events/gateway_arrival.py); the rest is the same for all.
+    term = gateway(config.cluster.profile_dir)
+    stretched_gateway = shared_host and term is not None and term.quiet_delay_s is not None
+    if stretched_gateway:
+        cluster.gateway = term
+        metrics.request_delay = term.engine_path_s
+    else:
+        metrics.request_delay = request_delay_s(config.cluster.profile_dir)
+    if metrics.request_delay:
+        requests = [replace(r, arrival=r.arrival + metrics.request_delay) for r in requests]
     served = set(layout.placement.models)
     for req in requests:
         if req.model not in served:
             raise UserError(f"model {req.model!r} has requests but no stages in the {layout.name} placement")
-        loop.schedule(RequestArrivalEvent(req.arrival, req))
+        if stretched_gateway:
+            loop.schedule(GatewayArrivalEvent(req.arrival - metrics.request_delay, req))
+        else:
+            loop.schedule(RequestArrivalEvent(req.arrival, req))
     if settings.replan_interval is not None:  # the fast path steps aside: every step is an event
         if controller is None:
             controller = ReplanController(config, layout.placement, settings.replan_interval, settings.replan_threshold,
@@ -136,7 +148,6 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
     back = return_path(config.cluster.profile_dir) if layout.seed is None else None
     if back is not None:
         metrics.token_delay = cluster.token_delay_fn(back)
-    shared_host = layout.seed is None and cluster.host is not None
     if shared_host:  # the requests it counts open: from their gateway arrival (the records' arrival)
         cluster.gateway_arrivals = sorted(r.arrival - metrics.request_delay for r in requests)
     if back is None and not shared_host and settings.replan_interval is None and settings.fast_forward and layout.seed is None:

@@ -35,7 +35,7 @@ import sys
 
 from paraflex.config.schema import load_config
 from paraflex.costs.serving_terms import (ENGINE_LOOP_KEY, GATEWAY_KEY, HOP_KEY, RETURN_PATH_KEY, EngineLoopTerm,
-                                          GatewayTerm, HopTerm, read_log, store)
+                                          GatewayTerm, HopTerm, gateway_delays, read_log, store)
 from paraflex.costs.host_cpu import HOST_CORES_KEY, HOST_CPU_KEY
 from paraflex.costs.step_overheads import KEY as STEP_KEY, NOISE_KEY
 from paraflex.errors import UserError
@@ -198,7 +198,7 @@ def _store_gateway(config, args) -> int:
     if unknown:
         raise UserError(f"--gateway-log {args.gateway_log}: model {unknown[0]!r} is not in the config; pass the "
                         f"config the logged server ran")
-    for key in (ENGINE_LOOP_KEY, RETURN_PATH_KEY, HOST_CPU_KEY):
+    for key in (ENGINE_LOOP_KEY, RETURN_PATH_KEY, HOST_CPU_KEY, GATEWAY_KEY):  # fitted afresh, none from an earlier fit
         store(args.output, key, None)
     profiled, layout = _profiled(config, args)
     archs = {m.name: m.arch for m in profiled.models}
@@ -220,21 +220,27 @@ def _store_gateway(config, args) -> int:
         print(f"engine loop per stage step, fitted from {loop.requests} logged {loop.source}: {steps or 'none'}")
     if not args.gateway_log:
         return 0
+    quiet_gateway = None
     if args.step_log:
+        from paraflex.costs.host_cpu import fit_stretched_latency
         from paraflex.costs.loop_fit import read_step_log
         from paraflex.costs.return_path import fit_return_path
 
-        back = fit_return_path(rows, read_step_log(args.step_log), host)
+        steps = read_step_log(args.step_log)
+        back = fit_return_path(rows, steps, host)
+        if host is not None:
+            quiet_gateway = fit_stretched_latency(gateway_delays(rows), steps, rows, host)
         store(args.output, RETURN_PATH_KEY, back)
         if back is not None:
             print(f"return path per token (last-stage step end -> frontend), fitted from {back.tokens} logged tokens: "
                   f"{1000 * back.latency_s:.2f} ms" + (" x the shared host CPU's stretch" if host else ""))
     arrival0 = min(float(r["arrival_s"]) for r in rows)
     ttft = [t for t, _ in _simulated(*_profiled(config, args), rows, [float(r["arrival_s"]) - arrival0 for r in rows])]
-    term = GatewayTerm.from_log(rows, args.gateway_log, ttft)
+    term = GatewayTerm.from_log(rows, args.gateway_log, ttft, quiet_gateway)
     store(args.output, GATEWAY_KEY, term)
+    quiet = "" if quiet_gateway is None else f" ({1000 * quiet_gateway:.2f} ms on a quiet host x the shared host CPU's stretch)"
     print(f"per-request delays (medians of {term.requests} requests in {args.gateway_log}): gateway "
-          f"{1000 * term.delay_s:.2f} ms, frontend <-> engines {1000 * term.engine_path_s:.2f} ms; stored in "
+          f"{1000 * term.delay_s:.2f} ms{quiet}, frontend <-> engines {1000 * term.engine_path_s:.2f} ms; stored in "
           f"{os.path.join(args.output, 'profile.json')}; the simulator delays every request by both, adds the "
           f"engine loop term to every stage step and the return path to every token")
     return 0

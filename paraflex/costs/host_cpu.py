@@ -13,8 +13,10 @@ simulator (simulator/core/cluster.py) reads it (serving_terms.host_cpu) and stre
 execution by `stretch(busy engines)`, where the busy engines are the stepping engine plus the
 mean number of other engines executing over the `window_s` before the step starts
 (`busy_seconds` over the same timelines the fit reads from the step log), and the requests in
-flight then; the return path (return_path.py) is its latency stretched by all engines busy over
-the window before a token and the requests in flight.
+flight then; the return path (return_path.py) and the gateway's delay (serving_terms.GatewayTerm) are
+latencies stretched by all engines busy over the window before a token (a request's HTTP
+arrival) and the requests in flight then (`fit_stretched_latency` fits both). The requests'
+demand together is capped at `REQUEST_CORES`.
 
 Off for GPU clusters (a GPU's host threads are not its compute): `host_cpu` returns None unless
 the cluster's device is `cpu`. Pure: rows are dicts, times are floats.
@@ -34,6 +36,11 @@ HOST_CORES_KEY = "host_cores"  # written by `paraflex profile` next to `threads`
 WINDOW_S = 0.02  # the window before a step (or token) whose busy engines count
 DEMANDS = tuple(0.25 * k for k in range(1, 17))  # cores' worth per busy engine the fit tries: 0.25 ... 4
 PER_REQUEST = (0.0, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4)  # ... per request in flight
+# The most cores the open requests' work can take together: it runs in the load client, the
+# gateway and the output router, each one Python process (one thread at a time under the GIL),
+# so 3 cores however many requests are open. Modelled, not fitted: the calibration never opens
+# enough requests to reach it (docs/simulate.md, "The shared host CPU").
+REQUEST_CORES = 3.0
 
 
 def busy_seconds(flat: Sequence[float], t0: float, t1: float) -> float:
@@ -71,18 +78,21 @@ class HostCpu:
     """`cores` shared by the engines and the serving processes: each busy engine puts
     `demand_per_engine` cores' worth of runnable work on them, each request in flight (HTTP
     arrival to finish: the client's, gateway's and output router's work for it)
-    `demand_per_request`; fitted from `steps` logged steps."""
+    `demand_per_request`, all of them together at most `request_cores`; fitted from `steps`
+    logged steps."""
 
     cores: int
     demand_per_engine: float
     demand_per_request: float = 0.0
     window_s: float = WINDOW_S
     steps: int = 0
+    request_cores: float = REQUEST_CORES
 
     def stretch(self, busy_engines: float, in_flight: int = 0) -> float:
         """How much longer work takes while `busy_engines` engines run and `in_flight` requests
         are open: the demand over the cores, >= 1."""
-        return max(1.0, (busy_engines * self.demand_per_engine + in_flight * self.demand_per_request) / self.cores)
+        requests = min(in_flight * self.demand_per_request, self.request_cores)
+        return max(1.0, (busy_engines * self.demand_per_engine + requests) / self.cores)
 
 
 def busy_engines(timelines: Iterable[Sequence[float]], t: float, window_s: float = WINDOW_S) -> float:
@@ -107,20 +117,35 @@ def in_flight_fn(requests: list[dict]) -> Callable[[float], int]:
     return lambda t: level[bisect_right(times, t)]
 
 
+def fit_stretched_latency(samples: list[tuple[float, float]], steps: list[dict], requests: list[dict],
+                          host: HostCpu | None) -> float:
+    """The latency on a quiet host of work logged as `samples` ((time it began, seconds it took)),
+    stretched by `host` over the engines of step log `steps` busy in the window before it began
+    and the `requests` (request-log rows) open then: least squares through the origin (`host`
+    None: the mean)."""
+    timelines, open_at = list(engine_timelines(steps).values()), in_flight_fn(requests)
+    stretches = [1.0 if host is None else host.stretch(busy_engines(timelines, t, host.window_s), open_at(t))
+                 for t, _ in samples]
+    return max(0.0, sum(s * x for s, (_, x) in zip(stretches, samples)) / sum(s * s for s in stretches))
+
+
 def fit_host_cpu(rows: list[dict], stage_time: Callable[[dict], float], cores: int,
                  requests: list[dict] | None = None) -> tuple[HostCpu, dict]:
     """(the HostCpu, the engine loop's lines fitted on the steps de-stretched by it) whose
     prediction `(stage_time + line) x stretch` of the logged steps `rows` has the least squared
     error, over a grid of demands per engine (up to `cores`: an engine alone runs as profiled) and,
-    with the served `requests` of the same run, per request in flight (else 0)."""
+    with the served `requests` of the same run, per request in flight (else 0; only demands whose
+    requests stay under `REQUEST_CORES` in these steps: the cap is an extrapolation, never fitted)."""
     timelines = engine_timelines(rows)
     busy = [step_busy_engines(timelines, r["engine"], float(r["start_s"])) for r in rows]
     open_at = in_flight_fn(requests or [])
     in_flight = [open_at(float(r["start_s"])) for r in rows]
     compute = {id(r): stage_time(r) for r in rows}  # once per row, not once per grid point
     best = None
+    # the open requests' cap is not seen in the calibration: only demands that stay under it there
+    per_requests = [c for c in PER_REQUEST if c * max(in_flight, default=0) <= REQUEST_CORES] if requests else [0.0]
     for per_engine in [d for d in DEMANDS if d <= cores]:
-        for per_request in PER_REQUEST if requests else (0.0,):
+        for per_request in per_requests:
             host = HostCpu(cores, per_engine, per_request, WINDOW_S, len(rows))
             stretches = [host.stretch(b, n) for b, n in zip(busy, in_flight)]
             lines = fit_loop_lines(rows, lambda r: compute[id(r)], stretches)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from paraflex.costs.host_cpu import HostCpu, busy_engines, engine_timelines, in_flight_fn
+from paraflex.costs.host_cpu import HostCpu, fit_stretched_latency
 from paraflex.costs.serving_terms import ReturnPathTerm
 
 
@@ -56,8 +56,4 @@ def fit_return_path(requests: list[dict], steps: list[dict], host: HostCpu | Non
     backs = token_backs(requests, steps)
     if not backs:
         return None
-    timelines, open_at = list(engine_timelines(steps).values()), in_flight_fn(requests)
-    stretches = [1.0 if host is None else host.stretch(busy_engines(timelines, t, host.window_s), open_at(t))
-                 for t, _ in backs]
-    latency = sum(s * b for s, (_, b) in zip(stretches, backs)) / sum(s * s for s in stretches)
-    return ReturnPathTerm(max(0.0, latency), len(backs))
+    return ReturnPathTerm(fit_stretched_latency(backs, steps, requests, host), len(backs))

@@ -13,7 +13,9 @@ Place in the data flow:
   frontend <-> engines path (submission to the first engine and the tokens' way back through
   the output router: logged TTFT minus the simulated TTFT of the same request alone, computed by
   the profile command). The simulator (simulator/runner.py) delays every request by their sum
-  (`request_delay_s`) between its arrival and the engines taking it. From the same requests it
+  (`request_delay_s`) between its arrival and the engines taking it; with a shared host CPU the
+  gateway's part is `quiet_delay_s` stretched at each arrival instead (`GatewayTerm.delay_s_at`,
+  simulator/core/events/gateway_arrival.py). From the same requests it
   stores an `EngineLoopTerm` under ``engine_loop``: what the served engine loop (the Ray engine
   actor's inbox, transport polling and output push, which the in-process step profiler does not
   run) adds to every engine step of a stage: per model, the logged mean TBT minus the simulated
@@ -76,14 +78,18 @@ class HopTerm:
 class GatewayTerm:
     """Per-request delays beyond the engines' steps, medians over `requests` logged requests:
     `delay_s` from the HTTP arrival to the frontend taking the request (parse, tokenize,
-    admission), `engine_path_s` from the frontend to the engines and the first token back."""
+    admission), `engine_path_s` from the frontend to the engines and the first token back; on a
+    shared host CPU (paraflex/costs/host_cpu.py) `quiet_delay_s`, the gateway's delay as a latency
+    the host's stretch at the HTTP arrival lengthens (None: not fitted, `delay_s` for every request)."""
 
     delay_s: float
     requests: int
     engine_path_s: float = 0.0
+    quiet_delay_s: float | None = None
 
     @classmethod
-    def from_log(cls, rows: list[dict], path: str, engine_ttft_s: list[float] | None = None) -> "GatewayTerm":
+    def from_log(cls, rows: list[dict], path: str, engine_ttft_s: list[float] | None = None,
+                 quiet_delay_s: float | None = None) -> "GatewayTerm":
         """From the rows of request log `path` that carry an http_arrival_s; `engine_ttft_s`, one
         per such row, the simulated TTFT of that request alone (None: no engine path)."""
         rows = [r for r in rows if r.get("http_arrival_s")]
@@ -93,7 +99,20 @@ class GatewayTerm:
         delay = statistics.median(float(r["arrival_s"]) - float(r["http_arrival_s"]) for r in rows)
         path_s = 0.0 if engine_ttft_s is None else statistics.median(
             float(r["ttft_s"]) - t for r, t in zip(rows, engine_ttft_s))
-        return cls(max(0.0, delay), len(rows), max(0.0, path_s))
+        return cls(max(0.0, delay), len(rows), max(0.0, path_s), quiet_delay_s)
+
+    def delay_s_at(self, stretch: float | None) -> float:
+        """The gateway's delay for a request arriving while the shared host stretches work by
+        `stretch` (None: no host term, the median `delay_s`)."""
+        if stretch is None or self.quiet_delay_s is None:
+            return self.delay_s
+        return self.quiet_delay_s * stretch
+
+
+def gateway_delays(rows: list[dict]) -> list[tuple[float, float]]:
+    """(HTTP arrival, seconds to the frontend) of each request-log row that carries an http_arrival_s."""
+    return [(float(r["http_arrival_s"]), float(r["arrival_s"]) - float(r["http_arrival_s"]))
+            for r in rows if r.get("http_arrival_s")]
 
 
 @dataclass(frozen=True)
@@ -205,14 +224,16 @@ def host_cpu(cluster) -> HostCpu | None:
     return HostCpu(**d) if d else None
 
 
+def gateway(profile_dir: str | None) -> GatewayTerm | None:
+    d = _read(profile_dir).get(GATEWAY_KEY)
+    return GatewayTerm(**d) if d else None
+
+
 def request_delay_s(profile_dir: str | None) -> float:
     """The measured delay per request between its HTTP arrival and the engines (gateway plus
     frontend <-> engines path); 0 without a profile or a measured one."""
-    d = _read(profile_dir).get(GATEWAY_KEY)
-    if not d:
-        return 0.0
-    term = GatewayTerm(**d)
-    return term.delay_s + term.engine_path_s
+    term = gateway(profile_dir)
+    return 0.0 if term is None else term.delay_s + term.engine_path_s
 
 
 def store(profile_dir: str, key: str, term) -> None:

@@ -102,6 +102,7 @@ class Cluster:
         # independent devices): every stage execution stretches with the engines busy before it
         self.host = host_cpu(cl)
         self.gateway_arrivals: list[float] = []  # sorted; the runner sets them where `host` counts open requests
+        self.gateway = None  # a GatewayTerm whose delay `host` stretches (the runner sets it; None: a constant delay)
 
     def enable_fast_forward(self, requests) -> None:
         """Replay in closed form what the engines' policy allows (simulator/fastpath/hook.py);
@@ -246,6 +247,11 @@ class Cluster:
     def in_flight(self, t: float) -> int:
         """Requests open at t: arrived at the gateway, not finished."""
         return bisect_right(self.gateway_arrivals, t) - self.metrics.finished
+
+    def gateway_delay_s(self, t: float) -> float:
+        """The gateway's delay for a request arriving at t: its quiet latency stretched by the
+        shared host CPU over the engines busy before t and the requests open at t."""
+        return self.gateway.delay_s_at(self.host.stretch(self.engines_busy_before(t, self.host.window_s), self.in_flight(t)))
 
     def token_delay_fn(self, term):
         """The way back of a token produced at t (`term`: a ReturnPathTerm): its latency, stretched

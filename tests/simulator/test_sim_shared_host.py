@@ -10,7 +10,7 @@ from sim_cases import assert_same_results
 from paraflex.config.schema import Config
 from paraflex.costs.costmodel import CostModel
 from paraflex.costs.host_cpu import HOST_CPU_KEY, HostCpu
-from paraflex.costs.serving_terms import host_cpu, store
+from paraflex.costs.serving_terms import GATEWAY_KEY, GatewayTerm, host_cpu, store
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.systems.layouts import SystemLayout
 from paraflex.simulator.workload import SimRequest
@@ -70,3 +70,23 @@ def test_the_fast_path_steps_aside_and_gives_the_same_results(one_core):
     requests = [SimRequest(i, "ab"[i % 2], 0.003 * i, 8 + i, 20 + 3 * i) for i in range(12)]
     config = _config(profile_dir=one_core)
     assert_same_results(_run(config, requests, fast_forward=True), _run(config, requests, fast_forward=False))
+
+
+def _ttfts(profile_dir, quiet_delay_s, requests, device="cpu"):
+    store(str(profile_dir), GATEWAY_KEY, GatewayTerm(0.05, 9, quiet_delay_s=quiet_delay_s))
+    records = _run(_config(device, profile_dir), requests).metrics.requests
+    return {rid: r.first_token - r.arrival for rid, r in records.items()}
+
+
+def test_the_gateway_delay_is_its_quiet_latency_stretched_at_each_arrival(one_core):
+    """One core, one core's worth per busy engine: a request arriving while both engines run
+    waits twice the gateway's quiet latency, one arriving on an idle host once; a GPU cluster
+    (no host term) keeps the median delay for every request."""
+    requests = [SimRequest(0, "a", 0.0, 16, 400), SimRequest(1, "b", 0.0, 16, 400),
+                SimRequest(2, "a", 0.2, 16, 4), SimRequest(3, "b", 5.0, 16, 4)]
+    slow, none = _ttfts(one_core, 0.01, requests), _ttfts(one_core, 0.0, requests)
+    assert slow[0] - none[0] == pytest.approx(0.01, abs=1e-6)  # both engines idle before t=0
+    assert slow[2] - none[2] == pytest.approx(0.02, abs=2e-3)  # both engines busy: x2 (to a step's end)
+    assert slow[3] - none[3] == pytest.approx(0.01, abs=1e-6)  # the host quiet again
+    gpu, plain = _ttfts(one_core, 0.01, requests, device="a100"), _run(_config("a100"), requests).metrics.requests[3]
+    assert gpu[3] - (plain.first_token - plain.arrival) == pytest.approx(0.05)

@@ -3,8 +3,8 @@ over a window, the stretch, requests in flight, and the fit recovering a planted
 
 import pytest
 
-from paraflex.costs.host_cpu import (HostCpu, busy_seconds, engine_timelines, fit_host_cpu, in_flight_fn,
-                                     step_busy_engines)
+from paraflex.costs.host_cpu import (REQUEST_CORES, HostCpu, busy_seconds, engine_timelines, fit_host_cpu,
+                                     fit_stretched_latency, in_flight_fn, step_busy_engines)
 
 
 def test_busy_seconds_is_the_overlap_of_an_engines_intervals_with_the_window():
@@ -43,15 +43,16 @@ def test_requests_in_flight_count_from_the_http_arrival_to_the_finish():
     assert [open_at(t) for t in (0.5, 1.5, 2.2, 2.7, 3.5)] == [0, 1, 2, 1, 0]
 
 
-def _planted(host: HostCpu, base_s: float) -> list[dict]:
-    """Steps of `base_s` each (stage time only, no loop time), stretched by `host`: engine 0
-    alone for 0.2 s, then both engines back to back for 0.2 s, generated in start order."""
+def _planted(host: HostCpu, base_s: float, in_flight: int = 0) -> list[dict]:
+    """Steps of `base_s` each (stage time only, no loop time), stretched by `host` with
+    `in_flight` requests open: engine 0 alone for 0.2 s, then both engines back to back for
+    0.2 s, generated in start order."""
     steps, ends = [], {"0": 0.0, "1": 1.0}
     while min(ends.values()) < 1.2:
         engine = min(ends, key=ends.get)
         start = ends[engine]
         busy = step_busy_engines(engine_timelines(steps), engine, start) if steps else 1.0
-        steps.append(_step(engine, start, base_s * host.stretch(busy)))
+        steps.append(_step(engine, start, base_s * host.stretch(busy, in_flight)))
         ends[engine] = start + float(steps[-1]["busy_s"])
         if engine == "0" and 0.2 <= ends["0"] < 1.0:
             ends["0"] = 1.0  # idle until engine 1 starts
@@ -65,3 +66,30 @@ def test_the_fit_recovers_a_planted_demand_per_engine():
     assert host.demand_per_engine == 1.5 and host.demand_per_request == 0.0 and host.steps == len(steps)
     assert lines["a"]["decode_s"] == pytest.approx(0.0, abs=1e-9)  # de-stretched, nothing is left to the loop
     assert max(float(s["busy_s"]) for s in steps) == pytest.approx(0.002 * 1.5)
+
+
+def test_the_open_requests_take_at_most_request_cores():
+    host = HostCpu(cores=2, demand_per_engine=1.0, demand_per_request=0.15)
+    assert host.stretch(2.0, in_flight=10) == pytest.approx((2.0 + 1.5) / 2)
+    assert host.stretch(2.0, in_flight=40) == pytest.approx((2.0 + REQUEST_CORES) / 2)  # not (2 + 6) / 2
+    assert host.stretch(2.0, in_flight=40) == host.stretch(2.0, in_flight=400)
+
+
+def test_the_fit_keeps_the_open_requests_under_the_cap_it_cannot_see():
+    """Steps planted with 0.4 cores per request and no cap, 10 requests open throughout: the fit
+    may not choose a demand whose 10 requests pass REQUEST_CORES (0.4 x 10 = 4 > 3)."""
+    planted = HostCpu(cores=2, demand_per_engine=1.5, demand_per_request=0.4, request_cores=99.0)
+    steps = _planted(planted, 0.002, in_flight=10)
+    requests = [{"http_arrival_s": "-1.0", "finish_s": "100.0"}] * 10
+    host, _ = fit_host_cpu(steps, lambda r: 0.002, cores=2, requests=requests)
+    assert 0 < host.demand_per_request * 10 <= REQUEST_CORES
+    unplanted, _ = fit_host_cpu(steps, lambda r: 0.002, cores=2)  # no requests: none counted
+    assert unplanted.demand_per_request == 0.0
+
+
+def test_a_stretched_latency_is_recovered_from_work_logged_quiet_and_busy():
+    steps = [_step(0, 0.0, 1.0), _step(1, 0.0, 1.0)]  # both engines busy over [0, 1]
+    host = HostCpu(cores=1, demand_per_engine=1.0)
+    samples = [(0.5, 0.006), (5.0, 0.003)]  # at 0.5 s two busy engines stretch x2; at 5 s none
+    assert fit_stretched_latency(samples, steps, [], host) == pytest.approx(0.003)
+    assert fit_stretched_latency(samples, steps, [], None) == pytest.approx(0.0045)  # no host: the mean

@@ -131,3 +131,10 @@ def test_the_cost_model_adds_the_engine_loop_to_every_stage_step(tmp_path):
     assert tbt[1] == pytest.approx(tbt[0] + 0.002)
     store(str(tmp_path), ENGINE_LOOP_KEY, None)  # dropped: the cost model adds nothing again
     assert engine_loop(str(tmp_path)) is None and engine_loop(None) is None
+
+
+def test_the_gateway_delay_stretches_only_where_a_quiet_delay_was_fitted():
+    stretched = GatewayTerm(0.004, 9, engine_path_s=0.001, quiet_delay_s=0.002)
+    assert stretched.delay_s_at(2.5) == pytest.approx(0.005)
+    assert stretched.delay_s_at(None) == 0.004  # no host term: the median
+    assert GatewayTerm(0.004, 9).delay_s_at(2.5) == 0.004
