@@ -28,6 +28,7 @@ from paraflex.engine.core.block_pool import BlockPool
 from paraflex.engine.engine_loop import EngineLoop
 from paraflex.engine.worker.kv_cache import KVCache
 from paraflex.engine.worker.model import Stage
+from paraflex.engine.kernels import malloc_policy
 from paraflex.engine.kernels.native_build import native_bf16
 from paraflex.engine.core.scheduler import EngineScheduler
 from paraflex.engine.worker.tokenizer import load_tokenizer
@@ -98,6 +99,8 @@ def build_engine(config, placement, engine_id: int, transport, sink, *, device="
     `host_kv_bytes` overrides cluster.host_memory_gb (swap space); `models` limits the
     resident stages to those models (default: all the placement puts here)."""
     dev = choose_device(device)
+    if dev.type == "cpu":
+        malloc_policy.apply()
     eng = placement.engine(engine_id)
     block_bytes = config.scheduler.block_bytes
     if kv_bytes is None:
