@@ -8,8 +8,9 @@ Why: a prefill's activations are tens of MiB each (SmolLM2-135M, 4,096 tokens: 5
 gate|up alone), and by default glibc gives such blocks fresh mmaps or trims them off the heap's
 top when they are freed, so the kernel faults them in and zeroes them again at the next step. With the mmap threshold at its largest
 (32 MiB), a generous top pad and no trimming, freed activations are reused from the heap:
-on the 2-core AVX-512 VM a 4,096-token SmolLM2 prefill step took 4.2-4.9 s against 4.8-6.2 s
-(two processes each, 4 steps, same machine, alternated). vLLM's CPU guide gets the same effect
+on the 2-core AVX-512 VM a 4,096-token SmolLM2 prefill step took 4.1-4.6 s against 4.7-5.7 s
+with glibc's defaults (two processes each, 4 steps, alternated; 650k page faults per step
+without, none with). vLLM's CPU guide gets the same effect
 by preloading tcmalloc. The heap then keeps its peak size (RSS does not shrink after a burst).
 `PARAFLEX_MALLOC_TUNING=0` leaves glibc's defaults; elsewhere than glibc nothing is done.
 """
