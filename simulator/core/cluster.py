@@ -165,7 +165,7 @@ class Cluster:
             self.metrics.swap(len(sb.swap_out) * eng.block_bytes, len(sb.swap_in) * eng.block_bytes)
         run, decodes, tokens = eng.batch_time(eng.stages[sb.model], sb)
         if self.host is not None:  # the other engines' recent work and the open requests share the host's cores
-            run *= self.host.stretch(1.0 + self.engines_busy_before(t, self.host.window_s, eng), self.in_flight(t))
+            run *= self.host_stretch(t, eng)
         self.start_batch(eng, sb, t, t + eng.swap_time(swapped) + run, decodes, tokens)
 
     def start_batch(self, eng: SimEngine, sb, t: float, end: float, decodes: int, tokens: int) -> None:
@@ -234,11 +234,18 @@ class Cluster:
         eng.running = None
         eng.busy = False
 
-    def engines_busy_before(self, t: float, window_s: float, exclude: SimEngine | None = None) -> float:
-        """The mean number of engines (but `exclude`) executing over the `window_s` before t:
+    def host_stretch(self, t: float, engine: SimEngine | None = None) -> float:
+        """How much the shared host CPU stretches work beginning at t: by the engines executing
+        over its window before t (for a step of `engine`: that engine plus the others) and the
+        requests open at t."""
+        busy = self.engines_busy_before(t, engine) + (1.0 if engine is not None else 0.0)
+        return self.host.stretch(busy, self.in_flight(t))
+
+    def engines_busy_before(self, t: float, exclude: SimEngine | None = None) -> float:
+        """The mean number of engines (but `exclude`) executing over the host's window before t:
         finished batches (the metrics' timeline, measured as the fits measure the served step log:
         paraflex/costs/host_cpu.py) and running ones."""
-        busy = self.metrics.busy
+        window_s, busy = self.host.window_s, self.metrics.busy
         total = busy_engines((busy[e.id] for e in self.engines if e is not exclude), t, window_s)
         t0 = t - window_s
         return total + sum(max(0.0, t - max(e.running.start, t0)) for e in self.engines
@@ -251,16 +258,15 @@ class Cluster:
     def gateway_delay_s(self, t: float) -> float:
         """The gateway's delay for a request arriving at t: its quiet latency stretched by the
         shared host CPU over the engines busy before t and the requests open at t."""
-        return self.gateway.delay_s_at(self.host.stretch(self.engines_busy_before(t, self.host.window_s), self.in_flight(t)))
+        return self.gateway.delay_s_at(self.host_stretch(t))
 
     def token_delay_fn(self, term):
         """The way back of a token produced at t (`term`: a ReturnPathTerm): its latency, stretched
         by the shared host CPU over the engines busy before t and the requests open at t where the
         cluster has one."""
-        host = self.host
-        if host is None:
+        if self.host is None:
             return lambda t: term.delay_s()
-        return lambda t: term.delay_s(host.stretch(self.engines_busy_before(t, host.window_s), self.in_flight(t)))
+        return lambda t: term.delay_s(self.host_stretch(t))
 
     def _emit_tokens(self, eng: SimEngine, info: StageInfo, done, t: float) -> None:
         """Last stage: record the tokens, free finished requests on the middle stages (the
