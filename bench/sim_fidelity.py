@@ -51,12 +51,12 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fidelity_compare import compare, plot_cdfs, print_runs, print_table, write_csv  # noqa: E402
+from fidelity_setup import Setup, build_setup  # noqa: E402
 from serve_client import one_request  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
 from served_split import served_parts, step_split  # noqa: E402
 
 from paraflex.config.schema import Config  # noqa: E402
-from paraflex.engine.ray_engine import STATS_EVERY_S  # noqa: E402
 from paraflex.engine.step_log import STEP_LOG_COLUMNS  # noqa: E402
 from paraflex.costs.serving_terms import measured_hop  # noqa: E402
 from paraflex.serving.request_log import LOG_COLUMNS  # noqa: E402
@@ -67,22 +67,9 @@ from paraflex.simulator.systems.layouts import build_system  # noqa: E402
 from paraflex.simulator.workload import SimRequest  # noqa: E402
 from paraflex.simulator.workload.requests_file import load_requests, write_requests  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-MODELS = ("tiny-2l", "tiny-4l", "tiny-8l")
 LOADS = (("light", 0.2), ("mid", 0.6), ("high", 0.9))  # fractions of the measured saturation rate
-PROMPT_RANGE, OUTPUT_RANGE = (8, 48), (8, 24)
-TOKEN_IDS = (3, 250)  # inside the tiny models' byte vocabulary
 CALIBRATION_LOAD = 0.5  # the calibration's open-loop requests, a fraction of the saturation rate
 NOISY = 0.5  # a profile whose rounds disagree by more than this share gets a warning
-# 12 ms cuts tiny-8l (~18 ms on the `cpu` roofline) into two stages and keeps the others whole.
-CONFIG = {
-    "name": "sim-fidelity",
-    "cluster": {"num_engines": 2, "device": "cpu", "tp": 1, "memory_gb": 1, "host_memory_gb": 0.5,
-                "interconnect_gbps": 10, "interconnect_latency_us": 50},
-    "models": [{"name": m, "arch": m, "rate": 1} for m in MODELS],
-    "planner": {"target_stage_time": 12, "ring": False, "kappa_gb": 0.05},
-    "scheduler": {"max_batch_size": 8, "block_bytes": 32768, "policy": "full-batch-first"},
-}
 
 
 def run(cmd: list[str]) -> str:
@@ -93,16 +80,18 @@ def run(cmd: list[str]) -> str:
     return done.stdout
 
 
-def make_requests(rate: float, n: int, first_id: int, rng) -> list[SimRequest]:
+def make_requests(setup: Setup, rate: float, n: int, first_id: int, rng) -> list[SimRequest]:
     times = np.cumsum(rng.exponential(1.0 / rate, n))
     times -= times[0]
-    return [SimRequest(first_id + i, MODELS[int(rng.integers(len(MODELS)))], float(t),
-                       int(rng.integers(*PROMPT_RANGE)), int(rng.integers(*OUTPUT_RANGE))) for i, t in enumerate(times)]
+    models = setup.models
+    return [SimRequest(first_id + i, models[int(rng.integers(len(models)))], float(t),
+                       int(rng.integers(*setup.prompt_range)), int(rng.integers(*setup.output_range)))
+            for i, t in enumerate(times)]
 
 
-async def replay(url: str, requests: list[SimRequest], rng) -> tuple[list, float]:
+async def replay(setup: Setup, url: str, requests: list[SimRequest], rng) -> tuple[list, float]:
     """Fire every request at its arrival offset (open loop); (client results, start epoch)."""
-    prompts = [rng.integers(*TOKEN_IDS, size=r.prompt_len).tolist() for r in requests]
+    prompts = [rng.integers(*setup.token_ids, size=r.prompt_len).tolist() for r in requests]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         t0, epoch = time.perf_counter(), time.time()
@@ -135,21 +124,21 @@ def read_log(path: str) -> list[dict]:
     return rows
 
 
-def calibrate(server, log_path: str, out: str, profile: str, rng, n: int, lone: int = 8) -> float:
+def calibrate(setup: Setup, server, log_path: str, out: str, profile: str, rng, n: int, lone: int = 8) -> float:
     """Send `lone` requests one at a time, measure the saturation rate (`burst`, which it
     returns), then send 2`n` open loop at CALIBRATION_LOAD of it; store in the profile what the lone and
-    the moderate requests measured (`paraflex profile --gateway-log --step-log`, their log rows
-    in gateway.csv, their steps in calib-steps/): the engine loop's lines, the tokens' return
+    the moderate requests measured (`paraflex profile --gateway-log [--step-log]`, their log rows
+    in gateway.csv, with Ray their steps in calib-steps/): the engine loop's term, the tokens' return
     path and the per-request delays. The saturation runs' steps are kept apart (burst-steps/): lines
     fitted from them predicted the loads' steps worse (docs/simulate.md, fifth pass)."""
     start = time.time()
-    for req in make_requests(1.0, lone, 2 * 10**6, rng):
-        asyncio.run(replay(server.url, [dataclasses.replace(req, arrival=0.0)], rng))
+    for req in make_requests(setup, 1.0, lone, 2 * 10**6, rng):
+        asyncio.run(replay(setup, server.url, [dataclasses.replace(req, arrival=0.0)], rng))
     windows = [(start, time.time())]
-    sat = burst(server, n, rng)
+    sat = burst(setup, server, n, rng)
     windows.append((windows[0][1], time.time()))
     start = time.time()
-    asyncio.run(replay(server.url, make_requests(CALIBRATION_LOAD * sat, 2 * n, 3 * 10**6, rng), rng))
+    asyncio.run(replay(setup, server.url, make_requests(setup, CALIBRATION_LOAD * sat, 2 * n, 3 * 10**6, rng), rng))
     windows.append((start, time.time()))
     calib = (windows[0], windows[2])
     rows = [r for r in raw_log(log_path) if any(a <= float(r["arrival_s"]) <= b for a, b in calib)]
@@ -158,25 +147,27 @@ def calibrate(server, log_path: str, out: str, profile: str, rng, n: int, lone: 
         w = csv.DictWriter(fh, fieldnames=LOG_COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    steps = copy_steps(os.path.join(out, "steps"), os.path.join(out, "calib-steps"), calib)
-    copy_steps(os.path.join(out, "steps"), os.path.join(out, "burst-steps"), windows[1:2])
+    step_args = []
+    if setup.step_log:
+        step_args = ["--step-log", copy_steps(os.path.join(out, "steps"), os.path.join(out, "calib-steps"), calib)]
+        copy_steps(os.path.join(out, "steps"), os.path.join(out, "burst-steps"), windows[1:2])
     print(f"calibration: {lone} requests alone and {2 * n} at {CALIBRATION_LOAD * sat:.2f} req/s "
           f"({CALIBRATION_LOAD:.0%} of saturation); load average {os.getloadavg()[0]:.2f}", flush=True)
     print(run([sys.executable, "-m", "paraflex", "profile", os.path.join(out, "config.yaml"), "--gateway-log", path,
-               "--step-log", steps, "--placement", os.path.join(out, "placement.json"), "-o", profile]).strip(),
+               *step_args, "--placement", os.path.join(out, "placement.json"), "-o", profile]).strip(),
           flush=True)
     return sat
 
 
-def burst(server, n: int, rng) -> float:
+def burst(setup: Setup, server, n: int, rng) -> float:
     """The saturation rate (req/s): `n` requests at once give the server's best rate, then 2`n`
     open loop at that rate what it sustains (lower where the engines, gateway and client cannot
     keep up with requests spread out); the lower of the two."""
-    requests = [dataclasses.replace(r, arrival=0.0) for r in make_requests(1.0, max(4, n), 10**6, rng)]
-    results, _ = asyncio.run(replay(server.url, requests, rng))
+    requests = [dataclasses.replace(r, arrival=0.0) for r in make_requests(setup, 1.0, max(4, n), 10**6, rng)]
+    results, _ = asyncio.run(replay(setup, server.url, requests, rng))
     best = len(results) / max(r.e2e for r in results)
-    requests = make_requests(best, 2 * max(4, n), 4 * 10**6, rng)
-    results, _ = asyncio.run(replay(server.url, requests, rng))
+    requests = make_requests(setup, best, 2 * max(4, n), 4 * 10**6, rng)
+    results, _ = asyncio.run(replay(setup, server.url, requests, rng))
     sustained = len(results) / max(q.arrival + r.e2e for q, r in zip(requests, results))
     print(f"saturation: {best:.2f} req/s for a burst of {max(4, n)}, {sustained:.2f} req/s sustained at that rate",
           flush=True)
@@ -185,6 +176,8 @@ def burst(server, n: int, rng) -> float:
 
 def copy_steps(src: str, dst: str, windows) -> str:
     """The engine step rows logged in any of `windows` ((start, end), Unix s), from src/ to dst/."""
+    from paraflex.engine.ray_engine import STATS_EVERY_S  # Ray backend only
+
     time.sleep(2 * STATS_EVERY_S)  # the engines flush their step logs with their stats refresh
     os.makedirs(dst, exist_ok=True)
     for name in sorted(os.listdir(src)):
@@ -221,27 +214,28 @@ def simulated_rows(config, placement, requests: list[SimRequest]) -> list[dict]:
     return [dict(zip(header, row)) for row in rows]
 
 
-def serve_loads(args, out: str, config_path: str, placement_path: str, profile: str | None, n: int) -> list[dict]:
+def serve_loads(setup: Setup, args, out: str, config_path: str, placement_path: str, profile: str | None,
+                n: int) -> list[dict]:
     """Start the server, calibrate (with a profile), replay the three loads' request lists open
     loop and stop it; the windows ({load, start, end, client_ttft_s}), also in windows.json."""
     base = yaml.safe_load(open(config_path))
-    max_context = {m.name: m.arch.max_context for m in Config.from_dict(base, source=config_path).models}
+    max_context = {m.name: m.arch.max_context for m in Config.from_dict(base, source=config_path, base_dir=out).models}
     log_path = os.path.join(out, "served_requests.csv")
-    server = ServeProcess(config_path, backend="ray", who="sim_fidelity",
-                          extra_args=("--placement", placement_path, "--request-log", log_path,
-                                      "--step-log", os.path.join(out, "steps")))
+    steps = ("--step-log", os.path.join(out, "steps")) if setup.step_log else ()
+    server = ServeProcess(config_path, backend=setup.backend, who="sim_fidelity",
+                          extra_args=("--placement", placement_path, "--request-log", log_path, *steps))
     rng = np.random.default_rng(args.seed)
     windows = []
     try:
-        measured = calibrate(server, log_path, out, profile, rng, n) if profile else None
-        sat = args.saturation or measured or burst(server, n, rng)
+        measured = calibrate(setup, server, log_path, out, profile, rng, n) if profile else None
+        sat = args.saturation or measured or burst(setup, server, n, rng)
         for i, (load, frac) in enumerate(LOADS):
             path = os.path.join(out, f"requests-{load}.csv")
-            write_requests(path, make_requests(frac * sat, n, i * n, rng))
+            write_requests(path, make_requests(setup, frac * sat, n, i * n, rng))
             requests = load_requests(path, max_context).requests  # replay what the file says
             print(f"{load}: {n} requests at {frac * sat:.2f} req/s ({frac:.0%} of saturation); "
                   f"load average {os.getloadavg()[0]:.2f}", flush=True)
-            results, epoch = asyncio.run(replay(server.url, requests, rng))
+            results, epoch = asyncio.run(replay(setup, server.url, requests, rng))
             windows.append({"load": load, "start": epoch, "end": time.time(),
                             "client_ttft_s": float(np.median([r.ttft for r in results]))})
     finally:
@@ -256,13 +250,13 @@ def report(out: str, profile: str | None, windows: list[dict]) -> list[dict]:
     prints the per-window split and the table, writes fidelity.csv and fidelity_cdfs.png in
     `out`; the comparison rows."""
     base = yaml.safe_load(open(os.path.join(out, "config.yaml")))
-    config = Config.from_dict(base, source=os.path.join(out, "config.yaml"))
+    config = Config.from_dict(base, source=os.path.join(out, "config.yaml"), base_dir=out)
     placement = Placement.load_for(os.path.join(out, "placement.json"), config)
     log_path, steps = os.path.join(out, "served_requests.csv"), os.path.join(out, "steps")
     served = read_log(log_path)
     # the simulator reads the whole profile (tables, residuals, hop, gateway) through profile_dir
     sim_config = Config.from_dict({**base, "cluster": {**base["cluster"], "profile_dir": profile}} if profile else base,
-                                  source="sim-fidelity" + (" (profiled)" if profile else ""))
+                                  source="sim-fidelity" + (" (profiled)" if profile else ""), base_dir=out)
     max_context = {m.name: m.arch.max_context for m in config.models}
     rows, runs = [], []
     print()
@@ -276,7 +270,7 @@ def report(out: str, profile: str | None, windows: list[dict]) -> list[dict]:
         log_ttft = float(np.median([float(r["ttft_s"]) for r in real]))
         gateway = [r["gateway_s"] for r in real if "gateway_s" in r]
         split = f"gateway (HTTP arrival -> frontend) {1000 * float(np.median(gateway)):.1f} ms; " if gateway else ""
-        if profile:
+        if profile and os.path.isdir(steps):
             print(f"{load}: {step_split(sim_config, placement, steps, start, end, log_path)}")
             print(f"{load}: {served_parts(log_path, steps, {r['id'] for r in real}, start, end, profile)}")
         print(f"{load}: {len(real)}/{len(requests)} logged; {split}median TTFT at the client "
@@ -293,25 +287,29 @@ def report(out: str, profile: str | None, windows: list[dict]) -> list[dict]:
 def one_run(args, out: str, n: int) -> list[dict]:
     """Profile (unless reused or off), serve, calibrate, replay and compare into `out`."""
     os.makedirs(out, exist_ok=True)
+    setup = build_setup(args.backend, args.shapes, out)
     config_path = os.path.join(out, "config.yaml")
     with open(config_path, "w") as fh:
-        yaml.safe_dump(CONFIG, fh)
-    placement = plan(Config.from_dict(CONFIG, source=config_path))
+        yaml.safe_dump(setup.config, fh)
+    placement = plan(Config.from_dict(setup.config, source=config_path, base_dir=out))
     placement_path = os.path.join(out, "placement.json")
     placement.save(placement_path)
+    print(f"{setup.backend} backend, cluster device {setup.config['cluster']['device']}, "
+          f"{setup.config['cluster']['num_engines']} engine(s):")
     for name, mp in placement.models.items():
         print(f"  {name}: {mp.num_stages} stage(s), replicas on engines {mp.replicas}")
     profile = None
     if not (args.no_profile or args.tiny):
         profile = os.path.abspath(args.profile or os.path.join(out, "profile"))
         if not args.profile:
+            hop = ["--no-hop"] if setup.backend == "in-process" else []  # one engine: no hop, and maybe no Ray
             run([sys.executable, "-m", "paraflex", "profile", config_path, "-o", profile, "--tokens",
-                 "1,2,4,8,16,32,64,128,256", "--repeats", "10", "-q"])
+                 setup.profile_tokens, "--repeats", "10", "-q", *hop])
         warn_noise(profile)
         hop = measured_hop(profile)
         if hop is not None:
             print(f"hop between engines (profiled): {1e6 * hop.latency_s:.0f} µs", flush=True)
-    windows = serve_loads(args, out, config_path, placement_path, profile, n)
+    windows = serve_loads(setup, args, out, config_path, placement_path, profile, n)
     return report(out, profile, windows)
 
 
@@ -326,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resimulate", metavar="DIR", help="serve nothing: simulate the results folder DIR of an earlier "
                     "run again (with --profile, or DIR/profile) and compare it with its server log")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", choices=("ray", "in-process"), default="ray",
+                    help="ray: two engine actors, a model cut over both (default); in-process: one engine holding "
+                         "every model (`serve --in-process`, e.g. on a GPU machine without Ray)")
+    ap.add_argument("--shapes", choices=("builtin", "random-real", "random-small"), default="builtin",
+                    help="builtin: tiny-2l/4l/8l (default); random-real: random-weight Llama checkpoints of real "
+                         "shapes (0.4-1.1B, for a GPU); random-small: the same at toy sizes (a CPU dry run)")
     ap.add_argument("--tiny", action="store_true", help="CI size: 3 requests per load, no profiling")
     args = ap.parse_args(argv)
     n = 3 if args.tiny else args.requests

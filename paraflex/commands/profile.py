@@ -193,6 +193,9 @@ def _store_gateway(config, args) -> int:
     the gateway's delay and the engine path (logged TTFT against the simulated TTFT of the same
     requests at their logged arrivals, now with the terms before), all in OUTPUT's profile."""
     rows = read_log(args.gateway_log) if args.gateway_log else []
+    if args.gateway_log and not rows:
+        raise UserError(f"--gateway-log {args.gateway_log}: no row has an http_arrival_s; log requests served over "
+                        f"HTTP by `paraflex serve --request-log FILE`")
     names = {m.name for m in config.models}
     unknown = [r["model"] for r in rows if r["model"] not in names]
     if unknown:

@@ -65,7 +65,15 @@ class InProcessBackend:
     async def stream(self, model: str, prompt_token_ids: list[int], params,
                      request_id: str) -> AsyncIterator[Output]:
         sink = StreamSink(asyncio.get_running_loop())
-        self.cluster.submit(model, prompt_token_ids, params, request_id, sink)  # UserError: rejected
+        log = self.cluster.frontend.request_log
+        if log is not None:
+            log.awaiting(request_id)  # the loop thread starts it, outside this request's context
+        try:
+            self.cluster.submit(model, prompt_token_ids, params, request_id, sink)  # UserError: rejected
+        except Exception:
+            if log is not None:
+                log.dropped(request_id)
+            raise
         with self._lock:
             self._live[request_id] = model
         try:

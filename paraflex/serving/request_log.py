@@ -11,10 +11,11 @@ compares a served run with a simulated one (bench/sim_fidelity.py).
 Times are Unix seconds (`time.time()`): arrival is when the frontend took the request (after
 the gateway parsed and tokenized it), token times when the frontend got them. One more column
 than the simulator's, `http_arrival_s`: when the gateway's handler got the HTTP request (it sets
-`HTTP_ARRIVAL`, a context variable the frontend's `start` sees on the Ray backend; empty for
-requests that did not come over HTTP or whose start ran on another thread, as the in-process
-backend's does). arrival_s - http_arrival_s is the gateway's share (parse, tokenize,
-admission) that `paraflex profile --gateway-log` turns into the simulator's gateway delay. `output_tokens`
+`HTTP_ARRIVAL`, a context variable the frontend's `start` sees on the Ray backend; the
+in-process backend, whose loop thread starts requests, hands it over with `awaiting` before it
+queues one; empty for requests that did not come over HTTP). arrival_s - http_arrival_s is the
+gateway's share (parse, tokenize, admission; in-process also the wait for the loop to take the
+request, up to one engine step) that `paraflex profile --gateway-log` turns into the simulator's gateway delay. `output_tokens`
 is the request's max_tokens; `id` the client-visible request id. Aborted or failed requests are
 not logged. Thread-safe: the gateway's loop starts requests, the engines' output thread ends them.
 """
@@ -61,6 +62,14 @@ class RequestLog:
             rec.replica = replica
             t_http = HTTP_ARRIVAL.get()
             if t_http is not None:
+                self.http_arrival[rid] = t_http
+
+    def awaiting(self, rid: str) -> None:
+        """Keep this context's HTTP arrival for `rid`, which another thread will start (the
+        in-process backend's loop); `dropped` forgets it if the request never starts."""
+        t_http = HTTP_ARRIVAL.get()
+        if t_http is not None:
+            with self.lock:
                 self.http_arrival[rid] = t_http
 
     def tokens(self, rid: str, count: int) -> None:

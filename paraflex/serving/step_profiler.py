@@ -46,6 +46,9 @@ MIN_REPEATS = 21  # runs per probe at least, over all blocks
 BLOCKS = 3
 RETRIES = 2
 NO_CUT_MS = 1e9  # a target stage time no model reaches: the model stays one stage
+# the probes' KV pool at most (the plan's when smaller): the probes hold a few hundred tokens,
+# and the clusters of all models are up together (a GPU config's plan would give each the device)
+PROBE_KV_BYTES = 2 << 30
 
 
 def one_stage_config(config, name: str) -> Config:
@@ -77,10 +80,14 @@ class _ModelProbes:
     """One model's in-process cluster, its probes (prompts, max_tokens) and their blocks of runs."""
 
     def __init__(self, config, name: str) -> None:
+        from paraflex.planner import plan
         from paraflex.serving.in_process import LLMCluster
 
         self.name = name
-        self.cluster = LLMCluster(one_stage_config(config, name))
+        alone = one_stage_config(config, name)
+        placement = plan(alone)
+        kv_bytes = min(PROBE_KV_BYTES, sum(placement.engines[0].kv_bytes.values()))
+        self.cluster = LLMCluster(alone, placement, kv_bytes=kv_bytes)
         batches = [[[7 + i] * DECODE_PROMPT for i in range(b)] for b in DECODE_BATCHES]
         self.probes = ([([[7] * p], 1) for p in PREFILL_TOKENS] + [(q, 1) for q in batches]
                        + [(q, 1 + DECODE_STEPS) for q in batches])
