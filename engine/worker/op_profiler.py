@@ -13,14 +13,22 @@ decoder layer plus the embedding table): `emb` the embedding lookup, `input_laye
 `attn_post_proj` the O `Linear`, `mlp_up_proj` the fused gate|up `Linear`, `mlp_act` SiLU(gate)
 * up, `mlp_down_proj` the down `Linear`, `add` one residual add as a separate op (the engine
 runs one per stage; the cost model's two per layer over-count by that much where the norms
-include them). Each is run `warmup` times, then timed `repeats` times (synchronised on CUDA);
-each timed sample is the fastest of `BURST` calls back to back (a round), so the table's median
-is the median of per-round minima (paraflex/costs/robust_timing.py: other tenants of a shared
+include them). Each is run `warmup` times, then timed `repeats` times; on a CPU each timed sample
+is the fastest of `BURST` calls back to back (a round), so the table's median is the median of
+per-round minima (paraflex/costs/robust_timing.py: other tenants of a shared
 machine only add time). An op costs no less at more tokens: where an op's median at fewer tokens
 exceeds one at more by over 10%, both token counts are re-measured (up to `RETRIES` times, the
 lower median kept), and a break left after that is pooled into a non-decreasing median column
 (pool adjacent violators; min/max/mean/std stay as measured). `OpProfile` says what was
 re-measured and adjusted, and the typical relative IQR of a point's samples (the noise).
+
+On CUDA an op is timed as the engine runs it: `GRAPH_CALLS` calls captured in one CUDA graph,
+each sample one replay between two CUDA events, divided by the calls. Decode steps replay
+graphs, so their ops cost their kernels' time; timing each call alone between synchronisations
+measured the launch and the sync instead (20-45 us per op on an H100 for ~5 us kernels: a 1B
+model's decode step came out 7.4 ms against 2 ms served). What eager launches cost beyond that
+(prefill steps, the host's work per step) is the step profiler's residual
+(paraflex/serving/step_profiler.py).
 """
 
 from __future__ import annotations
@@ -41,17 +49,9 @@ from paraflex.costs.profile_tables import ALL_OPS
 from paraflex.costs.robust_timing import MONOTONE_TOL, make_monotone, monotone_breaks
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-BURST = 3  # calls per timed sample (its fastest counts)
+BURST = 3  # calls per timed sample on a CPU (its fastest counts)
+GRAPH_CALLS = 8  # calls per CUDA graph replay (one timed sample on CUDA)
 RETRIES = 2  # re-measurements of a token count whose op breaks monotonicity
-
-
-def _timer(device: torch.device) -> Callable[[], float]:
-    if device.type == "cuda":
-        def now() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-        return now
-    return time.perf_counter
 
 
 def _stats_ms(samples: list[float]) -> dict[str, float]:
@@ -119,19 +119,44 @@ class _LayerOps:
         }
 
 
-def _samples(fn, now, repeats: int, warmup: int) -> list[float]:
-    """`repeats` samples of `fn`, each the fastest of BURST calls back to back."""
+def _samples(fn, device: torch.device, repeats: int, warmup: int) -> list[float]:
+    """`repeats` timed samples of `fn` in seconds per call (see the module docstring)."""
     with torch.inference_mode():
         for _ in range(warmup):
             fn()
+        if device.type == "cuda":
+            return _graph_samples(fn, device, repeats)
         out = []
         for _ in range(repeats):
             best = float("inf")
             for _ in range(BURST):
-                t0 = now()
+                t0 = time.perf_counter()
                 fn()
-                best = min(best, now() - t0)
+                best = min(best, time.perf_counter() - t0)
             out.append(best)
+    return out
+
+
+def _graph_samples(fn, device: torch.device, repeats: int) -> list[float]:
+    """`repeats` replays of a CUDA graph of GRAPH_CALLS calls of `fn`, each timed by CUDA events."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # the allocator's warm-up outside the capture, as torch asks
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3 / GRAPH_CALLS)
+    del graph
     return out
 
 
@@ -140,13 +165,12 @@ def profile_layer_ops(arch, device: torch.device, dtype: torch.dtype, tokens=DEF
     """One row per token count: ``time_stats.<op>.<stat>`` in milliseconds for every op of
     `ALL_OPS`, plus Vidur's shape columns (TP 1); with the noise seen (`OpProfile`)."""
     layer_ops = _LayerOps(arch, device, dtype)
-    now = _timer(device)
     tokens = sorted(tokens)
     samples: dict[tuple[str, int], list[float]] = {}
     for n in tokens:
         ops = layer_ops.ops(n)
         for op in ALL_OPS:
-            samples[(op, n)] = _samples(ops[op], now, repeats, warmup)
+            samples[(op, n)] = _samples(ops[op], device, repeats, warmup)
         if progress:
             layer_ms = 1e3 * sum(statistics.median(samples[(op, n)]) for op in ALL_OPS if op != "emb")
             progress(f"{arch.name}: {n} tokens: one layer's linear/elementwise ops {layer_ms:.3f} ms")
@@ -157,7 +181,7 @@ def profile_layer_ops(arch, device: torch.device, dtype: torch.dtype, tokens=DEF
         if not breaks:
             break
         for op, n in sorted(breaks, key=lambda b: (b[1], b[0])):
-            again = _samples(layer_ops.ops(n)[op], now, repeats, warmup)
+            again = _samples(layer_ops.ops(n)[op], device, repeats, warmup)
             if statistics.median(again) < statistics.median(samples[(op, n)]):
                 samples[(op, n)] = again  # a busy stretch only adds time: the lower median is closer
             result.remeasured.append(f"{op}@{n}")

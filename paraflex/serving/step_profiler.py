@@ -38,8 +38,10 @@ from paraflex.costs.robust_timing import (MONOTONE_TOL, fit_line, line_outliers,
 from paraflex.costs.step_overheads import StepOverhead
 from paraflex.engine.core.sampling_params import SamplingParams
 
-PREFILL_TOKENS = (16, 32, 64, 128)
-DECODE_BATCHES = (1, 2, 4, 8)
+# probe sizes (prompt tokens, decode batches) per device type: a GPU runs large steps in the time
+# a CPU runs small ones, and the residual's line is then fitted over the sizes it serves
+PROBE_SIZES = {"cpu": ((16, 32, 64, 128), (1, 2, 4, 8)),
+               "cuda": ((16, 128, 512, 1024), (1, 8, 32, 64))}
 DECODE_STEPS = 8  # K
 DECODE_PROMPT = 8  # tokens per decode-test prompt
 MIN_REPEATS = 21  # runs per probe at least, over all blocks
@@ -88,8 +90,10 @@ class _ModelProbes:
         placement = plan(alone)
         kv_bytes = min(PROBE_KV_BYTES, sum(placement.engines[0].kv_bytes.values()))
         self.cluster = LLMCluster(alone, placement, kv_bytes=kv_bytes)
-        batches = [[[7 + i] * DECODE_PROMPT for i in range(b)] for b in DECODE_BATCHES]
-        self.probes = ([([[7] * p], 1) for p in PREFILL_TOKENS] + [(q, 1) for q in batches]
+        self.prefill_sizes, decode_sizes = PROBE_SIZES["cuda" if self.cluster.device.type == "cuda" else "cpu"]
+        self.decode_sizes = tuple(b for b in decode_sizes if b <= config.scheduler.max_batch_size)  # one step each
+        batches = [[[7 + i] * DECODE_PROMPT for i in range(b)] for b in self.decode_sizes]
+        self.probes = ([([[7] * p], 1) for p in self.prefill_sizes] + [(q, 1) for q in batches]
                        + [(q, 1 + DECODE_STEPS) for q in batches])
         self.params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in self.probes]
         self.blocks: list[list[list[float]]] = [[] for _ in self.probes]  # probe -> blocks -> runs
@@ -108,23 +112,23 @@ class _ModelProbes:
             self.blocks[i].append(r)
 
     def prefill_times(self) -> list[float]:
-        return [robust_time(self.blocks[i]) for i in range(len(PREFILL_TOKENS))]
+        return [robust_time(self.blocks[i]) for i in range(len(self.prefill_sizes))]
 
     def decode_times(self) -> list[float]:
-        n_p, n_d = len(PREFILL_TOKENS), len(DECODE_BATCHES)
+        n_p, n_d = len(self.prefill_sizes), len(self.decode_sizes)
         return [(robust_time(self.blocks[n_p + n_d + k]) - robust_time(self.blocks[n_p + k])) / DECODE_STEPS
                 for k in range(n_d)]
 
     def suspect_probes(self) -> dict[str, list[int]]:
         """"prefill@P" / "decode@B" -> the probe indices to run again (a monotone break or an
         outlier from the line of the others)."""
-        n_p, n_d = len(PREFILL_TOKENS), len(DECODE_BATCHES)
+        n_p, n_d = len(self.prefill_sizes), len(self.decode_sizes)
         out = {}
         pre, dec = self.prefill_times(), self.decode_times()
-        for i in set(monotone_breaks(pre)) | set(line_outliers(list(PREFILL_TOKENS), pre)):
-            out[f"prefill@{PREFILL_TOKENS[i]}"] = [i]
-        for k in set(monotone_breaks(dec)) | set(line_outliers(list(DECODE_BATCHES), dec)):
-            out[f"decode@{DECODE_BATCHES[k]}"] = [n_p + k, n_p + n_d + k]
+        for i in set(monotone_breaks(pre)) | set(line_outliers(list(self.prefill_sizes), pre)):
+            out[f"prefill@{self.prefill_sizes[i]}"] = [i]
+        for k in set(monotone_breaks(dec)) | set(line_outliers(list(self.decode_sizes), dec)):
+            out[f"decode@{self.decode_sizes[k]}"] = [n_p + k, n_p + n_d + k]
         return out
 
 
@@ -159,12 +163,12 @@ def measure_steps(config, names: list[str], cost: CostModel, repeats: int = 5,
 def _residual(config, m: _ModelProbes, cost: CostModel, noise: StepNoise, progress) -> StepOverhead:
     arch = config.model(m.name).arch
     L = arch.num_layers
-    n_p = len(PREFILL_TOKENS)
+    n_p = len(m.prefill_sizes)
     noise.prefill_spread = max(spread(b) for b in m.blocks[:n_p])
     noise.decode_spread = max(spread(b) for b in m.blocks[n_p:])
     series = {}
-    for kind, sizes, measured in (("prefill", PREFILL_TOKENS, m.prefill_times()),
-                                  ("decode", DECODE_BATCHES, m.decode_times())):
+    for kind, sizes, measured in (("prefill", m.prefill_sizes, m.prefill_times()),
+                                  ("decode", m.decode_sizes, m.decode_times())):
         fixed = make_monotone(measured)
         pooled = [f"{kind}@{s}" for s, a, b in zip(sizes, measured, fixed) if abs(a - b) > MONOTONE_TOL * a]
         if pooled and progress:
@@ -172,19 +176,19 @@ def _residual(config, m: _ModelProbes, cost: CostModel, noise: StepNoise, progre
         noise.adjusted += pooled
         series[kind] = fixed
     prefill, decode = [], []
-    for p, measured in zip(PREFILL_TOKENS, series["prefill"]):
+    for p, measured in zip(m.prefill_sizes, series["prefill"]):
         predicted = cost.prefill_time(arch, L, p, first=True, last=True)
         prefill.append(measured - predicted)
         if progress:
             progress(f"{m.name}: prefill {p} tokens: {1000 * measured:.2f} ms served vs {1000 * predicted:.2f} ms ops")
-    for b, measured in zip(DECODE_BATCHES, series["decode"]):
+    for b, measured in zip(m.decode_sizes, series["decode"]):
         ctx = b * (DECODE_PROMPT + 1 + DECODE_STEPS // 2)
         predicted = cost.decode_time(arch, L, b, ctx, first=True, last=True)
         decode.append(measured - predicted)
         if progress:
             progress(f"{m.name}: decode step, batch {b}: {1000 * measured:.2f} ms served vs {1000 * predicted:.2f} ms ops")
-    p0, p1 = fit_line(PREFILL_TOKENS, prefill)
-    d0, d1 = fit_line(DECODE_BATCHES, decode)
+    p0, p1 = fit_line(m.prefill_sizes, prefill)
+    d0, d1 = fit_line(m.decode_sizes, decode)
     if progress:
         progress(f"{m.name}: residual prefill {1000 * p0:.2f} ms + {1e6 * p1:.1f} us/token, "
                  f"decode {1000 * d0:.2f} ms + {1e6 * d1:.1f} us/request; blocks' spread prefill "
