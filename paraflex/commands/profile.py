@@ -35,7 +35,7 @@ import sys
 
 from paraflex.config.schema import load_config
 from paraflex.costs.serving_terms import (ENGINE_LOOP_KEY, GATEWAY_KEY, HOP_KEY, RETURN_PATH_KEY, EngineLoopTerm,
-                                          GatewayTerm, HopTerm, gateway_delays, read_log, store)
+                                          GatewayTerm, HopTerm, gateway_delays, read_log, served_alone, store)
 from paraflex.costs.host_cpu import HOST_CORES_KEY, HOST_CPU_KEY
 from paraflex.costs.step_overheads import KEY as STEP_KEY, NOISE_KEY
 from paraflex.errors import UserError
@@ -214,9 +214,10 @@ def _store_gateway(config, args) -> int:
             print(f"shared host CPU, fitted from {host.steps} logged steps: {host.cores} cores; each busy engine "
                   f"{host.demand_per_engine:g} and each request in flight {host.demand_per_request:g} cores' worth "
                   f"of runnable work")
-    elif rows:
+    elif served_alone(rows):  # the TBT of a request alone, logged against simulated: what each step adds
+        alone = served_alone(rows)
         stages = {name: mp.num_stages for name, mp in layout.placement.models.items()}
-        loop = EngineLoopTerm.fit(rows, [tbt for _, tbt in _simulated(profiled, layout, rows)], stages, archs)
+        loop = EngineLoopTerm.fit(alone, [tbt for _, tbt in _simulated(profiled, layout, alone)], stages, archs)
     store(args.output, ENGINE_LOOP_KEY, loop)
     if loop is not None:
         steps = ", ".join(_describe(e) for e in loop.per_model)

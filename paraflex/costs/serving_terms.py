@@ -178,6 +178,19 @@ class ReturnPathTerm:
         return self.latency_s * stretch
 
 
+def served_alone(rows: list[dict]) -> list[dict]:
+    """The request-log `rows` whose time in the server (frontend arrival to finish) overlaps no
+    other row's: the requests the server ran alone."""
+    spans = sorted((float(r["arrival_s"]), float(r["finish_s"]), i) for i, r in enumerate(rows))
+    alone, latest_end = [], float("-inf")
+    for k, (start, end, i) in enumerate(spans):
+        next_start = spans[k + 1][0] if k + 1 < len(spans) else float("inf")
+        if start > latest_end and end < next_start:
+            alone.append(rows[i])
+        latest_end = max(latest_end, end)
+    return alone
+
+
 def read_log(path: str) -> list[dict]:
     """The rows of a `paraflex serve --request-log` file that carry an http_arrival_s."""
     try:

@@ -11,7 +11,7 @@ import pytest
 from paraflex.config.schema import Config
 from paraflex.costs.costmodel import CostModel
 from paraflex.costs.serving_terms import (ENGINE_LOOP_KEY, GATEWAY_KEY, HOP_KEY, EngineLoopTerm, GatewayTerm, HopTerm,
-                                          engine_loop, measured_hop, read_log, request_delay_s, store)
+                                          engine_loop, measured_hop, read_log, request_delay_s, served_alone, store)
 from paraflex.errors import UserError
 from paraflex.models.catalog import get_arch
 from paraflex.serving.request_log import LOG_COLUMNS
@@ -138,3 +138,14 @@ def test_the_gateway_delay_stretches_only_where_a_quiet_delay_was_fitted():
     assert stretched.delay_s_at(2.5) == pytest.approx(0.005)
     assert stretched.delay_s_at(None) == 0.004  # no host term: the median
     assert GatewayTerm(0.004, 9).delay_s_at(2.5) == 0.004
+
+
+def test_served_alone_keeps_only_requests_no_other_overlapped():
+    rows = [{"id": "a", "arrival_s": "0.0", "finish_s": "1.0"},   # alone
+            {"id": "b", "arrival_s": "2.0", "finish_s": "3.5"},   # overlaps c
+            {"id": "c", "arrival_s": "3.0", "finish_s": "4.0"},
+            {"id": "d", "arrival_s": "5.0", "finish_s": "9.0"},   # holds e inside it
+            {"id": "e", "arrival_s": "6.0", "finish_s": "7.0"},
+            {"id": "f", "arrival_s": "9.5", "finish_s": "9.8"}]   # alone, after d
+    assert [r["id"] for r in served_alone(rows)] == ["a", "f"]
+    assert served_alone([]) == []
