@@ -192,7 +192,7 @@ class CostModel:
             total += self.embedding_time(arch, num_tokens)
         if last:
             total += self.head_time(arch, num_seqs)
-        return self._with_residual(total, arch, num_layers, prefill=True, size=num_tokens)
+        return self._with_residual(total, arch, num_layers, prefill=True, size=num_tokens, num_seqs=num_seqs)
 
     def decode_time(self, arch, num_layers: int, batch_size: int, total_context: int,
                     first: bool = False, last: bool = False) -> float:
@@ -210,14 +210,16 @@ class CostModel:
             total += self.embedding_time(arch, batch_size)
         if last:
             total += self.head_time(arch, batch_size)
-        return self._with_residual(total, arch, num_layers, prefill=False, size=batch_size)
+        return self._with_residual(total, arch, num_layers, prefill=False, size=batch_size, context=total_context)
 
-    def _with_residual(self, total: float, arch, num_layers: int, prefill: bool, size: int) -> float:
+    def _with_residual(self, total: float, arch, num_layers: int, prefill: bool, size: int, num_seqs: int = 1,
+                       context: int = 0) -> float:
         """`total` plus the measured per-step residual of a served engine (step_overheads.py)
         and what its engine loop adds per stage step (serving_terms.py, `engine_loop`); a loop
         line fitted from a step log may be negative (the served steps were faster than the
         residual says), but the two never take time off the ops."""
-        residual = self.overheads.stage_residual(arch, num_layers, prefill, size) if self.overheads is not None else 0.0
+        residual = (self.overheads.stage_residual(arch, num_layers, prefill, size, num_seqs, context)
+                    if self.overheads is not None else 0.0)
         if self.engine_loop is not None:  # fitted against the stage time with the residual: may correct it down
             residual = max(0.0, residual + self.engine_loop.stage_step_s(arch, prefill, size))
         return total + residual

@@ -28,6 +28,7 @@ point does not tilt it); paraflex/costs/step_overheads.py stores and applies it.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -38,10 +39,15 @@ from paraflex.costs.robust_timing import (MONOTONE_TOL, fit_line, line_outliers,
 from paraflex.costs.step_overheads import StepOverhead
 from paraflex.engine.core.sampling_params import SamplingParams
 
-# probe sizes (prompt tokens, decode batches) per device type: a GPU runs large steps in the time
-# a CPU runs small ones, and the residual's line is then fitted over the sizes it serves
-PROBE_SIZES = {"cpu": ((16, 32, 64, 128), (1, 2, 4, 8)),
-               "cuda": ((16, 128, 512, 1024), (1, 8, 32, 64))}
+# probe sizes per device type: (prompt tokens, decode batches, prompts packed into one prefill of
+# PACKED_PROMPT tokens each, decode batches at LONG_CONTEXT tokens of context each). A GPU runs
+# large steps in the time a CPU runs small ones, so the residual is fitted over the sizes it serves;
+# on a GPU the eager prefill's cost per packed prompt and the attention kernel's cost per token of
+# context are measured too (the roofline's attention is far below the kernel's at these sizes)
+PROBE_SIZES = {"cpu": ((16, 32, 64, 128), (1, 2, 4, 8), (), ()),
+               "cuda": ((16, 128, 512, 1024), (1, 8, 32, 64), (2, 4, 8), (1, 8, 32))}
+PACKED_PROMPT = 128
+LONG_CONTEXT = 512
 DECODE_STEPS = 8  # K
 DECODE_PROMPT = 8  # tokens per decode-test prompt
 MIN_REPEATS = 21  # runs per probe at least, over all blocks
@@ -90,11 +96,21 @@ class _ModelProbes:
         placement = plan(alone)
         kv_bytes = min(PROBE_KV_BYTES, sum(placement.engines[0].kv_bytes.values()))
         self.cluster = LLMCluster(alone, placement, kv_bytes=kv_bytes)
-        self.prefill_sizes, decode_sizes = PROBE_SIZES["cuda" if self.cluster.device.type == "cuda" else "cpu"]
-        self.decode_sizes = tuple(b for b in decode_sizes if b <= config.scheduler.max_batch_size)  # one step each
+        prefill, decode, packed, long = PROBE_SIZES["cuda" if self.cluster.device.type == "cuda" else "cpu"]
+        fits = config.scheduler.max_batch_size
+        self.prefill_sizes, self.packed_sizes = prefill, tuple(k for k in packed if k <= fits)
+        self.decode_sizes, self.long_sizes = (tuple(b for b in decode if b <= fits),  # one step each
+                                              tuple(b for b in long if b <= fits))
         batches = [[[7 + i] * DECODE_PROMPT for i in range(b)] for b in self.decode_sizes]
-        self.probes = ([([[7] * p], 1) for p in self.prefill_sizes] + [(q, 1) for q in batches]
-                       + [(q, 1 + DECODE_STEPS) for q in batches])
+        long_batches = [[[7 + i] * LONG_CONTEXT for i in range(b)] for b in self.long_sizes]
+        groups = {"prefill": [([[7] * p], 1) for p in self.prefill_sizes],
+                  "packed": [([[7 + i] * PACKED_PROMPT for i in range(k)], 1) for k in self.packed_sizes],
+                  "decode": [(q, 1) for q in batches], "decode+K": [(q, 1 + DECODE_STEPS) for q in batches],
+                  "long": [(q, 1) for q in long_batches], "long+K": [(q, 1 + DECODE_STEPS) for q in long_batches]}
+        self.probes, self.index = [], {}
+        for group, probes in groups.items():
+            self.index[group] = list(range(len(self.probes), len(self.probes) + len(probes)))
+            self.probes += probes
         self.params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in self.probes]
         self.blocks: list[list[list[float]]] = [[] for _ in self.probes]  # probe -> blocks -> runs
         for (prompts, _), p in zip(self.probes, self.params):
@@ -111,24 +127,29 @@ class _ModelProbes:
         for i, r in runs.items():
             self.blocks[i].append(r)
 
+    def times(self, group: str) -> list[float]:
+        return [robust_time(self.blocks[i]) for i in self.index[group]]
+
+    def step_times(self, group: str) -> list[float]:
+        """One decode step of each batch of `group` ("decode" or "long"): its K-step runs minus
+        its one-token runs, over K."""
+        return [(k - one) / DECODE_STEPS for one, k in zip(self.times(group), self.times(group + "+K"))]
+
     def prefill_times(self) -> list[float]:
-        return [robust_time(self.blocks[i]) for i in range(len(self.prefill_sizes))]
+        return self.times("prefill")
 
     def decode_times(self) -> list[float]:
-        n_p, n_d = len(self.prefill_sizes), len(self.decode_sizes)
-        return [(robust_time(self.blocks[n_p + n_d + k]) - robust_time(self.blocks[n_p + k])) / DECODE_STEPS
-                for k in range(n_d)]
+        return self.step_times("decode")
 
     def suspect_probes(self) -> dict[str, list[int]]:
         """"prefill@P" / "decode@B" -> the probe indices to run again (a monotone break or an
         outlier from the line of the others)."""
-        n_p, n_d = len(self.prefill_sizes), len(self.decode_sizes)
         out = {}
         pre, dec = self.prefill_times(), self.decode_times()
         for i in set(monotone_breaks(pre)) | set(line_outliers(list(self.prefill_sizes), pre)):
-            out[f"prefill@{self.prefill_sizes[i]}"] = [i]
+            out[f"prefill@{self.prefill_sizes[i]}"] = [self.index["prefill"][i]]
         for k in set(monotone_breaks(dec)) | set(line_outliers(list(self.decode_sizes), dec)):
-            out[f"decode@{self.decode_sizes[k]}"] = [n_p + k, n_p + n_d + k]
+            out[f"decode@{self.decode_sizes[k]}"] = [self.index["decode"][k], self.index["decode+K"][k]]
         return out
 
 
@@ -163,34 +184,47 @@ def measure_steps(config, names: list[str], cost: CostModel, repeats: int = 5,
 def _residual(config, m: _ModelProbes, cost: CostModel, noise: StepNoise, progress) -> StepOverhead:
     arch = config.model(m.name).arch
     L = arch.num_layers
-    n_p = len(m.prefill_sizes)
-    noise.prefill_spread = max(spread(b) for b in m.blocks[:n_p])
-    noise.decode_spread = max(spread(b) for b in m.blocks[n_p:])
+    say = progress or (lambda line: None)
+    prefill_probes = set(m.index["prefill"] + m.index["packed"])
+    noise.prefill_spread = max(spread(m.blocks[i]) for i in prefill_probes)
+    noise.decode_spread = max(spread(b) for i, b in enumerate(m.blocks) if i not in prefill_probes)
     series = {}
     for kind, sizes, measured in (("prefill", m.prefill_sizes, m.prefill_times()),
                                   ("decode", m.decode_sizes, m.decode_times())):
         fixed = make_monotone(measured)
         pooled = [f"{kind}@{s}" for s, a, b in zip(sizes, measured, fixed) if abs(a - b) > MONOTONE_TOL * a]
-        if pooled and progress:
-            progress(f"{m.name}: {', '.join(pooled)} still break monotonicity: pooled into a non-decreasing series")
+        if pooled:
+            say(f"{m.name}: {', '.join(pooled)} still break monotonicity: pooled into a non-decreasing series")
         noise.adjusted += pooled
         series[kind] = fixed
-    prefill, decode = [], []
+
+    def decode_residual(b: int, context: int, measured: float, what: str) -> float:
+        predicted = cost.decode_time(arch, L, b, b * context, first=True, last=True)
+        say(f"{m.name}: decode step, batch {b}{what}: {1000 * measured:.2f} ms served vs {1000 * predicted:.2f} ms ops")
+        return measured - predicted
+
+    short, long = DECODE_PROMPT + 1 + DECODE_STEPS // 2, LONG_CONTEXT + 1 + DECODE_STEPS // 2
+    decode = {b: decode_residual(b, short, t, "") for b, t in zip(m.decode_sizes, series["decode"])}
+    # the residual's growth per token of context: long-context steps against short ones of the same batch
+    per_context = [(decode_residual(b, long, t, f", context {long}") - decode[b]) / (b * (long - short))
+                   for b, t in zip(m.long_sizes, m.step_times("long"))]
+    d2 = max(0.0, statistics.median(per_context)) if per_context else 0.0
+    d0, d1 = fit_line(m.decode_sizes, [decode[b] - d2 * b * short for b in m.decode_sizes])
+    prefill = []
     for p, measured in zip(m.prefill_sizes, series["prefill"]):
         predicted = cost.prefill_time(arch, L, p, first=True, last=True)
         prefill.append(measured - predicted)
-        if progress:
-            progress(f"{m.name}: prefill {p} tokens: {1000 * measured:.2f} ms served vs {1000 * predicted:.2f} ms ops")
-    for b, measured in zip(m.decode_sizes, series["decode"]):
-        ctx = b * (DECODE_PROMPT + 1 + DECODE_STEPS // 2)
-        predicted = cost.decode_time(arch, L, b, ctx, first=True, last=True)
-        decode.append(measured - predicted)
-        if progress:
-            progress(f"{m.name}: decode step, batch {b}: {1000 * measured:.2f} ms served vs {1000 * predicted:.2f} ms ops")
+        say(f"{m.name}: prefill {p} tokens: {1000 * measured:.2f} ms served vs {1000 * predicted:.2f} ms ops")
     p0, p1 = fit_line(m.prefill_sizes, prefill)
-    d0, d1 = fit_line(m.decode_sizes, decode)
-    if progress:
-        progress(f"{m.name}: residual prefill {1000 * p0:.2f} ms + {1e6 * p1:.1f} us/token, "
-                 f"decode {1000 * d0:.2f} ms + {1e6 * d1:.1f} us/request; blocks' spread prefill "
-                 f"{noise.prefill_spread:.0%}, decode {noise.decode_spread:.0%}")
-    return StepOverhead.of(m.name, arch, p0, d0, p1, d1)
+    per_prompt = []  # what each prompt packed beyond the first adds over the line in tokens
+    for k, measured in zip(m.packed_sizes, m.times("packed")):
+        tokens = k * PACKED_PROMPT
+        predicted = cost.prefill_time(arch, L, tokens, first=True, last=True, num_seqs=k)
+        say(f"{m.name}: prefill of {k} packed prompts ({tokens} tokens): {1000 * measured:.2f} ms served vs "
+            f"{1000 * predicted:.2f} ms ops")
+        per_prompt.append((measured - predicted - p0 - p1 * tokens) / (k - 1))
+    p2 = max(0.0, statistics.median(per_prompt)) if per_prompt else 0.0
+    say(f"{m.name}: residual prefill {1000 * p0:.2f} ms + {1e6 * p1:.1f} us/token + {1e6 * p2:.1f} us/extra prompt, "
+        f"decode {1000 * d0:.2f} ms + {1e6 * d1:.1f} us/request + {1e9 * d2:.1f} ns/token of context; blocks' "
+        f"spread prefill {noise.prefill_spread:.0%}, decode {noise.decode_spread:.0%}")
+    return StepOverhead.of(m.name, arch, p0, d0, p1, d1, p2, d2)

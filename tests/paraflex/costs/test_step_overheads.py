@@ -47,3 +47,19 @@ def test_an_older_profile_without_slopes_reads_as_flat_lines(tmp_path):
     o = StepOverheads.load(str(tmp_path))
     assert o.stage_residual(four, 4, prefill=True, size=16) == o.stage_residual(four, 4, prefill=True, size=512)
 
+
+
+def test_packed_prompts_and_context_add_their_measured_costs_and_the_cost_model_passes_them(tmp_path):
+    four = get_arch("tiny-4l")
+    profile = _dir(tmp_path, StepOverhead.of("m", four, prefill_s=0.001, decode_s=0.001, prefill_per_extra_seq_s=2e-4,
+                                             decode_per_context_s=1e-6))
+    o = StepOverheads.load(profile)
+    assert o.stage_residual(four, 4, prefill=True, size=100, num_seqs=4) == pytest.approx(0.001 + 3 * 2e-4)
+    assert o.stage_residual(four, 4, prefill=False, size=2, context=1000) == pytest.approx(0.001 + 1e-3)
+    from paraflex.costs.costmodel import CostModel
+
+    plain, measured = CostModel("a100-80g"), CostModel("a100-80g")
+    measured.overheads = o  # what `profile_dir` loads beside its tables
+    extra = lambda f: f(measured) - f(plain)  # noqa: E731  (the residual the profile adds)
+    assert extra(lambda c: c.prefill_time(four, 4, 100, num_seqs=4)) == pytest.approx(0.0016)
+    assert extra(lambda c: c.decode_time(four, 4, 2, 1000)) == pytest.approx(0.002)
