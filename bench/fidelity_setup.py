@@ -56,10 +56,6 @@ class Setup:
     def models(self) -> tuple[str, ...]:
         return tuple(m["name"] for m in self.config["models"])
 
-    @property
-    def step_log(self) -> bool:
-        """Whether the server writes `--step-log` (Ray engine actors only)."""
-        return self.backend == "ray"
 
 
 def cluster_device() -> str:

@@ -57,7 +57,7 @@ from serve_process import ServeProcess  # noqa: E402
 from served_split import served_parts, step_split  # noqa: E402
 
 from paraflex.config.schema import Config  # noqa: E402
-from paraflex.engine.step_log import STEP_LOG_COLUMNS  # noqa: E402
+from paraflex.engine.step_log import FLUSH_EVERY_S, STEP_LOG_COLUMNS  # noqa: E402
 from paraflex.costs.serving_terms import measured_hop  # noqa: E402
 from paraflex.serving.request_log import LOG_COLUMNS  # noqa: E402
 from paraflex.placement import Placement  # noqa: E402
@@ -147,14 +147,12 @@ def calibrate(setup: Setup, server, log_path: str, out: str, profile: str, rng, 
         w = csv.DictWriter(fh, fieldnames=LOG_COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    step_args = []
-    if setup.step_log:
-        step_args = ["--step-log", copy_steps(os.path.join(out, "steps"), os.path.join(out, "calib-steps"), calib)]
-        copy_steps(os.path.join(out, "steps"), os.path.join(out, "burst-steps"), windows[1:2])
+    steps = copy_steps(os.path.join(out, "steps"), os.path.join(out, "calib-steps"), calib)
+    copy_steps(os.path.join(out, "steps"), os.path.join(out, "burst-steps"), windows[1:2])
     print(f"calibration: {lone} requests alone and {2 * n} at {CALIBRATION_LOAD * sat:.2f} req/s "
           f"({CALIBRATION_LOAD:.0%} of saturation); load average {os.getloadavg()[0]:.2f}", flush=True)
     print(run([sys.executable, "-m", "paraflex", "profile", os.path.join(out, "config.yaml"), "--gateway-log", path,
-               *step_args, "--placement", os.path.join(out, "placement.json"), "-o", profile]).strip(),
+               "--step-log", steps, "--placement", os.path.join(out, "placement.json"), "-o", profile]).strip(),
           flush=True)
     return sat
 
@@ -176,9 +174,7 @@ def burst(setup: Setup, server, n: int, rng) -> float:
 
 def copy_steps(src: str, dst: str, windows) -> str:
     """The engine step rows logged in any of `windows` ((start, end), Unix s), from src/ to dst/."""
-    from paraflex.engine.ray_engine import STATS_EVERY_S  # Ray backend only
-
-    time.sleep(2 * STATS_EVERY_S)  # the engines flush their step logs with their stats refresh
+    time.sleep(2 * FLUSH_EVERY_S)  # the engines' last rows reach the files
     os.makedirs(dst, exist_ok=True)
     for name in sorted(os.listdir(src)):
         rows = [r for r in raw_log(os.path.join(src, name)) if any(a <= float(r["start_s"]) <= b for a, b in windows)]
@@ -221,9 +217,9 @@ def serve_loads(setup: Setup, args, out: str, config_path: str, placement_path: 
     base = yaml.safe_load(open(config_path))
     max_context = {m.name: m.arch.max_context for m in Config.from_dict(base, source=config_path, base_dir=out).models}
     log_path = os.path.join(out, "served_requests.csv")
-    steps = ("--step-log", os.path.join(out, "steps")) if setup.step_log else ()
     server = ServeProcess(config_path, backend=setup.backend, who="sim_fidelity",
-                          extra_args=("--placement", placement_path, "--request-log", log_path, *steps))
+                          extra_args=("--placement", placement_path, "--request-log", log_path,
+                                      "--step-log", os.path.join(out, "steps")))
     rng = np.random.default_rng(args.seed)
     windows = []
     try:

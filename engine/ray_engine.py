@@ -40,12 +40,13 @@ from paraflex.engine.ray_output import BatchingSink
 from paraflex.engine.core.request import WAITING_PREFILL
 from paraflex.engine.core.sampling_params import SamplingParams
 from paraflex.engine.kernels import omp_policy
+from paraflex.engine.step_log import FLUSH_EVERY_S, StepLog
 from paraflex.engine.transport.base import Envelope
 from paraflex.engine.transport.ray import GroupSpec, RayTransport
 from paraflex.errors import ParaflexError
 
 LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
-STATS_EVERY_S = 0.2  # how often the engine thread refreshes the numbers status() reports
+STATS_EVERY_S = FLUSH_EVERY_S  # how often the engine thread refreshes the numbers status() reports (and flushes)
 
 
 class EngineActor:
@@ -181,8 +182,6 @@ class EngineActor:
 
     def start_step_log(self, directory: str) -> str:
         """Log every batch this engine runs to DIR/engine-<id>.csv (engine/step_log.py); its path."""
-        from paraflex.engine.step_log import StepLog
-
         self.step_log = StepLog(directory, self.engine_id)
         return self.step_log.path
 
@@ -235,8 +234,8 @@ class EngineActor:
                 worked = self._apply_inbox()
                 ran = self.loop.step()
                 worked |= ran
-                if ran and self.step_log is not None and self.loop.last_run is not None:
-                    self._log_step(start, time.perf_counter() - t0)
+                if ran and self.step_log is not None:
+                    self.step_log.record_last_run(self.loop, start, time.perf_counter() - t0)
                 now = time.monotonic()
                 if now - last > STATS_EVERY_S:
                     self._snapshot()
@@ -249,12 +248,6 @@ class EngineActor:
             self.error = f"engine loop: {type(exc).__name__}: {exc}"
             self._say(f"engine {self.engine_id}: {self.error}\n{traceback.format_exc()}")
             self.state = FAILED
-
-    def _log_step(self, start: float, busy_s: float) -> None:
-        batch, run_s = self.loop.last_run
-        self.loop.last_run = None
-        route = self.loop.routes.get(batch.model, [self.engine_id])
-        self.step_log.record(batch, route, len(self.loop.routes), start, busy_s, run_s)
 
     def _transport_error(self, model: str, peer: int, exc: BaseException) -> None:
         self._say(f"engine {self.engine_id}: transfer of {model} with engine {peer} failed: {exc}")

@@ -1,8 +1,9 @@
 """`paraflex serve --step-log DIR`: one CSV row per batch an engine ran, timed by its own loop.
 
 Place in the data flow: the Ray engine actor (engine/ray_engine.py) opens a `StepLog` at
-DIR/engine-<id>.csv when the serve command asks (`start_step_log`) and records every loop
-iteration that ran a batch: what the batch carried (model, stage, kind, batch size, prompt
+DIR/engine-<id>.csv when the serve command asks (`start_step_log`), the in-process engines
+(paraflex/serving/in_process_engines.py, `start_step_logs`) one per engine, and each records
+every loop iteration that ran a batch (`record_last_run`): what the batch carried (model, stage, kind, batch size, prompt
 tokens, decode context, how many stages the engine holds, whether its output crosses engines)
 and how long it took: `busy_s` the whole iteration (inbox, transport poll, schedule, forward,
 sampling, sending the hidden state or tokens, the output push) and `run_s` the forward pass and
@@ -18,6 +19,7 @@ from __future__ import annotations
 import csv
 import os
 
+FLUSH_EVERY_S = 0.2  # the longest a logged row waits in the buffer (a Ray engine flushes with its stats refresh)
 STEP_LOG_COLUMNS = ("engine", "model", "stage", "num_stages", "kind", "batch_size", "prefill_tokens",
                     "total_context", "resident_stages", "crosses", "start_s", "busy_s", "run_s", "req_ids")
 
@@ -40,6 +42,15 @@ class StepLog:
         self.writer.writerow((self.engine_id, batch.model, batch.stage, len(route), batch.kind, batch.batch_size,
                               batch.prefill_tokens, batch.total_context, resident_stages, int(crosses),
                               f"{start_s:.6f}", f"{busy_s:.7f}", f"{run_s:.7f}", " ".join(batch.req_ids)))
+
+    def record_last_run(self, loop, start_s: float, busy_s: float) -> None:
+        """The batch `loop` (an EngineLoop) last ran, if it has not been logged yet, in an
+        iteration that started at `start_s` (Unix s) and took `busy_s`."""
+        if loop.last_run is None:
+            return
+        batch, run_s = loop.last_run
+        loop.last_run = None
+        self.record(batch, loop.routes.get(batch.model, [self.engine_id]), len(loop.routes), start_s, busy_s, run_s)
 
     def flush(self) -> None:
         self.file.flush()

@@ -54,7 +54,7 @@ def add_arguments(parser) -> None:
                         help="write one CSV row per finished request (arrival, first token, finish, E2E, TTFT, TBT, "
                              "tokens) in the columns of `paraflex simulate`'s requests.csv (docs/serve.md)")
     parser.add_argument("--step-log", metavar="DIR",
-                        help="Ray backend: every engine writes one CSV row per batch it runs (what it carried, "
+                        help="every engine writes one CSV row per batch it runs (what it carried, "
                              "how long its loop took) to DIR/engine-<id>.csv, for `paraflex profile --step-log` "
                              "(docs/costmodel.md)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
@@ -139,8 +139,6 @@ def run(args) -> int:
                         "fastapi uvicorn); `paraflex generate` runs without it") from None
     from paraflex.models.engine_support import require_runnable
 
-    if args.in_process and args.step_log:
-        raise UserError("--step-log: the engine step log is written by Ray engine actors; drop --in-process")
     if args.in_process and (args.ray_address or args.max_restarts):
         raise UserError("--in-process: cannot be combined with --ray-address or --max-restarts (Ray only)")
     if args.max_restarts < 0:
@@ -187,7 +185,7 @@ def run(args) -> int:
         if request_log is not None:
             backend.frontend.request_log = request_log
         if args.step_log:
-            paths = backend.engines.start_step_logs(args.step_log)
+            paths = backend.start_step_logs(args.step_log)
             print(f"engine step log: {', '.join(paths)}", flush=True)
         replanner = None
         try:

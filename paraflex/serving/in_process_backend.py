@@ -126,5 +126,10 @@ class InProcessBackend:
                               placement_actions=dict(self.changer.counters.actions),
                               placement_moved_bytes=self.changer.counters.moved_bytes)
 
+    def start_step_logs(self, directory: str) -> list[str]:
+        """Every engine logs the batches it runs under `directory` (`serve --step-log`); the paths.
+        Started on the loop thread, between steps."""
+        return self.cluster.call_on_loop(lambda: self.cluster.engine_handles.start_step_logs(directory))
+
     async def close(self) -> None:
         await asyncio.to_thread(self.cluster.shutdown)

@@ -10,17 +10,21 @@ engine's step (a restart released by another request's end), so `add_request` on
 the driver calls `deliver()` outside the engines' steps; `step()` lets every engine run at most
 one batch. `free` sends a free message through the transport (handled on the engine's next step) and drops a
 queued submission of the same request that has not reached its engine. `newest_holder` and
-`stuck_report` serve `LLMCluster`'s exact stall check.
+`stuck_report` serve `LLMCluster`'s exact stall check. With `start_step_logs(DIR)` (`paraflex
+serve --in-process --step-log DIR`) every batch an engine runs is logged to DIR/engine-<id>.csv
+(engine/step_log.py), its `busy_s` the engine's step, flushed at most every FLUSH_EVERY_S.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from paraflex.engine.core.messages import FreeMessage
 from paraflex.engine.engine_builder import build_engine, engine_routes
 from paraflex.engine.transport.base import Envelope
+from paraflex.engine.step_log import FLUSH_EVERY_S, StepLog
 from paraflex.errors import ParaflexError
 
 
@@ -57,6 +61,8 @@ class InProcessEngines:
         self._by_id = {e.engine_id: e for e in self.loops}
         self._queued: list[Submission] = []
         self._lock = threading.Lock()
+        self.step_logs: dict[int, StepLog] = {}  # engine id -> its log, once `start_step_logs`
+        self.flushed = 0.0  # time.monotonic() of the logs' last flush
 
     def loop_of(self, engine: int):
         """The `EngineLoop` of `engine`, or None when it holds no stage (none was built)."""
@@ -93,9 +99,27 @@ class InProcessEngines:
     def step(self) -> bool:
         """Let every engine run at most one batch. True if one ran."""
         worked = False
+        logs = self.step_logs
         for engine in self.loops:
-            worked |= engine.step()
+            start, t0 = time.time(), time.perf_counter()
+            ran = engine.step()
+            if ran and engine.engine_id in logs:
+                logs[engine.engine_id].record_last_run(engine, start, time.perf_counter() - t0)
+            worked |= ran
+        if logs and time.monotonic() - self.flushed > FLUSH_EVERY_S:
+            for log in logs.values():
+                log.flush()
+            self.flushed = time.monotonic()
         return worked
+
+    def start_step_logs(self, directory: str) -> list[str]:
+        """Log every batch each engine runs under `directory`; the files' paths. The loop thread
+        starts writing on its next step."""
+        logs = {e.engine_id: StepLog(directory, e.engine_id) for e in self.loops}
+        for engine in self.loops:
+            engine.last_run = None  # a batch run before the log started is not logged
+        self.step_logs = logs
+        return [log.path for log in logs.values()]
 
     def pending(self) -> int:
         """Submissions and messages (tokens, frees) not yet handled by their engine."""
@@ -108,6 +132,8 @@ class InProcessEngines:
 
     def close(self) -> None:
         self.hub.close()
+        for log in self.step_logs.values():
+            log.close()
 
     # ------------------------------------------------------------------ the exact stall check
     def newest_holder(self, running: list[tuple[str, str]]) -> str | None:

@@ -136,6 +136,10 @@ class RayBackend:
                               placement_actions=dict(self.changer.counters.actions),
                               placement_moved_bytes=self.changer.counters.moved_bytes)
 
+    def start_step_logs(self, directory: str) -> list[str]:
+        """Every engine actor logs the batches it runs under `directory` (`serve --step-log`); the paths."""
+        return self.engines.start_step_logs(directory)
+
     async def close(self) -> None:
         await asyncio.to_thread(self.shutdown)
 

@@ -49,8 +49,8 @@ def test_tiny_fidelity_run_compares_every_load_and_model(tmp_path, capsys):
 def test_in_process_run_on_random_checkpoints_logs_http_arrivals(tmp_path, capsys):
     """The GPU path's shape on a CPU (`--backend in-process --shapes random-small`): one engine
     holding three random-weight Llama checkpoints written under the results folder, the served
-    rows keep their HTTP arrival although the in-process loop thread starts them, and the run
-    simulates again from its folder without the weights."""
+    rows keep their HTTP arrival although the in-process loop thread starts them, the engine logs
+    its steps, and the run simulates again from its folder without the weights."""
     bench = load_bench("sim_fidelity")
     assert bench.main(["--tiny", "--backend", "in-process", "--shapes", "random-small", "--out", str(tmp_path),
                        "--saturation", "20"]) == 0
@@ -61,7 +61,8 @@ def test_in_process_run_on_random_checkpoints_logs_http_arrivals(tmp_path, capsy
     assert len(logged) == 9 and {r["model"] for r in logged} <= {"llama-1b-shape", "qwen-0.5b-shape",
                                                                    "smollm2-360m-shape"}
     assert all(0 <= float(r["arrival_s"]) - float(r["http_arrival_s"]) < 5 for r in logged)
-    assert not (tmp_path / "steps").exists()  # no step log without Ray
+    steps = list(csv.DictReader((tmp_path / "steps" / "engine-0.csv").open(newline="")))  # in-process step log
+    assert steps and all(float(r["busy_s"]) >= float(r["run_s"]) > 0 for r in steps)
     for weights in tmp_path.glob("checkpoints/*/*.safetensors"):
         weights.unlink()
     first = (tmp_path / "fidelity.csv").read_text()

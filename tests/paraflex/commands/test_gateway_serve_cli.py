@@ -3,6 +3,7 @@ OpenAI client, and stops cleanly on Ctrl-C (SIGINT); bad flags exit 2 with one l
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import socket
@@ -191,11 +192,21 @@ def test_serve_with_replanning_meters_requests_and_stops_cleanly(files):
         assert proc.wait(timeout=60) == 130
 
 
-def test_serve_refuses_a_step_log_in_process(files, tmp_path, capsys):
+@pytest.mark.slow
+def test_in_process_serve_logs_every_batch_its_engines_run(files, tmp_path):
     cfg, pl = files
-    assert main(["serve", cfg, "--placement", pl, "--in-process", "--step-log", str(tmp_path / "steps")]) == 2
-    err = capsys.readouterr().err
-    assert "--step-log" in err and "--in-process" in err and not (tmp_path / "steps").exists()
+    steps = tmp_path / "steps"
+    with serving([cfg, "--placement", pl, "--in-process", "--port", "0", "--step-log", str(steps)]) as (proc, lines):
+        url = served_url(lines, timeout=120)
+        c = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=30)
+        for model in ("tiny-2l", "tiny-8l"):
+            c.completions.create(model=model, prompt="hi there", max_tokens=3)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    rows = [r for p in steps.glob("engine-*.csv") for r in csv.DictReader(p.open(newline=""))]
+    assert {r["model"] for r in rows} == {"tiny-2l", "tiny-8l"}
+    assert {r["kind"] for r in rows} >= {"prefill", "decode"}
+    assert all(float(r["busy_s"]) >= float(r["run_s"]) > 0 for r in rows)
 
 
 def test_serve_refuses_a_step_log_folder_it_cannot_make(files, tmp_path, capsys):
