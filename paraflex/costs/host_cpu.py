@@ -10,7 +10,8 @@ the output router's work for an open request), chosen so that the step times de-
 them and the engine loop's lines fitted on them (loop_fit.py) predict the logged steps best; it
 stores a `HostCpu` under ``host_cpu`` next to the lines. The
 simulator (simulator/core/cluster.py) reads it (serving_terms.host_cpu) and stretches every stage
-execution by `stretch(busy engines)`, where the busy engines are the stepping engine plus the
+execution by `stretch(busy engines)` (no idle headroom: work slows as soon as anything else runs
+beside it, `HostCpu.stretch`), where the busy engines are the stepping engine plus the
 mean number of other engines executing over the `window_s` before the step starts
 (`busy_seconds` over the same timelines the fit reads from the step log), and the requests in
 flight then; the return path (return_path.py) and the gateway's delay (serving_terms.GatewayTerm) are
@@ -79,7 +80,15 @@ class HostCpu:
     `demand_per_engine` cores' worth of runnable work on them, each request in flight (HTTP
     arrival to finish: the client's, gateway's and output router's work for it)
     `demand_per_request`, all of them together at most `request_cores`; fitted from `steps`
-    logged steps."""
+    logged steps.
+
+    No idle headroom: a piece of work runs at its alone speed only while nothing else is
+    runnable, and every other core's worth of demand beside it slows it by 1 / `cores`, even
+    while a core would be free on paper. Measured on the served steps of the 2-core machine: a
+    decode step with another engine busy over part of the 20 ms before it (1.1-1.5 busy
+    engines, at most 3 open requests) took 8-32% longer than with none, where a
+    processor-sharing `max(1, demand / cores)` predicts no slowdown until the demand fills the
+    cores (docs/simulate.md, "eighth pass")."""
 
     cores: int
     demand_per_engine: float
@@ -89,10 +98,11 @@ class HostCpu:
     request_cores: float = REQUEST_CORES
 
     def stretch(self, busy_engines: float, in_flight: int = 0) -> float:
-        """How much longer work takes while `busy_engines` engines run and `in_flight` requests
-        are open: the demand over the cores, >= 1."""
+        """How much longer work takes while `busy_engines` engines (for a step: its own engine
+        and the others) run and `in_flight` requests are open: 1 plus the demand besides one
+        engine's over the cores, >= 1."""
         requests = min(in_flight * self.demand_per_request, self.request_cores)
-        return max(1.0, (busy_engines * self.demand_per_engine + requests) / self.cores)
+        return max(1.0, 1.0 + ((busy_engines - 1.0) * self.demand_per_engine + requests) / self.cores)
 
 
 def busy_engines(timelines: Iterable[Sequence[float]], t: float, window_s: float = WINDOW_S) -> float:
@@ -133,7 +143,7 @@ def fit_host_cpu(rows: list[dict], stage_time: Callable[[dict], float], cores: i
                  requests: list[dict] | None = None) -> tuple[HostCpu, dict]:
     """(the HostCpu, the engine loop's lines fitted on the steps de-stretched by it) whose
     prediction `(stage_time + line) x stretch` of the logged steps `rows` has the least squared
-    error, over a grid of demands per engine (up to `cores`: an engine alone runs as profiled) and,
+    error, over a grid of demands per engine (up to `cores`) and,
     with the served `requests` of the same run, per request in flight (else 0; only demands whose
     requests stay under `REQUEST_CORES` in these steps: the cap is an extrapolation, never fitted)."""
     timelines = engine_timelines(rows)

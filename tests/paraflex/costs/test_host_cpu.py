@@ -33,7 +33,19 @@ def test_one_engine_alone_runs_as_profiled_and_two_on_one_core_take_twice_as_lon
     assert HostCpu(cores=2, demand_per_engine=2.0).stretch(1.0) == 1.0
     assert HostCpu(cores=1, demand_per_engine=1.0).stretch(1.0) == 1.0
     assert HostCpu(cores=1, demand_per_engine=1.0).stretch(2.0) == 2.0
-    assert HostCpu(cores=2, demand_per_engine=1.0, demand_per_request=0.1).stretch(2.0, in_flight=10) == pytest.approx(1.5)
+    # the other engine's 1 core and 10 requests' 1 core besides the step's own, over 2 cores
+    assert HostCpu(cores=2, demand_per_engine=1.0, demand_per_request=0.1).stretch(2.0, in_flight=10) == pytest.approx(2.0)
+
+
+def test_work_slows_as_soon_as_another_engine_runs_beside_it_with_a_core_to_spare():
+    """No idle headroom (the eighth pass): on 2 cores one engine of demand 1 beside the step,
+    or half of one, stretches it (a processor-sharing max(1, demand / cores) would give 1.0
+    for both, the demand 2 and 1.5 not exceeding the 2 cores), linearly in the busy share."""
+    host = HostCpu(cores=2, demand_per_engine=1.0)
+    assert host.stretch(1.5) == pytest.approx(1.25)
+    assert host.stretch(2.0) == pytest.approx(1.5)
+    assert host.stretch(1.0) == 1.0 and host.stretch(0.0) == 1.0  # nothing beside it: never faster than alone
+    assert HostCpu(cores=2, demand_per_engine=1.0, demand_per_request=0.1).stretch(1.0, in_flight=4) == pytest.approx(1.2)
 
 
 def test_requests_in_flight_count_from_the_http_arrival_to_the_finish():
@@ -65,13 +77,13 @@ def test_the_fit_recovers_a_planted_demand_per_engine():
     host, lines = fit_host_cpu(steps, lambda r: 0.002, cores=2)
     assert host.demand_per_engine == 1.5 and host.demand_per_request == 0.0 and host.steps == len(steps)
     assert lines["a"]["decode_s"] == pytest.approx(0.0, abs=1e-9)  # de-stretched, nothing is left to the loop
-    assert max(float(s["busy_s"]) for s in steps) == pytest.approx(0.002 * 1.5)
+    assert max(float(s["busy_s"]) for s in steps) == pytest.approx(0.002 * (1 + 1.5 / 2))  # both engines busy
 
 
 def test_the_open_requests_take_at_most_request_cores():
     host = HostCpu(cores=2, demand_per_engine=1.0, demand_per_request=0.15)
-    assert host.stretch(2.0, in_flight=10) == pytest.approx((2.0 + 1.5) / 2)
-    assert host.stretch(2.0, in_flight=40) == pytest.approx((2.0 + REQUEST_CORES) / 2)  # not (2 + 6) / 2
+    assert host.stretch(2.0, in_flight=10) == pytest.approx(1 + (1.0 + 1.5) / 2)
+    assert host.stretch(2.0, in_flight=40) == pytest.approx(1 + (1.0 + REQUEST_CORES) / 2)  # not 1 + (1 + 6) / 2
     assert host.stretch(2.0, in_flight=40) == host.stretch(2.0, in_flight=400)
 
 
