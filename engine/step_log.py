@@ -3,15 +3,16 @@
 Place in the data flow: the Ray engine actor (engine/ray_engine.py) opens a `StepLog` at
 DIR/engine-<id>.csv when the serve command asks (`start_step_log`), the in-process engines
 (paraflex/serving/in_process_engines.py, `start_step_logs`) one per engine, and each records
-every loop iteration that ran a batch (`record_last_run`): what the batch carried (model, stage, kind, batch size, prompt
-tokens, decode context, how many stages the engine holds, whether its output crosses engines)
-and how long it took: `busy_s` the whole iteration (inbox, transport poll, schedule, forward,
-sampling, sending the hidden state or tokens, the output push) and `run_s` the forward pass and
-sampling alone; `req_ids` the batch's engine request ids (space-separated: the request log's
-`id` unless a restart re-issued it), so a request's steps can be found. `paraflex profile CONFIG --step-log DIR` (paraflex/costs/loop_fit.py) compares
-`busy_s` with the cost model's stage time of the same batch and fits what the served loop adds
-per stage step as a function of what the step carries (`engine_loop` in profile.json). Rows are
-buffered and flushed with the engine's stats refresh; the engine thread is the only writer.
+every loop iteration that ran a batch (`record_last_run`): what the batch carried (model, stage,
+kind, batch size, prompt tokens, decode context, how many stages the engine holds, whether its
+output crosses engines) and how long it took: `busy_s` the whole iteration (inbox, transport
+poll, schedule, forward, sampling, sending the hidden state or tokens, the output push) and
+`run_s` the forward pass and sampling alone; `req_ids` the batch's engine request ids (space-
+separated: the request log's `id` unless a restart re-issued it), so a request's steps can be
+found. `paraflex profile CONFIG --step-log DIR` (paraflex/costs/loop_fit.py) compares `busy_s`
+with the cost model's stage time of the same batch and fits what the served loop adds per stage
+step as a function of what the step carries (`engine_loop` in profile.json). Rows are buffered
+and flushed with the engine's stats refresh; the engine thread is the only writer.
 """
 
 from __future__ import annotations
