@@ -30,7 +30,7 @@ from typing import Callable
 
 from paraflex.errors import UserError
 from paraflex.planner.problem import NoFeasiblePlan, Problem, Solution, replica_engines
-from paraflex.planner.replication import choose_next
+from paraflex.planner.replication import choose_next, replica_work
 
 Progress = Callable[[int, int, float], None]
 
@@ -126,7 +126,7 @@ def solve(problem: Problem, time_limit: float | None = None, progress: Progress 
     (as `placement_optimizer.optimize`) a model that cannot get another replica drops out and
     the others go on."""
     deadline = None if time_limit is None else time.monotonic() + time_limit
-    stages, ratios = problem.stage_counts, problem.ratios
+    stages, ratios, work = problem.stage_counts, problem.ratios, replica_work(problem)
     replicas = [1] * len(problem.models)
     last: Solution | None = None
     iteration = 0
@@ -152,7 +152,7 @@ def solve(problem: Problem, time_limit: float | None = None, progress: Progress 
             full[added] = reason
             if cap is None:
                 cap = _max_stages(problem, last.replicas)
-            added = choose_next(problem.num_engines, stages, replicas, ratios, fill=True, skip=full)
+            added = choose_next(problem.num_engines, stages, replicas, ratios, fill=True, skip=full, work=work)
             if added < 0:
                 last.stop_reason = "no model can get another replica (" + "; ".join(
                     f"{problem.models[i].name}: {why}" for i, why in full.items()) + "; the others need more engines)"
@@ -167,8 +167,8 @@ def solve(problem: Problem, time_limit: float | None = None, progress: Progress 
         if deadline is not None and time.monotonic() >= deadline:
             last.stop_reason = "time limit reached"
             return last
-        chosen = choose_next(problem.num_engines, stages, replicas, ratios, fill=fill, skip=full)
-        if fill and cap is None and choose_next(problem.num_engines, stages, replicas, ratios) < 0:
+        chosen = choose_next(problem.num_engines, stages, replicas, ratios, fill=fill, skip=full, work=work)
+        if fill and cap is None and choose_next(problem.num_engines, stages, replicas, ratios, work=work) < 0:
             cap = _max_stages(problem, engines)
         if chosen < 0:
             last.stop_reason = ("Alg. 1: the next replica of the chosen model would not fit in the engines" if not fill

@@ -42,7 +42,7 @@ import numpy as np
 
 from paraflex.planner.problem import NoFeasiblePlan, Problem, Solution, replica_engines
 from paraflex.planner.replica_placer import ReplicaPlacer, water_levels
-from paraflex.planner.replication import choose_next
+from paraflex.planner.replication import choose_next, replica_work
 from paraflex.planner.sharding import gib
 
 _MAX_PROMOTIONS = 8  # retries per run, each with the model that did not fit moved to the front
@@ -69,6 +69,7 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
     models = problem.models
     stages = problem.stage_counts
     ratios = problem.ratios
+    work = replica_work(problem)
     # descending stage count (paper); among equals heavier first (first-fit-decreasing), then config order
     order = sorted(range(len(models)), key=lambda i: (-stages[i], -models[i].weight_bytes, i))
     position = {i: q for q, i in enumerate(order)}
@@ -149,7 +150,7 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
                                    f"{placer.stage_cap} stages, as many as the busiest engine when the paper's rule stopped)")
                 else:
                     full[added] = reason if fail.index == added else f"{reason} once {models[added].name} had another replica"
-                chosen = choose_next(n, stages, replicas, ratios, fill=True, skip=full)
+                chosen = choose_next(n, stages, replicas, ratios, fill=True, skip=full, work=work)
                 if chosen < 0:
                     return _finish(problem, placer, weights, last, _fill_reason(models, stages, replicas, n, full), polish)
                 replicas[chosen] += 1
@@ -170,8 +171,8 @@ def optimize(problem: Problem, progress: Progress | None = None, polish: bool = 
         last = (cap, cnt, [placed[i] for i in range(len(models))], iteration)
         if progress:
             progress(iteration, sum(replicas), float(water_levels(cap, cnt).min()))
-        chosen = choose_next(n, stages, replicas, ratios, fill=fill, skip=full)
-        if fill and placer.stage_cap is None and choose_next(n, stages, replicas, ratios) < 0:
+        chosen = choose_next(n, stages, replicas, ratios, fill=fill, skip=full, work=work)
+        if fill and placer.stage_cap is None and choose_next(n, stages, replicas, ratios, work=work) < 0:
             placer.stage_cap = int(cnt.max())  # the paper's rule stops here: the fill phase starts
         if chosen < 0:
             reason = ("Alg. 1: the next replica of the chosen model would not fit in the engines" if not fill

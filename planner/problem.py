@@ -93,6 +93,9 @@ class Problem:
     kappa_bytes: int = 0
     ring: bool = False
     node_of: tuple[int, ...] | None = None  # engine -> node (None: one node); replicas prefer one node
+    # Alg. 1's target share by work (weight bytes) rather than stage count (eq. 7, the default of a
+    # hand-built problem); `build_problem` sets it from planner.replica_shares. planner/replication.py
+    work_shares: bool = False
 
     def __post_init__(self):
         if not self.models:

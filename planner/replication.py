@@ -27,6 +27,18 @@ when the paper's rule stopped. (Filling every engine to the memory limit instead
 replicas in the balanced base case, split each small model's traffic over 8 replicas: decode
 batches of 5-9 instead of 14-16, every engine serving four models, and 15.2 instead of 17.9
 req/s achieved at 32 req/s offered.)
+
+Departure (default, `planner.replica_shares: work`; `stages` or `paraflex simulate
+--stage-shares` is the paper's eq. 7): the target share weighs each model by its work, R_i x
+its weight bytes (a decode step reads every weight once), instead of R_i x s_i. The two agree
+while every stage takes about T_s; they part when rounding S leaves stages far from T_s: with
+T_s twice the smallest model's time (dispersion-4x at `x2`) a llama-20b is half a stage of work
+cut as one stage, so eq. 7 gave each llama-20b as much as half a llama-80b and four replicas,
+three stages per engine, where the work share gives two (one llama-20b beside each llama-80b
+stage). Since the weight bytes of a model cut in S stages and of S one-stage models differ by
+their embeddings (a few %), shares within `WORK_TIE` of the least count as tied (the paper's
+tie-break then applies: the largest target first). Evidence: docs/plan.md, "Replica shares by
+work".
 """
 
 from __future__ import annotations
@@ -34,17 +46,21 @@ from __future__ import annotations
 from typing import Collection, Sequence
 
 _TIE = 1e-12
+WORK_TIE = 0.05  # relative: shares by weight bytes this close count as equal (embeddings aside)
 
 
 def choose_next(num_engines: int, stages: Sequence[int], replicas: Sequence[int], ratios: Sequence[float],
-                fill: bool = False, skip: Collection[int] = ()) -> int:
+                fill: bool = False, skip: Collection[int] = (), work: Sequence[float] | None = None) -> int:
     """Index of the model to replicate next, or -1 when the chosen model has no room left
-    (with `fill`: when no model outside `skip` has room left)."""
+    (with `fill`: when no model outside `skip` has room left). `work`: each model's size in
+    its target share (its weight bytes; `replica_work`); None is the paper's, its stage count."""
     n = len(stages)
-    if not (len(replicas) == len(ratios) == n) or n == 0:
-        raise ValueError("stages, replicas and ratios must be non-empty and of equal length")
-    target_total = sum(ratios[i] * stages[i] for i in range(n))
-    target = [ratios[i] * stages[i] / target_total for i in range(n)]
+    if not (len(replicas) == len(ratios) == n) or n == 0 or (work is not None and len(work) != n):
+        raise ValueError("stages, replicas, ratios (and work) must be non-empty and of equal length")
+    size = stages if work is None else work
+    tie = _TIE if work is None else WORK_TIE
+    target_total = sum(ratios[i] * size[i] for i in range(n))
+    target = [ratios[i] * size[i] / target_total for i in range(n)]
     unplaced = [i for i in range(n) if replicas[i] == 0]
     if unplaced:
         return max(unplaced, key=lambda i: (target[i], -i))
@@ -55,7 +71,7 @@ def choose_next(num_engines: int, stages: Sequence[int], replicas: Sequence[int]
         # the paper's order (least relative ratio, then largest target, then index), skipping
         # models without room for another replica
         def key(i):
-            tied = relative[i] <= least * (1 + _TIE)
+            tied = relative[i] <= least * (1 + tie)
             return (not tied, 0.0 if tied else relative[i], -target[i], i)
 
         rank = sorted(range(n), key=key)
@@ -63,8 +79,14 @@ def choose_next(num_engines: int, stages: Sequence[int], replicas: Sequence[int]
             if i not in skip and (replicas[i] + 1) * stages[i] <= num_engines:
                 return i
         return -1
-    tied = [i for i in range(n) if relative[i] <= least * (1 + _TIE)]
+    tied = [i for i in range(n) if relative[i] <= least * (1 + tie)]
     chosen = max(tied, key=lambda i: (target[i], -i))
     if (replicas[chosen] + 1) * stages[chosen] > num_engines:
         return -1
     return chosen
+
+
+def replica_work(problem) -> list[float] | None:
+    """The `work` argument of `choose_next` for a `Problem`: each model's weight bytes when it
+    shares by work (`Problem.work_shares`), None (stage counts, eq. 7) otherwise."""
+    return [float(m.weight_bytes) for m in problem.models] if problem.work_shares else None

@@ -80,6 +80,7 @@ def build_problem(config, cost_model=None) -> tuple[Problem, dict]:
         kappa_bytes=config.planner.kappa_bytes,
         ring=bool(config.planner.ring),
         node_of=config.cluster.topology().node_of if config.cluster.nodes else None,
+        work_shares=config.planner.replica_shares == "work",
     )
     facts = {  # (specs hold the final stage counts)
         "target_stage_time_ms": target * 1e3,

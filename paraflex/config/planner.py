@@ -16,6 +16,7 @@ from paraflex.config.fields import GIB, Section, value_kind
 from paraflex.errors import ConfigError
 
 _MS_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?:ms)?$")
+REPLICA_SHARES = ("work", "stages")
 _STAGE_TIME_RE = re.compile(r"^(x|/)\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)$", re.IGNORECASE)
 
 
@@ -27,6 +28,9 @@ class PlannerConfig:
     # replicate the other models while any fits when the one Alg. 1 chose cannot get another
     # replica; False is the paper's rule (stop there). planner/replication.py
     fill_engines: bool = True
+    # Alg. 1's target share of a model: "work" (rate x weight bytes, the default) or "stages"
+    # (rate x stage count, the paper's eq. 7). planner/replication.py
+    replica_shares: str = "work"
 
     @property
     def kappa_bytes(self) -> int:
@@ -50,6 +54,7 @@ def parse_planner(raw) -> PlannerConfig:
         kappa_gb=s.num("kappa_gb", 0.1, nonneg=True),
         ring=s.bool("ring", False),
         fill_engines=s.bool("fill_engines", True),
+        replica_shares=s.str("replica_shares", "work", choices=REPLICA_SHARES),
     )
 
 

@@ -201,3 +201,17 @@ def test_polish_never_lowers_phi(problem):
     polished = optimize(problem)
     assert polished.objective_bytes >= raw.objective_bytes * (1 - 1e-9)
     check(problem, polished)
+
+
+def test_work_shares_put_one_small_model_beside_each_large_stage():
+    """dispersion-4x cut at T_s x2 (llama-80b 2 x 120 layers, llama-20b 1 x 60 layers, equal
+    rates): by work every engine holds one stage of the large model and one small replica;
+    eq. 7 (`work_shares=False`) gives the small models four replicas, three stages per engine."""
+    big = _model("big", 240, 2, 1.0, ends=5)
+    smalls = tuple(_model(f"s{i}", 60, 1, 1.0, ends=5) for i in range(4))
+    for work, small_replicas, per_engine in ((True, 2, 2), (False, 4, 3)):
+        problem = Problem((big, *smalls), 8, 10_000, kappa_bytes=10, work_shares=work)
+        sol = optimize(problem)
+        assert [len(r) for r in sol.replicas] == [4] + [small_replicas] * 4
+        assert [sum(e in rep for reps in sol.replicas for rep in reps) for e in range(8)] == [per_engine] * 8
+        check(problem, sol)

@@ -58,3 +58,42 @@ def test_repeated_choices_track_demand_and_respect_engines(num_engines, models):
     placed = [r for r in replicas if r > 0]
     assert all(replicas[k] * stages[k] <= max(num_engines, stages[k]) for k in range(len(stages)) if replicas[k] > 1)
     assert placed
+
+
+def _replicate(stages, ratios, work, num_engines=8):
+    """Alg. 1 from one replica each until it stops (the paper's stop), as the optimizer asks."""
+    replicas = [1] * len(stages)
+    while (i := choose_next(num_engines, stages, replicas, ratios, work=work)) >= 0:
+        replicas[i] += 1
+    return replicas
+
+
+def test_work_shares_give_a_large_model_cut_in_fewer_stages_its_share():
+    """dispersion-4x at T_s x2: llama-80b (4x the work) in 2 stages, four llama-20b in 1 stage
+    each (half a T_s of work). Eq. 7 counts each llama-20b stage as much as each llama-80b
+    stage: four replicas of everything, three stages per engine. By work (the embeddings make
+    the one-stage models a little heavier than a quarter) llama-80b holds half of the stages."""
+    stages, ratios = [2, 1, 1, 1, 1], [0.2] * 5
+    assert _replicate(stages, ratios, None) == [4, 4, 4, 4, 4]
+    assert _replicate(stages, ratios, [4.0, 1.02, 1.02, 1.02, 1.02]) == [4, 2, 2, 2, 2]
+    assert _replicate(stages, ratios, [4.0, 0.98, 0.98, 0.98, 0.98]) == [4, 2, 2, 2, 2]
+
+
+def test_work_shares_equal_the_paper_when_stages_follow_the_work():
+    """Stage counts proportional to the work: the same choices as eq. 7 at every step."""
+    stages, ratios = [4, 1, 1, 2], [0.1, 0.4, 0.3, 0.2]
+    replicas = [1, 1, 1, 1]
+    for _ in range(12):
+        paper = choose_next(16, stages, replicas, ratios)
+        assert choose_next(16, stages, replicas, ratios, work=[8.0, 2.0, 2.0, 4.0]) == paper
+        if paper < 0:
+            break
+        replicas[paper] += 1
+
+
+def test_work_shares_tie_within_five_percent_not_beyond():
+    # actual 1:1 stage slots; targets by work 1 : 1.04 -> tied: the larger target (model 1) wins
+    assert choose_next(8, [1, 1], [1, 1], [0.5, 0.5], work=[1.0, 1.04]) == 1
+    # 1 : 0.9 -> model 0 is the less provisioned one by more than the tie
+    assert choose_next(8, [1, 1], [1, 1], [0.5, 0.5], work=[1.0, 0.9]) == 0
+    assert choose_next(8, [1, 1], [1, 1], [0.5, 0.5], work=[0.9, 1.0]) == 1

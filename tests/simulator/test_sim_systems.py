@@ -167,3 +167,17 @@ def test_pipeline_first_replaces_paraflex_policy_only(config):
         _layout(config, "sarathi", pipeline_first=True)
     with pytest.raises(UserError, match="pass one of them"):
         _layout(config, "paraflex", pipeline_first=True, prefill_first=True)
+
+
+def test_stage_shares_is_the_ablation_of_work_shares():
+    """dispersion-4x cut at T_s x2: by work (the default) each llama-20b gets two replicas, one
+    beside each llama-80b stage; `--stage-shares` (eq. 7) gives them four."""
+    config = load_config(str(CONFIGS / "dispersion-4x.yaml"))
+    config.planner.target_stage_time = "x2"
+    work = _layout(config, "paraflex").placement
+    stages = _layout(config, "paraflex", stage_shares=True).placement
+    assert [m.num_replicas for m in work.models.values()] == [4, 2, 2, 2, 2]
+    assert [m.num_replicas for m in stages.models.values()] == [4, 4, 4, 4, 4]
+    assert config.planner.replica_shares == "work"  # the ablation planned from a copy
+    with pytest.raises(UserError, match="ablations of --system paraflex"):
+        _layout(config, "sarathi", stage_shares=True)

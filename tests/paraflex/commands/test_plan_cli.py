@@ -167,8 +167,8 @@ def test_fill_uses_every_engine_and_paper_replication_is_the_ablation(tmp_path, 
     text = Path(BASE).read_text().replace("zipf_alpha: 1.01", "")
     cfg = tmp_path / "balanced.yaml"
     cfg.write_text(text)
-    main(["plan", str(cfg), "-o", str(tmp_path / "fill.json"), "-q"])
-    main(["plan", str(cfg), "-o", str(tmp_path / "paper.json"), "-q", "--paper-replication"])
+    main(["plan", str(cfg), "-o", str(tmp_path / "fill.json"), "-q", "--stage-shares"])
+    main(["plan", str(cfg), "-o", str(tmp_path / "paper.json"), "-q", "--paper-replication", "--stage-shares"])
     fill, paper = Placement.load(tmp_path / "fill.json"), Placement.load(tmp_path / "paper.json")
     assert [m.num_replicas for m in paper.models.values()] == [2, 2, 2, 2]
     assert [m.num_replicas for m in fill.models.values()] == [4, 3, 3, 2]
@@ -176,6 +176,20 @@ def test_fill_uses_every_engine_and_paper_replication_is_the_ablation(tmp_path, 
     assert "Alg. 1" in paper.params["stop_reason"]
     assert "no model can get another replica" in fill.params["stop_reason"]
     assert all(e.stages for e in fill.engines)
+
+
+def test_work_shares_are_the_default_and_stage_shares_the_ablation(tmp_path, capsys):
+    """Balanced base cluster: codellama (34B) is one stage of 1.7x internlm's work; by weight
+    bytes it gets a replica more than internlm-1, by stage count (eq. 7) one fewer."""
+    text = Path(BASE).read_text().replace("zipf_alpha: 1.01", "")
+    cfg = tmp_path / "balanced.yaml"
+    cfg.write_text(text)
+    main(["plan", str(cfg), "-o", str(tmp_path / "work.json"), "-q"])
+    main(["plan", str(cfg), "-o", str(tmp_path / "stages.json"), "-q", "--stage-shares"])
+    work, stages = Placement.load(tmp_path / "work.json"), Placement.load(tmp_path / "stages.json")
+    assert [m.num_replicas for m in work.models.values()] == [3, 3, 4, 2]
+    assert [m.num_replicas for m in stages.models.values()] == [4, 3, 3, 2]
+    assert all(e.stages for e in work.engines)
 
 
 def test_other_solvers_default_to_their_own_file(tmp_path, monkeypatch, capsys):

@@ -133,6 +133,7 @@ def test_defaults_and_units():
         ({"planner.target_stage_time": True}, "planner.target_stage_time", "auto"),
         ({"planner.ring": "yes"}, "planner.ring", "true or false"),
         ({"planner.kappa_gb": -1}, "planner.kappa_gb", ">= 0"),
+        ({"planner.replica_shares": "rates"}, "planner.replica_shares", "work, stages"),
         ({"scheduler.block_bytes": 30000}, "scheduler.block_bytes", "power of two"),
         ({"scheduler.policy": "fifo"}, "scheduler.policy", "full-batch-first"),
         ({"scheduler.max_batch_size": 0}, "scheduler.max_batch_size", ">= 1"),

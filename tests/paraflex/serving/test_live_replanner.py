@@ -24,13 +24,15 @@ INTERVAL = 10.0
 
 def tight_config() -> Config:
     """Three CPU engines of 2 MB: the planner gives tiny-2l two replicas and tiny-4l one for
-    equal rates, and a replica of tiny-4l for one of tiny-2l when tiny-4l's traffic dominates."""
+    equal rates, and a replica of tiny-4l for one of tiny-2l when tiny-4l's traffic dominates.
+    Alg. 1's shares by stage count (the paper's eq. 7: equal rates, equal shares, the tie to the
+    first model); by work (the default) tiny-4l would start with the two replicas."""
     return Config.from_dict({
         "cluster": {"num_engines": 3, "device": "cpu", "memory_gb": 0.002, "host_memory_gb": 0.05},
         "models": [{"name": "tiny-2l", "arch": "tiny-2l", "stages": 1, "rate": 1},
                    {"name": "tiny-4l", "arch": "tiny-4l", "stages": 1, "rate": 1}],
         "scheduler": {"block_bytes": 4096, "max_batch_size": 4},
-        "planner": {"kappa_gb": 0.0002},
+        "planner": {"kappa_gb": 0.0002, "replica_shares": "stages"},
     }, source="replan-test")
 
 
