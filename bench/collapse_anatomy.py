@@ -5,10 +5,10 @@ same process, with the same requests:
 
   paper     the paper's rules: full-batch-first without a bound on a pipeline's decode batches
             in flight, Alg. 1 stopping when its pick is full, shares by stage count
-            (--unbounded-decode-batches --paper-replication --stage-shares)
+            (--unbounded-decode-batches --paper-replication)
   bound     the decode in-flight bound only (scheduler.decode_batches_in_flight: stages)
-  default   the bound, Alg. 1's fill onto spare engines (planner.fill_engines: true) and its
-            shares by work (planner.replica_shares: work)
+  default   the bound and Alg. 1's fill onto spare engines (planner.fill_engines: true), with
+            the config's replica shares
 
 and prints, per run, the achieved throughput, E2E median/P99, each engine's busy share, each
 model's decode batches (count, mean size), the request-seconds each stage's requests spent
@@ -41,8 +41,8 @@ from paraflex.simulator.runner import SimSettings, simulate
 
 TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "traces", "splitwise_conv.csv")
 RUNS = {
-    "paper": {"unbounded_decode_batches": True, "paper_replication": True, "stage_shares": True},
-    "bound": {"paper_replication": True, "stage_shares": True},
+    "paper": {"unbounded_decode_batches": True, "paper_replication": True},
+    "bound": {"paper_replication": True},
     "default": {},
 }
 

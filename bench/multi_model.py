@@ -91,7 +91,7 @@ def weights_gb(checkpoints: dict[str, str]) -> float:
 
 
 def paraflex_config(names: list[str], checkpoints: dict[str, str], rates: dict[str, float], engines: int,
-                    memory_gb: float = 8.0, dispatch: str | None = None) -> str:
+                    memory_gb: float = 8.0, dispatch: str | None = None, replica_shares: str | None = None) -> str:
     """Every model on `engines` CPU engines of `memory_gb` each (weights + KV), each model whole
     (one stage), at `rates`, with the `dispatch` rule (None: the config default) (temporary YAML)."""
     import yaml
@@ -112,6 +112,8 @@ def paraflex_config(names: list[str], checkpoints: dict[str, str], rates: dict[s
                          "prefill_token_budget": 2048}}
     if dispatch:
         cfg["scheduler"]["dispatch"] = dispatch
+    if replica_shares:
+        cfg["planner"]["replica_shares"] = replica_shares
     fd, path = tempfile.mkstemp(suffix=".yaml", prefix="multi-model-")
     with os.fdopen(fd, "w") as fh:
         yaml.safe_dump(cfg, fh)
@@ -245,7 +247,7 @@ def run_popularity(popularity: str, names, checkpoints, vllm, slos, rng, args) -
     for rule, system in systems.items():
         # the same memory as the vLLM servers hold: every weight once, and their KV space in all
         memory = (weights_gb({n: checkpoints[n] for n in names}) + KV_GB_PER_MODEL * len(names)) / args.engines
-        cfg = paraflex_config(names, checkpoints, shares, args.engines, memory, rule)
+        cfg = paraflex_config(names, checkpoints, shares, args.engines, memory, rule, args.replica_shares)
         server = None
         try:
             server = ServeProcess(cfg, backend="ray", echo=True, who="multi_model")
@@ -284,6 +286,8 @@ def parse_args(argv=None):
     p.add_argument("--zipf", type=float, default=1.01)
     p.add_argument("--rate", default="1.5",
                    help="total requests/s over all models; a comma list runs each (e.g. 1,4: 4 saturates both systems)")
+    p.add_argument("--replica-shares", choices=("work", "stages"),
+                   help="Alg. 1's target shares for ParaFlex's plan (default: the config default, work)")
     p.add_argument("--dispatch", default="",
                    help="ParaFlex dispatch rules to run, comma list (home-first, least-outstanding; default: the config's)")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")

@@ -19,7 +19,7 @@ same rate; a number: Zipf with that exponent over the config's list) into --out/
 and ends with one summary table: per popularity each system's peak, paraflex's peak against
 the best other system, and the no-collapse check (paraflex's achieved throughput at the swept
 rates nearest 1.5x and 2x the offered rate of its peak, as a share of the peak). `--ablations`
-adds the paper's rules (`paraflex+unbounded-decode-batches+paper-replication+stage-shares`) and the §8.5
+adds the paper's rules (`paraflex+unbounded-decode-batches+paper-replication`) and the §8.5
 ablations.
 """
 
@@ -226,7 +226,7 @@ def main() -> int:
     rates = [float(x) for x in args.rates.split(",")]
     systems = [s.strip() for s in args.systems.split(",")]
     if args.ablations:
-        systems += ["paraflex+unbounded-decode-batches+paper-replication+stage-shares", "paraflex+no-sharding",
+        systems += ["paraflex+unbounded-decode-batches+paper-replication", "paraflex+no-sharding",
                     "paraflex+random-placement", "paraflex+prefill-first"]
     common = args.common_rate or rates[min(1, len(rates) - 1)]
     if common not in rates:

@@ -28,8 +28,8 @@ replicas in the balanced base case, split each small model's traffic over 8 repl
 batches of 5-9 instead of 14-16, every engine serving four models, and 15.2 instead of 17.9
 req/s achieved at 32 req/s offered.)
 
-Departure (default, `planner.replica_shares: work`; `stages` or `paraflex simulate
---stage-shares` is the paper's eq. 7): the target share weighs each model by its work, R_i x
+Option beyond the paper (`planner.replica_shares: work`, `paraflex simulate --work-shares`; the
+default `stages` is the paper's eq. 7): the target share weighs each model by its work, R_i x
 its weight bytes (a decode step reads every weight once), instead of R_i x s_i. The two agree
 while every stage takes about T_s; they part when rounding S leaves stages far from T_s: with
 T_s twice the smallest model's time (dispersion-4x at `x2`) a llama-20b is half a stage of work
@@ -37,8 +37,10 @@ cut as one stage, so eq. 7 gave each llama-20b as much as half a llama-80b and f
 three stages per engine, where the work share gives two (one llama-20b beside each llama-80b
 stage). Since the weight bytes of a model cut in S stages and of S one-stage models differ by
 their embeddings (a few %), shares within `WORK_TIE` of the least count as tied (the paper's
-tie-break then applies: the largest target first). Evidence: docs/plan.md, "Replica shares by
-work".
+tie-break then applies: the largest target first). Not the default: in simulation it raised the
+base cluster's balanced peak 37.1 -> 40.0 req/s but lowered Zipf 1.01's 50.9 -> 50.3, and on the
+served 3-model CPU benchmark under Zipf 1.01 it gave the hot small model one replica instead of
+two (goodput 0.56 vs 1.37 req/s at 4 req/s). Evidence: docs/plan.md, "Replica shares by work".
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class SimSettings:
     pipeline_first: bool = False  # paraflex: multi-stage decode batches first (engine/core/policies/pipeline_first.py)
     unbounded_decode_batches: bool = False  # the paper's rule: no in-flight bound on decode batches
     paper_replication: bool = False  # the paper's Alg. 1 stop (planner.fill_engines: false)
-    stage_shares: bool = False  # the paper's eq. 7: Alg. 1's shares by stage count (planner.replica_shares: stages)
+    work_shares: bool = False  # Alg. 1's shares by weight bytes, not the paper's eq. 7 (planner.replica_shares: work)
     one_prompt_prefills: bool = False  # paraflex: the paper's one prompt per prefill batch (scheduler.pack_prompts: false)
     host_link_gbps: float = 256.0
     prefill_engines: int | None = None  # aegaeon: engines in the prefill pool (default: the paper's 6:10 split)

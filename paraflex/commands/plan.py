@@ -43,9 +43,9 @@ def add_arguments(parser) -> None:
                         help="ablation: stop replicating as soon as the model Alg. 1 picks cannot get another replica "
                              "(the paper's rule; default: go on with the other models while any fits, "
                              "planner.fill_engines)")
-    parser.add_argument("--stage-shares", action="store_true",
-                        help="ablation: Alg. 1's target shares by rate x stage count (the paper's eq. 7; default: "
-                             "rate x weight bytes, planner.replica_shares)")
+    parser.add_argument("--work-shares", action="store_true",
+                        help="Alg. 1's target shares by rate x weight bytes instead of the paper's rate x stage count "
+                             "(planner.replica_shares: work)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no table, no progress")
 
 
@@ -53,8 +53,8 @@ def run(args) -> int:
     config = load_config(args.config or demo_config_path())
     if getattr(args, "paper_replication", False):
         config.planner.fill_engines = False
-    if getattr(args, "stage_shares", False):
-        config.planner.replica_shares = "stages"
+    if getattr(args, "work_shares", False):
+        config.planner.replica_shares = "work"
     if args.validate:
         return _validate(args.validate, config)
     require_runnable(config)

@@ -59,9 +59,9 @@ def add_arguments(p) -> None:
     a.add_argument("--paper-replication", action="store_true",
                    help="paraflex: the paper's Alg. 1 stop, no replicas for the other models once the chosen one is full "
                         "(planner.fill_engines: false)")
-    a.add_argument("--stage-shares", action="store_true",
-                   help="paraflex: the paper's Alg. 1 shares, rate x stage count, instead of rate x weight bytes "
-                        "(planner.replica_shares: stages)")
+    a.add_argument("--work-shares", action="store_true",
+                   help="paraflex: Alg. 1's shares by rate x weight bytes instead of the paper's rate x stage count "
+                        "(planner.replica_shares: work)")
     a.add_argument("--one-prompt-prefills", action="store_true",
                    help="paraflex: the paper's one prompt per prefill batch instead of packing waiting prompts "
                         "(scheduler.pack_prompts: false)")
@@ -204,7 +204,7 @@ def _settings(args, rate: float, seed: int):
                        random_placement=args.random_placement, prefill_first=args.prefill_first,
                        pipeline_first=args.pipeline_first,
                        unbounded_decode_batches=args.unbounded_decode_batches, paper_replication=args.paper_replication,
-                       stage_shares=args.stage_shares,
+                       work_shares=args.work_shares,
                        one_prompt_prefills=args.one_prompt_prefills,
                        host_link_gbps=args.host_link_gbps, check_invariants=args.check_invariants,
                        prefill_engines=args.prefill_engines,

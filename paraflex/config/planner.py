@@ -28,9 +28,9 @@ class PlannerConfig:
     # replicate the other models while any fits when the one Alg. 1 chose cannot get another
     # replica; False is the paper's rule (stop there). planner/replication.py
     fill_engines: bool = True
-    # Alg. 1's target share of a model: "work" (rate x weight bytes, the default) or "stages"
-    # (rate x stage count, the paper's eq. 7). planner/replication.py
-    replica_shares: str = "work"
+    # Alg. 1's target share of a model: "stages" (rate x stage count, the paper's eq. 7, the
+    # default) or "work" (rate x weight bytes). planner/replication.py
+    replica_shares: str = "stages"
 
     @property
     def kappa_bytes(self) -> int:
@@ -54,7 +54,7 @@ def parse_planner(raw) -> PlannerConfig:
         kappa_gb=s.num("kappa_gb", 0.1, nonneg=True),
         ring=s.bool("ring", False),
         fill_engines=s.bool("fill_engines", True),
-        replica_shares=s.str("replica_shares", "work", choices=REPLICA_SHARES),
+        replica_shares=s.str("replica_shares", "stages", choices=REPLICA_SHARES),
     )
 
 

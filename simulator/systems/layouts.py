@@ -25,9 +25,9 @@ model-size dispersion, docs/engine-core.md "Still open"). Departures from the
 paper kept as ablations of `paraflex` (docs/engine-core.md, docs/plan.md):
 `unbounded_decode_batches` (no in-flight bound on a pipeline's decode batches:
 `scheduler.decode_batches_in_flight: unbounded`), `paper_replication` (Alg. 1 stops when the
-chosen model is full: `planner.fill_engines: false`), `stage_shares` (Alg. 1's target shares by
-stage count, the paper's eq. 7: `planner.replica_shares: stages`) and `one_prompt_prefills` (one prompt per
-prefill batch, §8.1: `scheduler.pack_prompts: false`).
+chosen model is full: `planner.fill_engines: false`) and `one_prompt_prefills` (one prompt per
+prefill batch, §8.1: `scheduler.pack_prompts: false`); and one option beyond the paper,
+`work_shares` (Alg. 1's target shares by weight bytes: `planner.replica_shares: work`).
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def _layout(name: str, config, solver: str, policy: str) -> SystemLayout:
 def paraflex(config, settings) -> SystemLayout:
     if settings.paper_replication:
         config = dataclasses.replace(config, planner=dataclasses.replace(config.planner, fill_engines=False))
-    if settings.stage_shares:
-        config = dataclasses.replace(config, planner=dataclasses.replace(config.planner, replica_shares="stages"))
+    if settings.work_shares:
+        config = dataclasses.replace(config, planner=dataclasses.replace(config.planner, replica_shares="work"))
     if settings.no_sharding:
         layout = _layout("paraflex", config, "shared", "full-batch-first")
     else:
@@ -108,9 +108,9 @@ def vllm_tp(config, settings) -> SystemLayout:
 
 def build_system(config, settings) -> SystemLayout:
     builder = SYSTEMS.get(settings.system, "--system")
-    if (settings.no_sharding or settings.random_placement or settings.paper_replication or settings.stage_shares
+    if (settings.no_sharding or settings.random_placement or settings.paper_replication or settings.work_shares
             or settings.pipeline_first or settings.one_prompt_prefills) and settings.system != "paraflex":
-        raise UserError("--no-sharding, --random-placement, --paper-replication, --stage-shares, --pipeline-first and "
+        raise UserError("--no-sharding, --random-placement, --paper-replication, --work-shares, --pipeline-first and "
                         "--one-prompt-prefills are ablations of --system paraflex; drop them or use paraflex")
     if settings.prefill_first and settings.pipeline_first:
         raise UserError("--prefill-first and --pipeline-first each replace the policy; pass one of them")

@@ -169,15 +169,17 @@ def test_pipeline_first_replaces_paraflex_policy_only(config):
         _layout(config, "paraflex", pipeline_first=True, prefill_first=True)
 
 
-def test_stage_shares_is_the_ablation_of_work_shares():
-    """dispersion-4x cut at T_s x2: by work (the default) each llama-20b gets two replicas, one
-    beside each llama-80b stage; `--stage-shares` (eq. 7) gives them four."""
+def test_work_shares_are_an_option_beside_the_papers_stage_shares():
+    """dispersion-4x cut at T_s x2: by stage count (eq. 7, the default) each llama-20b gets four
+    replicas; `--work-shares` gives them two, one beside each llama-80b stage (the shipped
+    dispersion-4x config sets `replica_shares: work`)."""
     config = load_config(str(CONFIGS / "dispersion-4x.yaml"))
-    config.planner.target_stage_time = "x2"
-    work = _layout(config, "paraflex").placement
-    stages = _layout(config, "paraflex", stage_shares=True).placement
+    assert config.planner.replica_shares == "work"
+    config.planner.replica_shares = "stages"
+    stages = _layout(config, "paraflex").placement
+    work = _layout(config, "paraflex", work_shares=True).placement
     assert [m.num_replicas for m in work.models.values()] == [4, 2, 2, 2, 2]
     assert [m.num_replicas for m in stages.models.values()] == [4, 4, 4, 4, 4]
-    assert config.planner.replica_shares == "work"  # the ablation planned from a copy
+    assert config.planner.replica_shares == "stages"  # the option planned from a copy
     with pytest.raises(UserError, match="ablations of --system paraflex"):
-        _layout(config, "sarathi", stage_shares=True)
+        _layout(config, "sarathi", work_shares=True)

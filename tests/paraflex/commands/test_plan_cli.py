@@ -167,8 +167,8 @@ def test_fill_uses_every_engine_and_paper_replication_is_the_ablation(tmp_path, 
     text = Path(BASE).read_text().replace("zipf_alpha: 1.01", "")
     cfg = tmp_path / "balanced.yaml"
     cfg.write_text(text)
-    main(["plan", str(cfg), "-o", str(tmp_path / "fill.json"), "-q", "--stage-shares"])
-    main(["plan", str(cfg), "-o", str(tmp_path / "paper.json"), "-q", "--paper-replication", "--stage-shares"])
+    main(["plan", str(cfg), "-o", str(tmp_path / "fill.json"), "-q"])
+    main(["plan", str(cfg), "-o", str(tmp_path / "paper.json"), "-q", "--paper-replication"])
     fill, paper = Placement.load(tmp_path / "fill.json"), Placement.load(tmp_path / "paper.json")
     assert [m.num_replicas for m in paper.models.values()] == [2, 2, 2, 2]
     assert [m.num_replicas for m in fill.models.values()] == [4, 3, 3, 2]
@@ -178,14 +178,14 @@ def test_fill_uses_every_engine_and_paper_replication_is_the_ablation(tmp_path, 
     assert all(e.stages for e in fill.engines)
 
 
-def test_work_shares_are_the_default_and_stage_shares_the_ablation(tmp_path, capsys):
-    """Balanced base cluster: codellama (34B) is one stage of 1.7x internlm's work; by weight
-    bytes it gets a replica more than internlm-1, by stage count (eq. 7) one fewer."""
+def test_stage_shares_are_the_default_and_work_shares_the_option(tmp_path, capsys):
+    """Balanced base cluster: codellama (34B) is one stage of 1.7x internlm's work; by stage
+    count (eq. 7, the default) it gets a replica fewer than internlm-1, by weight bytes one more."""
     text = Path(BASE).read_text().replace("zipf_alpha: 1.01", "")
     cfg = tmp_path / "balanced.yaml"
     cfg.write_text(text)
-    main(["plan", str(cfg), "-o", str(tmp_path / "work.json"), "-q"])
-    main(["plan", str(cfg), "-o", str(tmp_path / "stages.json"), "-q", "--stage-shares"])
+    main(["plan", str(cfg), "-o", str(tmp_path / "work.json"), "-q", "--work-shares"])
+    main(["plan", str(cfg), "-o", str(tmp_path / "stages.json"), "-q"])
     work, stages = Placement.load(tmp_path / "work.json"), Placement.load(tmp_path / "stages.json")
     assert [m.num_replicas for m in work.models.values()] == [3, 3, 4, 2]
     assert [m.num_replicas for m in stages.models.values()] == [4, 3, 3, 2]
