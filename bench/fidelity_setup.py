@@ -57,7 +57,6 @@ class Setup:
         return tuple(m["name"] for m in self.config["models"])
 
 
-
 def cluster_device() -> str:
     """The catalog device of the accelerator at hand: a CUDA GPU's name, else `cpu`."""
     import torch

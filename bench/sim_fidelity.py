@@ -1,5 +1,6 @@
-"""Simulator fidelity: the same requests through the real `paraflex serve` (Ray) and through the
-simulator, compared number by number (issue 20).
+"""Simulator fidelity: the same requests through the real `paraflex serve` (Ray; or with
+`--backend in-process` one in-process engine, e.g. on a GPU machine without Ray: fidelity_setup.py)
+and through the simulator, compared number by number (issue 20).
 
 One command: profile the models on this machine (or reuse `--profile DIR`; `--no-profile`: the
 plain roofline): op tables, per-step residuals and the Ray hop between engines, all read by the
@@ -127,8 +128,8 @@ def read_log(path: str) -> list[dict]:
 def calibrate(setup: Setup, server, log_path: str, out: str, profile: str, rng, n: int, lone: int = 8) -> float:
     """Send `lone` requests one at a time, measure the saturation rate (`burst`, which it
     returns), then send 2`n` open loop at CALIBRATION_LOAD of it; store in the profile what the lone and
-    the moderate requests measured (`paraflex profile --gateway-log [--step-log]`, their log rows
-    in gateway.csv, with Ray their steps in calib-steps/): the engine loop's term, the tokens' return
+    the moderate requests measured (`paraflex profile --gateway-log --step-log`, their log rows
+    in gateway.csv, their steps in calib-steps/): the engine loop's term, the tokens' return
     path and the per-request delays. The saturation runs' steps are kept apart (burst-steps/): lines
     fitted from them predicted the loads' steps worse (docs/simulate.md, fifth pass)."""
     start = time.time()

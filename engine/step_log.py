@@ -12,7 +12,8 @@ separated: the request log's `id` unless a restart re-issued it), so a request's
 found. `paraflex profile CONFIG --step-log DIR` (paraflex/costs/loop_fit.py) compares `busy_s`
 with the cost model's stage time of the same batch and fits what the served loop adds per stage
 step as a function of what the step carries (`engine_loop` in profile.json). Rows are buffered
-and flushed with the engine's stats refresh; the engine thread is the only writer.
+and flushed at least every FLUSH_EVERY_S; the engine's (or the in-process loop's) thread is the only
+writer.
 """
 
 from __future__ import annotations

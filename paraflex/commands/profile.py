@@ -193,9 +193,6 @@ def _store_gateway(config, args) -> int:
     the gateway's delay and the engine path (logged TTFT against the simulated TTFT of the same
     requests at their logged arrivals, now with the terms before), all in OUTPUT's profile."""
     rows = read_log(args.gateway_log) if args.gateway_log else []
-    if args.gateway_log and not rows:
-        raise UserError(f"--gateway-log {args.gateway_log}: no row has an http_arrival_s; log requests served over "
-                        f"HTTP by `paraflex serve --request-log FILE`")
     names = {m.name for m in config.models}
     unknown = [r["model"] for r in rows if r["model"] not in names]
     if unknown:
@@ -214,8 +211,7 @@ def _store_gateway(config, args) -> int:
             print(f"shared host CPU, fitted from {host.steps} logged steps: {host.cores} cores; each busy engine "
                   f"{host.demand_per_engine:g} and each request in flight {host.demand_per_request:g} cores' worth "
                   f"of runnable work")
-    elif served_alone(rows):  # the TBT of a request alone, logged against simulated: what each step adds
-        alone = served_alone(rows)
+    elif alone := served_alone(rows):  # the TBT of a request alone, logged against simulated: what each step adds
         stages = {name: mp.num_stages for name, mp in layout.placement.models.items()}
         loop = EngineLoopTerm.fit(alone, [tbt for _, tbt in _simulated(profiled, layout, alone)], stages, archs)
     store(args.output, ENGINE_LOOP_KEY, loop)

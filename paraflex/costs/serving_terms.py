@@ -94,8 +94,7 @@ class GatewayTerm:
         per such row, the simulated TTFT of that request alone (None: no engine path)."""
         rows = [r for r in rows if r.get("http_arrival_s")]
         if not rows:
-            raise UserError(f"--gateway-log {path}: no row has an http_arrival_s; log requests served over HTTP "
-                            f"by `paraflex serve --request-log` (Ray backend)")
+            raise _no_http_rows(path)
         delay = statistics.median(float(r["arrival_s"]) - float(r["http_arrival_s"]) for r in rows)
         path_s = 0.0 if engine_ttft_s is None else statistics.median(
             float(r["ttft_s"]) - t for r, t in zip(rows, engine_ttft_s))
@@ -192,13 +191,21 @@ def served_alone(rows: list[dict]) -> list[dict]:
 
 
 def read_log(path: str) -> list[dict]:
-    """The rows of a `paraflex serve --request-log` file that carry an http_arrival_s."""
+    """The rows of a `paraflex serve --request-log` file that carry an http_arrival_s (at least one)."""
     try:
         with open(path, newline="", encoding="utf-8") as fh:
-            return [r for r in csv.DictReader(fh) if r.get("http_arrival_s")]
+            rows = [r for r in csv.DictReader(fh) if r.get("http_arrival_s")]
     except OSError as exc:
         raise UserError(f"--gateway-log {path}: cannot read it ({exc.strerror}); pass a `paraflex serve "
                         f"--request-log` file") from None
+    if not rows:
+        raise _no_http_rows(path)
+    return rows
+
+
+def _no_http_rows(path: str) -> UserError:
+    return UserError(f"--gateway-log {path}: no row has an http_arrival_s; log requests served over HTTP by "
+                     f"`paraflex serve --request-log FILE`")
 
 
 def _read(profile_dir: str | None) -> dict:

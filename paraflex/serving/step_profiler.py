@@ -8,7 +8,10 @@ accounting, worker, sampler and in-process transport), runs it synchronously, an
 
 - prefill: one prompt of P tokens and max_tokens 1 (one prefill step, with sampling), per P;
 - decode: B prompts with max_tokens 1 + K minus the same with max_tokens 1, divided by K (one
-  decode step of batch B, with sampling), per B.
+  decode step of batch B, with sampling), per B;
+- on a GPU also k prompts packed into one prefill, per k, and decode steps of B prompts at
+  LONG_CONTEXT tokens, per B: what each prompt beyond the first and each token of context add
+  (`PROBE_SIZES`).
 
 Robust to other tenants of a shared machine (paraflex/costs/robust_timing.py), which only add
 time and come in stretches: the runs are made in BLOCKS blocks of rounds, the models taking turns
