@@ -49,6 +49,17 @@ MAX_SPLITS = 64
 
 _logged: set[str] = set()
 
+# Triton compiles a kernel once per specialisation of its arguments: an integer equal to 1 or
+# divisible by 16, a pointer aligned to 16 bytes. The prefill's block-table width (`stride_table`:
+# the batch's longest context in blocks) and the alignment of its per-layer metadata views change
+# from batch to batch, so each new combination compiled the prefill kernel again: on an H100, five
+# compiles of 0.5-1.7 s per model within its first prompts of 83-1,024 tokens, each stalling the
+# whole engine (bench/first_prefills.py). These arguments are not specialised: one variant serves
+# every batch, at the same step time (the eager prefill is launch-bound).
+PREFILL_UNSPECIALIZED = {"do_not_specialize": ["stride_table", "tokens_per_block"],
+                         "do_not_specialize_on_alignment": ["BLOCK_TABLE", "CONTEXT_LENS", "QUERY_START"]}
+WRITE_KV_UNSPECIALIZED = {"do_not_specialize_on_alignment": ["BLOCK", "OFFSET"]}
+
 
 def unsupported_reason(q: torch.Tensor, kv: torch.Tensor) -> str | None:
     """Why these kernels cannot serve this layer (None when they can)."""
@@ -186,7 +197,7 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-@triton.jit
+@triton.jit(**WRITE_KV_UNSPECIALIZED)
 def _write_kv_kernel(K, V, KV, BLOCK, OFFSET, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                      stride_block, stride_kind, stride_slot, stride_head,
                      HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
@@ -297,7 +308,7 @@ def _reduce_splits_kernel(PART_OUT, PART_LSE, OUT, stride_out, HEAD_DIM: tl.cons
     tl.store(OUT + seq * stride_out + head * HEAD_DIM + d, out.to(OUT.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(**PREFILL_UNSPECIALIZED)
 def _prefill_kernel(Q, KV, BLOCK_TABLE, CONTEXT_LENS, QUERY_START, OUT,
                     stride_q_tok, stride_q_head, stride_block, stride_kind, stride_slot, stride_head,
                     stride_table, stride_out, scale_log2, tokens_per_block,

@@ -6,7 +6,7 @@ no GPU is visible); the `gpu` twins run the same cases compiled on CUDA."""
 import pytest
 import torch
 from kernel_cases import LAYER, TOLERANCE, make_case, written_slots
-from kernel_devices import DEVICES
+from kernel_devices import DEVICES, needs_cuda
 
 tpa = pytest.importorskip("paraflex.engine.kernels.triton_paged_attention")
 
@@ -101,3 +101,31 @@ def test_unsupported_shapes_are_named():
     assert "head_dim 320" in tpa.unsupported_reason(q, kv)
     assert "dtype" in tpa.unsupported_reason(q.double(), kv.double())
     assert tpa.unsupported_reason(q[..., :128], kv[..., :128].contiguous()) is None
+
+
+def test_the_unspecialised_arguments_are_the_kernels_parameters():
+    """A misspelt name would leave the argument specialised (and the recompiles back)."""
+    for kernel, unspecialised in ((tpa._prefill_kernel, tpa.PREFILL_UNSPECIALIZED),
+                                  (tpa._write_kv_kernel, tpa.WRITE_KV_UNSPECIALIZED)):
+        names = [n for names in unspecialised.values() for n in names]
+        assert names and set(names) <= set(kernel.arg_names)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_one_compiled_prefill_serves_every_block_table_width_and_alignment():
+    """Prompts spanning 1, 2, 3, 16 and 17 blocks, alone and packed by two and three (block-table
+    widths equal to 1, divisible by 16 or neither; metadata views at odd and even offsets): after
+    the first batch no new variant of the prefill or KV-write kernel is compiled
+    (bench/first_prefills.py measured 0.5-1.7 s per variant on an H100)."""
+    def variants():
+        return {k: sum(len(c[0]) for c in k.device_caches.values())
+                for k in (tpa._prefill_kernel, tpa._write_kv_kernel)}
+
+    batches = [[(0, 4)], [(0, 5)], [(0, 11)], [(0, 64)], [(0, 65)], [(0, 5), (0, 64)], [(0, 3), (0, 65), (0, 9)]]
+    seen = None
+    for i, lens in enumerate(batches):
+        case = make_case(lens, 4, 4, 2, 64, dtype=torch.bfloat16, device="cuda", seed=i)
+        _check(case, tpa.paged_attention(case.q, case.k, case.v, case.kv, LAYER, case.meta, case.scale))
+        seen = seen or variants()
+        assert variants() == seen, f"batch {i} ({lens}) compiled a new variant"
