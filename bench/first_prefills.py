@@ -19,7 +19,7 @@ width and metadata alignment were unspecialised (engine/kernels/triton_paged_att
 llama-1b-shape's first 83 / 499 / 376 / 520 / 1,024-token prompts took 1,730 / 712 / 546 / 707 /
 714 ms, each compiling a new `_prefill_kernel` variant, their repeats 10-17 ms; smollm2-360m-shape
 786 / 673 / 1,214 ms at 83 / 376 / 520 tokens and 332 ms for a packed 9 x 400. After (the same
-run, `PARAFLEX_TRITON_SPECIALIZE=0` then): no new variant after the warm-up, every first call
+device call, the unspecialised kernels then behind a switch): no new variant after the warm-up, every first call
 19-44 ms, repeats 9-28 ms.
 """
 
