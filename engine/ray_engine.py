@@ -83,6 +83,7 @@ class EngineActor:
 
     def _load(self) -> None:
         from paraflex.engine.engine_builder import build_engine
+        from paraflex.engine.gc_heap import freeze_start_up_heap
 
         config, placement, device, dtype, kv_bytes, seed = self._build_args
         try:
@@ -92,6 +93,7 @@ class EngineActor:
                                      progress=self._say)
             self._say(f"engine {self.engine_id}: ready in {time.monotonic() - t0:.1f} s "
                       f"(pid {os.getpid()})")
+            freeze_start_up_heap()  # engine/gc_heap.py: collections skip what start-up built
             self.state = READY
             self._engine_thread = threading.Thread(target=self._run, name="pf-engine", daemon=True)
             self._engine_thread.start()

@@ -57,6 +57,9 @@ def add_arguments(parser) -> None:
                         help="every engine writes one CSV row per batch it runs (what it carried, "
                              "how long its loop took) to DIR/engine-<id>.csv, for `paraflex profile --step-log` "
                              "(docs/costmodel.md)")
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                        help="open the socket without first running a few short requests per model (default: run "
+                             "them, so the first user's request does not wait for kernels to compile)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="Ray restarts of a dead engine actor before its replicas stay down (default 0)")
     from paraflex.planner.incremental import DEFAULT_HYSTERESIS
@@ -137,6 +140,7 @@ def run(args) -> int:
     except ImportError as exc:
         raise UserError(f"serve needs the HTTP stack: the {exc.name!r} package is not installed (pip install "
                         "fastapi uvicorn); `paraflex generate` runs without it") from None
+    from paraflex.engine.gc_heap import PauseWatch, freeze_start_up_heap
     from paraflex.models.engine_support import require_runnable
 
     if args.in_process and (args.ray_address or args.max_restarts):
@@ -182,13 +186,21 @@ def run(args) -> int:
         print(f"starting {len(placement.engines)} engines ({'in-process' if args.in_process else 'Ray'}) ...",
               flush=True)
         backend = start_backend(config, placement, args)
-        if request_log is not None:
-            backend.frontend.request_log = request_log
-        if args.step_log:
-            paths = backend.start_step_logs(args.step_log)
-            print(f"engine step log: {', '.join(paths)}", flush=True)
-        replanner = None
+        replanner = pauses = None
         try:
+            if args.warm_up:  # before the logs: their rows are the users' requests only
+                from paraflex.serving.warm_up import warm_up
+
+                warm_up(backend, progress=lambda line: print(line, flush=True))
+            frozen = freeze_start_up_heap()
+            if frozen is not None:
+                print(frozen.describe(), flush=True)
+            pauses = PauseWatch(report=lambda line: print(line, file=sys.stderr, flush=True))
+            if request_log is not None:
+                backend.frontend.request_log = request_log
+            if args.step_log:
+                paths = backend.start_step_logs(args.step_log)
+                print(f"engine step log: {', '.join(paths)}", flush=True)
             if args.replan_interval is not None:
                 from paraflex.serving.live_replanner import LiveReplanner
 
@@ -205,6 +217,9 @@ def run(args) -> int:
         finally:
             if replanner is not None:
                 replanner.stop()
+            if pauses is not None:
+                pauses.stop()
+                print(pauses.summary(), file=sys.stderr, flush=True)
             print("stopping engines ...", file=sys.stderr, flush=True)
             asyncio.run(backend.close())
             if request_log is not None:

@@ -32,14 +32,20 @@ def files(tmp_path):
 def test_serve_prints_url_answers_and_stops_on_ctrl_c(files):
     cfg, pl = files
     with serving([cfg, "--placement", pl, "--in-process", "--port", "0", "--api-key", "k1"]) as (proc, lines):
-        url = served_url(lines, timeout=120)
+        start_up = read_until(lines, "/v1", timeout=120)
+        url = next(line for line in start_up if "/v1" in line).split()[0]
         assert url.startswith("http://127.0.0.1:")  # loopback unless told otherwise
+        # each model warmed up, then the start-up heap frozen, before the socket serves
+        assert sorted(line.split()[1] for line in start_up if line.startswith("warm-up: ")) == [
+            "tiny-2l", "tiny-4l", "tiny-8l"]
+        assert any("objects kept out of garbage collection" in line for line in start_up)
         c = openai.OpenAI(base_url=url, api_key="k1", max_retries=0, timeout=30)
         assert sorted(m.id for m in c.models.list().data) == ["tiny-2l", "tiny-4l", "tiny-8l"]
         done = c.completions.create(model="tiny-4l", prompt="hi", max_tokens=4, extra_body={"ignore_eos": True})
         assert done.usage.completion_tokens == 4
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 130
+        read_until(lines, "garbage collections: generation 0", timeout=5)  # the pauses' totals on the way out
         port = int(url.rsplit(":", 1)[1].split("/")[0])
         with socket.socket() as s:  # nothing listens there any more (TIME_WAIT aside)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
