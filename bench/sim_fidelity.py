@@ -218,7 +218,8 @@ def serve_loads(setup: Setup, args, out: str, config_path: str, placement_path: 
     base = yaml.safe_load(open(config_path))
     max_context = {m.name: m.arch.max_context for m in Config.from_dict(base, source=config_path, base_dir=out).models}
     log_path = os.path.join(out, "served_requests.csv")
-    server = ServeProcess(config_path, backend=setup.backend, who="sim_fidelity",
+    server = ServeProcess(config_path, backend=setup.backend, who="sim_fidelity", echo=True,
+                          log_path=os.path.join(out, "serve.log"),
                           extra_args=("--placement", placement_path, "--request-log", log_path,
                                       "--step-log", os.path.join(out, "steps")))
     rng = np.random.default_rng(args.seed)
@@ -237,9 +238,19 @@ def serve_loads(setup: Setup, args, out: str, config_path: str, placement_path: 
                             "client_ttft_s": float(np.median([r.ttft for r in results]))})
     finally:
         server.stop()
+    print_pauses(os.path.join(out, "serve.log"))
     with open(os.path.join(out, "windows.json"), "w") as fh:
         json.dump(windows, fh, indent=1)
     return windows
+
+
+def print_pauses(serve_log: str) -> None:
+    """The server's garbage-collection pauses (engine/gc_heap.py): how many were long, and its totals."""
+    with open(serve_log) as fh:
+        lines = [line.strip() for line in fh if "garbage collection" in line]
+    long = [line for line in lines if line.startswith("warning:")]
+    print(f"server: {len(long)} long garbage-collection pause(s)" + (f", e.g. {long[0]}" if long else "")
+          + "".join(f"; {line}" for line in lines if not line.startswith("warning:")), flush=True)
 
 
 def report(out: str, profile: str | None, windows: list[dict]) -> list[dict]:
