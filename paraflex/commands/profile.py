@@ -37,6 +37,7 @@ from paraflex.config.schema import load_config
 from paraflex.costs.serving_terms import (ENGINE_LOOP_KEY, GATEWAY_KEY, HOP_KEY, RETURN_PATH_KEY, EngineLoopTerm,
                                           GatewayTerm, HopTerm, gateway_delays, read_log, served_alone, store)
 from paraflex.costs.host_cpu import HOST_CORES_KEY, HOST_CPU_KEY
+from paraflex.costs.loop_fit import OUTLIER_FACTOR
 from paraflex.costs.step_overheads import KEY as STEP_KEY, NOISE_KEY
 from paraflex.errors import UserError
 from paraflex.models.engine_support import require_runnable
@@ -206,6 +207,9 @@ def _store_gateway(config, args) -> int:
     if args.step_log:
         lines, host = _loop_lines(profiled, layout, args.step_log, args.output, rows)
         loop = EngineLoopTerm.from_lines(lines, archs)
+        if left_out := sum(e["outliers"] for e in lines.values()):
+            print(f"engine loop: {left_out} logged step(s) over {OUTLIER_FACTOR:g}x their stage time left out as "
+                  f"one-offs (a kernel compiling on first use, a full garbage collection)")
         store(args.output, HOST_CPU_KEY, host)
         if host is not None:
             print(f"shared host CPU, fitted from {host.steps} logged steps: {host.cores} cores; each busy engine "

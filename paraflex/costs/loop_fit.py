@@ -9,7 +9,11 @@ served-step residual, no engine loop term), per model and kind (prefill, decode)
 line of that extra in the step's size (prompt tokens; decode requests), fitted through the mean
 extra at each size (each size weighted by its steps); on a shared host CPU the steps are first
 divided by what the other engines stretched them by (paraflex/costs/host_cpu.py). Means, not medians: a request's TBT is the
-mean of its steps, and an engine's capacity under load is set by its mean step. The lines go
+mean of its steps, and an engine's capacity under load is set by its mean step. A step that took
+more than OUTLIER_FACTOR times its stage time is left out as a one-off (a kernel compiling on
+first use, a full garbage collection), not what the loop adds to every step: on an H100 a served
+calibration held prefills of 0.5-1.7 s (Triton compiles) among ones of ~15 ms, and they lifted
+llama-1b-shape's fitted prefill line from ~4 to 41 ms per step. The lines go
 into `EngineLoopTerm` (paraflex/costs/serving_terms.py, `engine_loop` in profile.json), which
 the cost model adds to every stage execution at its size. Mixed (Sarathi) steps are not used.
 Pure: rows are dicts, the stage time a function.
@@ -24,6 +28,8 @@ from collections import defaultdict
 from typing import Callable, Sequence
 
 from paraflex.errors import UserError
+
+OUTLIER_FACTOR = 20.0  # a logged step over this many times its stage time is a one-off, left out
 
 
 def read_step_log(directory: str) -> list[dict]:
@@ -78,21 +84,26 @@ def step_size(row: dict) -> tuple[bool, int] | None:
 
 def fit_loop_lines(rows: list[dict], stage_time: Callable[[dict], float],
                    stretches: Sequence[float] | None = None) -> dict[str, dict]:
-    """model -> {prefill_s, prefill_per_token_s, decode_s, decode_per_seq_s, steps}: the lines of
-    `busy_s / stretch - stage_time(row)` per model and kind (a kind without rows: zero);
+    """model -> {prefill_s, prefill_per_token_s, decode_s, decode_per_seq_s, steps, outliers}: the
+    lines of `busy_s / stretch - stage_time(row)` per model and kind (a kind without rows: zero),
+    over the steps within OUTLIER_FACTOR of their stage time (`outliers`: those left out);
     `stretches`, one per row, what the shared host CPU stretched each step by (host_cpu.py; None:
     1 each)."""
     extra: dict[tuple[str, bool], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    outliers: dict[str, int] = defaultdict(int)
     for i, r in enumerate(rows):
         sized = step_size(r)
         if sized is not None:
-            stretch = stretches[i] if stretches is not None else 1.0
-            extra[(r["model"], sized[0])][sized[1]].append(float(r["busy_s"]) / stretch - stage_time(r))
+            took, compute = float(r["busy_s"]) / (stretches[i] if stretches is not None else 1.0), stage_time(r)
+            if took > OUTLIER_FACTOR * compute > 0:
+                outliers[r["model"]] += 1
+                continue
+            extra[(r["model"], sized[0])][sized[1]].append(took - compute)
     out: dict[str, dict] = {}
     for (model, prefill), points in sorted(extra.items()):
         a, b = weighted_line(points)
         e = out.setdefault(model, {"prefill_s": 0.0, "prefill_per_token_s": 0.0, "decode_s": 0.0,
-                                   "decode_per_seq_s": 0.0, "steps": 0})
+                                   "decode_per_seq_s": 0.0, "steps": 0, "outliers": outliers[model]})
         e.update({"prefill_s": a, "prefill_per_token_s": b} if prefill else {"decode_s": a, "decode_per_seq_s": b})
         e["steps"] += sum(len(v) for v in points.values())
     return out

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from paraflex.costs.costmodel import CostModel
-from paraflex.costs.loop_fit import fit_loop_lines, read_step_log, stage_time_fn, step_size, weighted_line
+from paraflex.costs.loop_fit import OUTLIER_FACTOR, fit_loop_lines, read_step_log, stage_time_fn, step_size, weighted_line
 from paraflex.costs.serving_terms import EngineLoopTerm
 from paraflex.engine.step_log import STEP_LOG_COLUMNS
 from paraflex.errors import UserError
@@ -44,6 +44,20 @@ def test_the_lines_recover_a_load_following_loop_cost_under_heavy_tailed_noise()
     assert e["decode_s"] == pytest.approx(0.0015, abs=0.0003)  # 1 ms + the tails' mean (0.5 ms): means, not medians
     assert e["prefill_s"] == pytest.approx(0.002) and e["prefill_per_token_s"] == pytest.approx(1e-5)
     assert e["steps"] == 420 and step_size(rows[-1]) is None
+
+
+def test_one_off_steps_far_over_their_stage_time_are_left_out_and_counted():
+    """Kernel compiles on first use (0.5-1.7 s prefills among ~15 ms ones on an H100) would lift
+    the prefill line for every step; a step up to OUTLIER_FACTOR x its stage time still counts."""
+    rows = [_row("m", "prefill", p, 0.012 + 1e-6 * p) for p in (64, 128, 256, 512) for _ in range(50)]
+    rows += [_row("m", "prefill", p, 1.2) for p in (83, 499, 520)]  # compiles
+    rows.append(_row("m", "prefill", 256, 0.009 * (OUTLIER_FACTOR - 1)))  # slow, but within the bound
+    lines = fit_loop_lines(rows, lambda r: 0.009)
+    e = lines["m"]
+    assert e["outliers"] == 3 and e["steps"] == 201
+    kept = [float(r["busy_s"]) - 0.009 for r in rows[:200]] + [0.009 * (OUTLIER_FACTOR - 2)]
+    assert e["prefill_s"] + e["prefill_per_token_s"] * 240 == pytest.approx(sum(kept) / len(kept), rel=0.05)
+    assert fit_loop_lines(rows[:200], lambda r: 0.009)["m"]["outliers"] == 0
 
 
 def test_the_cost_model_adds_the_line_at_the_steps_size_and_never_goes_below_the_ops():
