@@ -13,7 +13,7 @@ mean of its steps, and an engine's capacity under load is set by its mean step. 
 more than OUTLIER_FACTOR times its stage time is left out as a one-off (a kernel compiling on
 first use, a full garbage collection), not what the loop adds to every step: on an H100 a served
 calibration held prefills of 0.5-1.7 s (Triton compiles) among ones of ~15 ms, and they lifted
-llama-1b-shape's fitted prefill line from ~4 to 41 ms per step. The lines go
+llama-1b-shape's fitted prefill line from ~8 to 41 ms per step. The lines go
 into `EngineLoopTerm` (paraflex/costs/serving_terms.py, `engine_loop` in profile.json), which
 the cost model adds to every stage execution at its size. Mixed (Sarathi) steps are not used.
 Pure: rows are dicts, the stage time a function.
