@@ -59,6 +59,9 @@ _logged: set[str] = set()
 PREFILL_UNSPECIALIZED = {"do_not_specialize": ["stride_table", "tokens_per_block"],
                          "do_not_specialize_on_alignment": ["BLOCK_TABLE", "CONTEXT_LENS", "QUERY_START"]}
 WRITE_KV_UNSPECIALIZED = {"do_not_specialize_on_alignment": ["BLOCK", "OFFSET"]}
+# the same for a decode run eagerly (beyond the CUDA graphs' sizes; captured graphs fix them)
+DECODE_UNSPECIALIZED = {"do_not_specialize": ["stride_table", "tokens_per_block"],
+                        "do_not_specialize_on_alignment": ["BLOCK_TABLE", "CONTEXT_LENS"]}
 
 
 def unsupported_reason(q: torch.Tensor, kv: torch.Tensor) -> str | None:
@@ -172,12 +175,18 @@ def prefill(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, contex
 
 def choose_splits(programs: int, max_context: int, device: torch.device) -> int:
     """Splits per (request, KV head) of a decode batch: enough programs to fill the GPU, no
-    split shorter than MIN_TOKENS_PER_SPLIT."""
+    split shorter than MIN_TOKENS_PER_SPLIT, rounded down to a power of two. The count is a
+    compile-time constant of the kernels, so each distinct value compiles them (0.5-1.7 s on an
+    H100, the whole engine waiting: bench/first_prefills.py): a decode run eagerly (a context
+    beyond the CUDA graphs' `MAX_CONTEXT`, engine/kernels/cuda_graphs.py) would otherwise meet
+    a new count every MIN_TOKENS_PER_SPLIT tokens its context grows; powers of two make at most
+    seven variants, each compiled once."""
     longest = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     if device.type != "cuda":
         return min(longest, 4)
     wanted = -(-SPLIT_TARGET_PROGRAMS * _multiprocessors(device.index) // programs)
-    return max(1, min(longest, wanted, MAX_SPLITS))
+    splits = max(1, min(longest, wanted, MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -214,7 +223,7 @@ def _write_kv_kernel(K, V, KV, BLOCK, OFFSET, stride_k_tok, stride_k_head, strid
     tl.store(dst + stride_kind, value.to(KV.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(**DECODE_UNSPECIALIZED)
 def _decode_kernel(Q, KV, BLOCK_TABLE, CONTEXT_LENS, OUT, PART_OUT, PART_LSE,
                    stride_q_tok, stride_q_head, stride_block, stride_kind, stride_slot, stride_head,
                    stride_table, stride_out, scale_log2, tokens_per_block,

@@ -106,7 +106,8 @@ def test_unsupported_shapes_are_named():
 def test_the_unspecialised_arguments_are_the_kernels_parameters():
     """A misspelt name would leave the argument specialised (and the recompiles back)."""
     for kernel, unspecialised in ((tpa._prefill_kernel, tpa.PREFILL_UNSPECIALIZED),
-                                  (tpa._write_kv_kernel, tpa.WRITE_KV_UNSPECIALIZED)):
+                                  (tpa._write_kv_kernel, tpa.WRITE_KV_UNSPECIALIZED),
+                                  (tpa._decode_kernel, tpa.DECODE_UNSPECIALIZED)):
         names = [n for names in unspecialised.values() for n in names]
         assert names and set(names) <= set(kernel.arg_names)
 
@@ -129,3 +130,18 @@ def test_one_compiled_prefill_serves_every_block_table_width_and_alignment():
         _check(case, tpa.paged_attention(case.q, case.k, case.v, case.kv, LAYER, case.meta, case.scale))
         seen = seen or variants()
         assert variants() == seen, f"batch {i} ({lens}) compiled a new variant"
+
+
+def test_split_counts_are_powers_of_two_so_few_variants_compile(monkeypatch):
+    """The split count is a compile-time constant: over every batch and context a GPU meets,
+    at most seven values, each a power of two, none splitting below MIN_TOKENS_PER_SPLIT."""
+    monkeypatch.setattr(tpa, "_multiprocessors", lambda index: 132)  # an H100's
+    cuda = torch.device("cuda")  # (a device name: nothing runs on it)
+    seen = set()
+    for programs in range(1, 513):
+        for context in range(1, 65536, 97):
+            s = tpa.choose_splits(programs, context, cuda)
+            assert s & (s - 1) == 0 and 1 <= s <= tpa.MAX_SPLITS
+            assert s == 1 or context // s >= tpa.MIN_TOKENS_PER_SPLIT
+            seen.add(s)
+    assert len(seen) <= 7 and max(seen) == tpa.MAX_SPLITS
