@@ -44,6 +44,28 @@ def test_warm_up_prompt_has_the_length_asked_from_the_tokenizers_ids():
     assert any(len(r) > 1 for r in ROUNDS)  # prompts packed into one prefill
 
 
+class _RecordingBackend:
+    """A backend of one model whose context window is `context` tokens; records what it is sent."""
+
+    def __init__(self, context: int):
+        self.context, self.asked = context, []
+
+    def models(self):
+        return [ModelCard("m", self.context, _Tokenizer())]
+
+    async def stream(self, model, prompt, params, request_id):
+        self.asked.append(len(prompt) + params.max_tokens)
+        yield Output([5] * params.max_tokens, finish_reason="length")
+
+
+def test_warm_up_prompts_fit_a_short_context_window_and_a_tiny_one_is_skipped():
+    short = _RecordingBackend(context=10)
+    warm_up(short)
+    assert short.asked and max(short.asked) <= 10
+    tiny = _RecordingBackend(context=2)  # no prompt fits beside the generated tokens
+    assert warm_up(tiny) == {} and tiny.asked == []
+
+
 class _FailingBackend:
     """A backend whose model's stream ends with an engine error."""
 
