@@ -20,6 +20,7 @@ bench/first_prefills.py.)
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 import threading
@@ -27,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 LONG_PAUSE_S = 0.05  # a collection at least this long is reported as it happens
+REPORT_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,9 @@ def freeze_start_up_heap() -> Frozen | None:
 
 class PauseWatch:
     """Times every collection of this process (`gc.callbacks`): totals per generation, and
-    `report(line)` for each one of at least `long_s`."""
+    `report(line)` for each one of at least `long_s`, from a reporter thread within
+    `REPORT_EVERY_S` (the callback itself does no I/O: it may run inside a write to the very
+    stream the report goes to)."""
 
     def __init__(self, report, long_s: float = LONG_PAUSE_S) -> None:
         self.report, self.long_s = report, long_s
@@ -67,7 +71,11 @@ class PauseWatch:
         self.seconds = [0.0, 0.0, 0.0]
         self.longest = 0.0
         self._started: dict[int, float] = {}  # thread id -> when its collection started
+        self._long: collections.deque[str] = collections.deque()  # lines for the reporter
+        self._stopped = threading.Event()
         gc.callbacks.append(self._on_gc)
+        self._reporter = threading.Thread(target=self._report_loop, name="pf-gc-report", daemon=True)
+        self._reporter.start()
 
     def _on_gc(self, phase: str, info: dict) -> None:
         now, thread = time.perf_counter(), threading.get_ident()
@@ -82,8 +90,16 @@ class PauseWatch:
         self.seconds[gen] += took
         self.longest = max(self.longest, took)
         if took >= self.long_s:
-            self.report(f"warning: a garbage collection (generation {gen}, {info['collected']} objects freed) "
-                        f"paused this process {1000 * took:.0f} ms")
+            self._long.append(f"warning: a garbage collection (generation {gen}, {info['collected']} objects "
+                              f"freed) paused this process {1000 * took:.0f} ms")
+
+    def _report_loop(self) -> None:
+        while not self._stopped.wait(REPORT_EVERY_S):
+            self._flush()
+
+    def _flush(self) -> None:
+        while self._long:
+            self.report(self._long.popleft())
 
     def summary(self) -> str:
         parts = ", ".join(f"generation {g}: {n} in {s:.2f} s" for g, (n, s) in enumerate(zip(self.collections,
@@ -91,5 +107,9 @@ class PauseWatch:
         return f"garbage collections: {parts}; longest {1000 * self.longest:.0f} ms"
 
     def stop(self) -> None:
+        """No more timing; the long pauses not yet reported are reported now."""
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+        self._stopped.set()
+        self._reporter.join()
+        self._flush()
