@@ -208,7 +208,7 @@ def _store_gateway(config, args) -> int:
         lines, host = _loop_lines(profiled, layout, args.step_log, args.output, rows)
         loop = EngineLoopTerm.from_lines(lines, archs)
         if left_out := sum(e["outliers"] for e in lines.values()):
-            print(f"engine loop: {left_out} logged step(s) over {OUTLIER_FACTOR:g}x their stage time left out as "
+            print(f"engine loop: {left_out} logged step(s) over {OUTLIER_FACTOR:g}x their expected time left out as "
                   f"one-offs (a kernel compiling on first use, a full garbage collection)")
         store(args.output, HOST_CPU_KEY, host)
         if host is not None:

@@ -10,8 +10,9 @@ line of that extra in the step's size (prompt tokens; decode requests), fitted t
 extra at each size (each size weighted by its steps); on a shared host CPU the steps are first
 divided by what the other engines stretched them by (paraflex/costs/host_cpu.py). Means, not medians: a request's TBT is the
 mean of its steps, and an engine's capacity under load is set by its mean step. A step that took
-more than OUTLIER_FACTOR times its stage time is left out as a one-off (a kernel compiling on
-first use, a full garbage collection), not what the loop adds to every step: on an H100 a served
+more than OUTLIER_FACTOR times its expected time (its stage time plus the median extra of its
+model and kind) is left out as a one-off (a kernel compiling on first use, a full garbage
+collection), not what the loop adds to every step: on an H100 a served
 calibration held prefills of 0.5-1.7 s (Triton compiles) among ones of ~15 ms, and they lifted
 llama-1b-shape's fitted prefill line from ~8 to 41 ms per step. The lines go
 into `EngineLoopTerm` (paraflex/costs/serving_terms.py, `engine_loop` in profile.json), which
@@ -24,12 +25,13 @@ from __future__ import annotations
 import csv
 import glob
 import os
+import statistics
 from collections import defaultdict
 from typing import Callable, Sequence
 
 from paraflex.errors import UserError
 
-OUTLIER_FACTOR = 20.0  # a logged step over this many times its stage time is a one-off, left out
+OUTLIER_FACTOR = 20.0  # a logged step over this many times its expected time is a one-off, left out
 
 
 def read_step_log(directory: str) -> list[dict]:
@@ -86,26 +88,29 @@ def fit_loop_lines(rows: list[dict], stage_time: Callable[[dict], float],
                    stretches: Sequence[float] | None = None) -> dict[str, dict]:
     """model -> {prefill_s, prefill_per_token_s, decode_s, decode_per_seq_s, steps, outliers}: the
     lines of `busy_s / stretch - stage_time(row)` per model and kind (a kind without rows: zero),
-    over the steps within OUTLIER_FACTOR of their stage time (`outliers`: those left out);
-    `stretches`, one per row, what the shared host CPU stretched each step by (host_cpu.py; None:
-    1 each)."""
-    extra: dict[tuple[str, bool], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    outliers: dict[str, int] = defaultdict(int)
+    over the steps within OUTLIER_FACTOR of their expected time, their stage time plus the median
+    extra of their model and kind (`outliers`: those left out); `stretches`, one per row, what the
+    shared host CPU stretched each step by (host_cpu.py; None: 1 each)."""
+    measured: dict[tuple[str, bool], list[tuple[int, float, float]]] = defaultdict(list)  # (size, took, stage)
     for i, r in enumerate(rows):
         sized = step_size(r)
         if sized is not None:
-            took, compute = float(r["busy_s"]) / (stretches[i] if stretches is not None else 1.0), stage_time(r)
-            if took > OUTLIER_FACTOR * compute > 0:
-                outliers[r["model"]] += 1
-                continue
-            extra[(r["model"], sized[0])][sized[1]].append(took - compute)
+            took = float(r["busy_s"]) / (stretches[i] if stretches is not None else 1.0)
+            measured[(r["model"], sized[0])].append((sized[1], took, stage_time(r)))
     out: dict[str, dict] = {}
-    for (model, prefill), points in sorted(extra.items()):
+    for (model, prefill), steps in sorted(measured.items()):
+        typical = statistics.median(took - compute for _, took, compute in steps)
+        points: dict[int, list[float]] = defaultdict(list)
+        for size, took, compute in steps:
+            if took <= OUTLIER_FACTOR * max(compute + typical, compute):
+                points[size].append(took - compute)
         a, b = weighted_line(points)
         e = out.setdefault(model, {"prefill_s": 0.0, "prefill_per_token_s": 0.0, "decode_s": 0.0,
-                                   "decode_per_seq_s": 0.0, "steps": 0, "outliers": outliers[model]})
+                                   "decode_per_seq_s": 0.0, "steps": 0, "outliers": 0})
         e.update({"prefill_s": a, "prefill_per_token_s": b} if prefill else {"decode_s": a, "decode_per_seq_s": b})
-        e["steps"] += sum(len(v) for v in points.values())
+        kept = sum(len(v) for v in points.values())
+        e["steps"] += kept
+        e["outliers"] += len(steps) - kept
     return out
 
 
