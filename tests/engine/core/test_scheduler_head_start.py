@@ -40,3 +40,14 @@ def test_later_stages_order_by_the_shifted_arrival():
     later.add_request("b", "B", 4, 5, 1.0)
     later.receive_batch(msg)
     assert later.schedule().model == "M"
+
+
+def test_the_config_reaches_served_and_simulated_engines_alike():
+    from paraflex.config.scheduler import SchedulerConfig
+    from paraflex.engine.core.block_pool import BlockPool
+    from paraflex.engine.core.scheduler import EngineScheduler
+
+    cfg = SchedulerConfig(head_start_s={"A": 5.0})
+    assert cfg.engine_options(on_cpu=False)["head_start_s"] == {"A": 5.0}  # the simulator's and engine_builder's path
+    assert EngineScheduler.from_config(BlockPool(10, 1024, 0), cfg).head_start_s == {"A": 5.0}
+    assert EngineScheduler.from_config(BlockPool(10, 1024, 0), SchedulerConfig()).head_start_s == {}
