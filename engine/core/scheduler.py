@@ -66,6 +66,12 @@ KV and swapping (§5 "Swapping policy", §6.2): a batch takes KV for its new tok
 new prompts only into free blocks above a watermark, admitted work evicts (swaps out) when it
 does not fit, nothing is ever recomputed; the rules are in engine/core/kv_planner.py.
 
+Head starts (`head_start_s`, config `scheduler.head_start_s`; none by default, the paper's
+arrival order): a model's requests are ordered as if they had arrived that many seconds
+earlier, in every class of the policy and at every stage (their `arrival` is that ordering
+time; latency metrics keep the real arrival outside the engine core). Measured for
+dispersion-4x in docs/engine-core.md, "Round 5".
+
 No model starves: a non-empty queue not served for more than `starvation_limit` decisions (by
 default max(64, 4 x the number of queues)) jumps ahead of the policy's order, so every queue
 whose head can get KV is served within a bounded number of decisions; the guarantee and its
@@ -125,6 +131,7 @@ class EngineScheduler:
         engine_id: int = 0,
         track_history: bool = False,
         decode_batches_in_flight: int | str | None = "stages",
+        head_start_s: Mapping[str, float] | None = None,
     ):
         if max_batch_size < 1:
             raise ConfigError("scheduler.max_batch_size", f"must be >= 1 (got {max_batch_size})")
@@ -141,6 +148,7 @@ class EngineScheduler:
         self.prefill_token_budget = prefill_token_budget
         self.engine_id = engine_id
         self.decode_inflight_limit = parse_inflight_limit(decode_batches_in_flight)
+        self.head_start_s = dict(head_start_s or {})
         self.resident = ResidentStages()
         self.stages: list[ResidentStage] = self.resident.all
         self.requests = RequestTable(track_history)
@@ -171,6 +179,7 @@ class EngineScheduler:
             policy=scheduler_config.policy,
             engine_id=engine_id,
             decode_batches_in_flight=getattr(scheduler_config, "decode_batches_in_flight", "stages"),
+            head_start_s=getattr(scheduler_config, "head_start_s", None),
             # the config leaves the budget unset (None) unless the user gives one
             **({} if scheduler_config.prefill_token_budget is None
                else {"prefill_token_budget": scheduler_config.prefill_token_budget}),
@@ -224,13 +233,17 @@ class EngineScheduler:
     # ------------------------------------------------------------------ events in
     def add_request(self, req_id: str, model: str, prompt_len: int, max_new_tokens: int, arrival_time: float,
                     prompt_token_ids: list[int] | None = None, sampling: dict | None = None) -> StageRequest:
-        """A new request at its model's first stage (state waiting-prefill)."""
+        """A new request at its model's first stage (state waiting-prefill). The scheduler
+        orders it by `arrival_time` minus its model's head start (`head_start_s`, 0 unless
+        configured): the time its later stages order it by too, the arrival it carries in
+        `PrefillEntry.arrival`."""
         st = self.resident.first_of(model)
         if st is None:
             raise ProtocolError(f"engine {self.engine_id} hosts no first stage of {model!r}; dispatch to the replica's first engine")
         self.requests.check_new(req_id, prompt_len, max_new_tokens, prompt_token_ids, self.engine_id)
         self.kv.check_fits_ever(req_id, st, prompt_len, max_new_tokens, self.engine_id)
-        req = self.requests.open(req_id, st, arrival_time, prompt_len, max_new_tokens, sampling,
+        order_time = arrival_time - self.head_start_s.get(model, 0.0)
+        req = self.requests.open(req_id, st, order_time, prompt_len, max_new_tokens, sampling,
                                  list(prompt_token_ids) if prompt_token_ids is not None else None)
         st.prefill_q.push(req, self.order.decisions)
         return req

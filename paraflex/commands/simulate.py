@@ -65,6 +65,8 @@ def add_arguments(p) -> None:
     a.add_argument("--one-prompt-prefills", action="store_true",
                    help="paraflex: the paper's one prompt per prefill batch instead of packing waiting prompts "
                         "(scheduler.pack_prompts: false)")
+    a.add_argument("--no-head-start", action="store_true",
+                   help="paraflex: ignore the config's scheduler.head_start_s (queues in arrival order, the paper's)")
     a.add_argument("--prefill-engines", type=int, help="aegaeon: engines in the prefill pool (default: the paper's 6:10 split)")
     g = p.add_argument_group("GPUs-needed search (Prism Table 1)")
     g.add_argument("--find-min-engines", type=float, metavar="TARGET",
@@ -205,7 +207,7 @@ def _settings(args, rate: float, seed: int):
                        pipeline_first=args.pipeline_first,
                        unbounded_decode_batches=args.unbounded_decode_batches, paper_replication=args.paper_replication,
                        work_shares=args.work_shares,
-                       one_prompt_prefills=args.one_prompt_prefills,
+                       one_prompt_prefills=args.one_prompt_prefills, no_head_start=args.no_head_start,
                        host_link_gbps=args.host_link_gbps, check_invariants=args.check_invariants,
                        prefill_engines=args.prefill_engines,
                        fast_forward=not args.no_fast_forward, replan_interval=args.replan_interval,

@@ -1,5 +1,5 @@
 """The config's `scheduler:` section: batch size, KV block size, policy, prefill token budget,
-and the gateway's dispatch rule over a model's replicas.
+the gateway's dispatch rule over a model's replicas, and per-model head starts in the queues.
 
 Place in the data flow: `paraflex.config.schema` parses the section with `parse_scheduler` into
 a `SchedulerConfig`; `engine_options` turns it into the keyword arguments of the engine's
@@ -9,7 +9,8 @@ KV block pools take `block_bytes`. Keys and defaults: docs/config.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from paraflex.config.fields import Section
 from paraflex.engine.core.dispatcher import DISPATCH_RULES
@@ -36,6 +37,9 @@ class SchedulerConfig:
     # outstanding requests; engine/core/dispatcher.py
     dispatch: str = "home-first"
     home_margin: int = 4  # requests a home may hold beyond the least loaded replica
+    # model name -> seconds its requests count as having arrived earlier when an engine orders
+    # its queues (none: arrival order, the paper's); engine/core/scheduler.py, add_request
+    head_start_s: dict[str, float] = field(default_factory=dict)
 
     def engine_options(self, on_cpu: bool) -> dict:
         """EngineScheduler keyword arguments (minus the policy's engine id), the same for a
@@ -50,7 +54,7 @@ class SchedulerConfig:
         without a budget keeps the paper's one prompt per prefill batch on a GPU (§8.1); a CPU
         engine packs whatever, its one forward pass per batch being the unit of work."""
         opts: dict = {"max_batch_size": self.max_batch_size, "policy": self.policy,
-                      "decode_batches_in_flight": self.decode_batches_in_flight}
+                      "decode_batches_in_flight": self.decode_batches_in_flight, "head_start_s": dict(self.head_start_s)}
         if self.prefill_token_budget is not None:
             opts["prefill_token_budget"] = self.prefill_token_budget
         if self.pack_prompts or self.prefill_token_budget is not None or on_cpu:
@@ -72,7 +76,30 @@ def parse_scheduler(raw) -> SchedulerConfig:
         decode_batches_in_flight=_inflight(s),
         dispatch=s.str("dispatch", "home-first", choices=DISPATCH_RULES),
         home_margin=s.int("home_margin", 4, minimum=0),
+        head_start_s=_head_starts(s),
     )
+
+
+def _head_starts(s) -> dict[str, float]:
+    """`scheduler.head_start_s`: a mapping of model names to finite seconds >= 0 (the names are
+    checked against `models` once both are parsed, `check_head_starts`)."""
+    raw = s.data.get("head_start_s") or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(s.at("head_start_s"), "expected a mapping of model name to seconds, e.g. {llama-80b: 5}")
+    out = {}
+    for name, v in raw.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+            raise ConfigError(f"{s.at('head_start_s')}.{name}", f"must be a finite number of seconds >= 0 (got {v!r})")
+        out[str(name)] = float(v)
+    return out
+
+
+def check_head_starts(scheduler: SchedulerConfig, model_names) -> None:
+    """Every model named in `scheduler.head_start_s` is served; ConfigError naming it otherwise."""
+    names = set(model_names)
+    for name in scheduler.head_start_s:
+        if name not in names:
+            raise ConfigError(f"scheduler.head_start_s.{name}", f"no model named {name!r}; served models: {', '.join(sorted(names))}")
 
 
 def _inflight(s) -> str | int:

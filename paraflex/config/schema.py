@@ -27,7 +27,7 @@ from paraflex.config.fields import GIB, Section
 from paraflex.config.file import read_config_file
 from paraflex.config.models import ModelConfig, check_models, parse_model
 from paraflex.config.planner import PlannerConfig, parse_planner
-from paraflex.config.scheduler import POLICIES, SchedulerConfig, parse_scheduler
+from paraflex.config.scheduler import POLICIES, SchedulerConfig, check_head_starts, parse_scheduler
 from paraflex.config.workload import WorkloadConfig, parse_workload
 from paraflex.errors import ConfigError, UserError
 
@@ -93,6 +93,7 @@ def _parse_config(data, source: str, base_dir: str) -> Config:
     check_models(models, cluster)
     planner = parse_planner(data.get("planner") or {})
     scheduler = parse_scheduler(data.get("scheduler") or {})
+    check_head_starts(scheduler, (m.name for m in models))
     workload = parse_workload(data["workload"], base_dir) if top.has("workload") else None
     if workload is not None and workload.zipf_alpha is not None:
         explicit = [i for i, m in enumerate(models_raw) if isinstance(m, dict) and "rate" in m]

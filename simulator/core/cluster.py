@@ -66,6 +66,8 @@ class Cluster:
             options["decode_batches_in_flight"] = layout.decode_batches_in_flight
         if layout.prefill_max_requests is not None:
             options["prefill_max_requests"] = layout.prefill_max_requests
+        if layout.head_start_s is not None:
+            options["head_start_s"] = layout.head_start_s
         self.engines: list[SimEngine] = []
         for ep in placement.engines:
             # One pool per GPU of the TP group, all in lock-step: each GPU holds 1/tp of every

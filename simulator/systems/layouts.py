@@ -28,6 +28,8 @@ paper kept as ablations of `paraflex` (docs/engine-core.md, docs/plan.md):
 chosen model is full: `planner.fill_engines: false`) and `one_prompt_prefills` (one prompt per
 prefill batch, §8.1: `scheduler.pack_prompts: false`); and one option beyond the paper,
 `work_shares` (Alg. 1's target shares by weight bytes: `planner.replica_shares: work`).
+`no_head_start` drops the config's `scheduler.head_start_s` (a ParaFlex option, so the baselines
+never get one; docs/engine-core.md "Round 5").
 """
 
 from __future__ import annotations
@@ -109,9 +111,9 @@ def vllm_tp(config, settings) -> SystemLayout:
 def build_system(config, settings) -> SystemLayout:
     builder = SYSTEMS.get(settings.system, "--system")
     if (settings.no_sharding or settings.random_placement or settings.paper_replication or settings.work_shares
-            or settings.pipeline_first or settings.one_prompt_prefills) and settings.system != "paraflex":
-        raise UserError("--no-sharding, --random-placement, --paper-replication, --work-shares, --pipeline-first and "
-                        "--one-prompt-prefills are ablations of --system paraflex; drop them or use paraflex")
+            or settings.pipeline_first or settings.one_prompt_prefills or settings.no_head_start) and settings.system != "paraflex":
+        raise UserError("--no-sharding, --random-placement, --paper-replication, --work-shares, --pipeline-first, "
+                        "--one-prompt-prefills and --no-head-start are ablations of --system paraflex; drop them or use paraflex")
     if settings.prefill_first and settings.pipeline_first:
         raise UserError("--prefill-first and --pipeline-first each replace the policy; pass one of them")
     if settings.no_sharding and settings.random_placement:
@@ -125,4 +127,6 @@ def build_system(config, settings) -> SystemLayout:
         layout.decode_batches_in_flight = "unbounded"
     if settings.one_prompt_prefills:
         layout.prefill_max_requests = 1
+    if settings.no_head_start or settings.system != "paraflex":
+        layout.head_start_s = {}  # a ParaFlex setting: the baselines keep arrival order
     return layout

@@ -26,6 +26,7 @@ class SystemLayout:
     prefill_token_budget: int | None = None  # overrides scheduler.prefill_token_budget
     decode_batches_in_flight: str | int | None = None  # overrides scheduler.decode_batches_in_flight
     prefill_max_requests: int | None = None  # overrides the prompts per prefill batch (scheduler.pack_prompts)
+    head_start_s: dict[str, float] | None = None  # overrides scheduler.head_start_s ({}: none)
     seed: object | None = None  # a seed system's SeedSpec (simulator/seeds/): its own simulated cluster
 
     def describe(self) -> dict:
@@ -38,6 +39,7 @@ class SystemLayout:
             "prefill_token_budget": self.prefill_token_budget,
             "decode_batches_in_flight": self.decode_batches_in_flight,
             "prefill_max_requests": self.prefill_max_requests,
+            "head_start_s": self.head_start_s,
             "memory_bytes_per_engine": self.memory_bytes,
             "models": {name: {"stages": m.num_stages, "replicas": m.num_replicas} for name, m in self.placement.models.items()},
             **({"seed": self.seed.describe()} if self.seed is not None else {}),

@@ -183,3 +183,19 @@ def test_work_shares_are_an_option_beside_the_papers_stage_shares():
     assert config.planner.replica_shares == "stages"  # the option planned from a copy
     with pytest.raises(UserError, match="ablations of --system paraflex"):
         _layout(config, "sarathi", work_shares=True)
+
+
+def test_head_starts_reach_paraflex_engines_only_and_the_ablation_drops_them():
+    """dispersion-4x sets `scheduler.head_start_s: {llama-80b: 5}`: ParaFlex's engine
+    schedulers get it, `--no-head-start` and the baselines get none."""
+    from paraflex.simulator.runner import simulate
+
+    cfg = load_config(str(CONFIGS / "dispersion-4x.yaml"))
+    assert cfg.scheduler.head_start_s == {"llama-80b": 5.0}
+    for kw, want in (({}, {"llama-80b": 5.0}), ({"no_head_start": True}, {})):
+        settings = SimSettings(system="paraflex", rate=1.0, **kw)
+        res = simulate(cfg, settings, layout=build_system(cfg, settings), requests=[])
+        assert all(e.scheduler.head_start_s == want for e in res.engines)
+    assert _layout(cfg, "sarathi").head_start_s == {}
+    with pytest.raises(UserError, match="ablations of --system paraflex"):
+        _layout(cfg, "sarathi", no_head_start=True)
