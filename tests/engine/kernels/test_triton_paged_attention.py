@@ -115,21 +115,27 @@ def test_the_unspecialised_arguments_are_the_kernels_parameters():
 @pytest.mark.gpu
 @needs_cuda
 def test_one_compiled_prefill_serves_every_block_table_width_and_alignment():
-    """Prompts spanning 1, 2, 3, 16 and 17 blocks, alone and packed by two and three (block-table
-    widths equal to 1, divisible by 16 or neither; metadata views at odd and even offsets): after
-    the first batch no new variant of the prefill or KV-write kernel is compiled
-    (bench/first_prefills.py measured 0.5-1.7 s per variant on an H100)."""
+    """After one batch of each query tile (`BLOCK_M` 16 up to 16 queries, 64 beyond: a real
+    compile-time choice), prompts spanning 2, 3, 4, 16 and 17 blocks, alone and packed by two and
+    three (block-table widths divisible by 16 or not; metadata views at odd and even offsets)
+    compile no new variant of the prefill or KV-write kernel (bench/first_prefills.py measured
+    0.5-1.7 s per variant on an H100)."""
     def variants():
         return {k: sum(len(c[0]) for c in k.device_caches.values())
                 for k in (tpa._prefill_kernel, tpa._write_kv_kernel)}
 
-    batches = [[(0, 4)], [(0, 5)], [(0, 11)], [(0, 64)], [(0, 65)], [(0, 5), (0, 64)], [(0, 3), (0, 65), (0, 9)]]
-    seen = None
-    for i, lens in enumerate(batches):
+    def run(i, lens):
         case = make_case(lens, 4, 4, 2, 64, dtype=torch.bfloat16, device="cuda", seed=i)
         _check(case, tpa.paged_attention(case.q, case.k, case.v, case.kv, LAYER, case.meta, case.scale))
-        seen = seen or variants()
-        assert variants() == seen, f"batch {i} ({lens}) compiled a new variant"
+
+    run(0, [(0, 4)])  # BLOCK_M 16, one block
+    run(1, [(0, 17)])  # BLOCK_M 64
+    seen = variants()
+    later = [[(0, 5)], [(0, 11)], [(0, 16)], [(0, 64)], [(0, 65)], [(0, 12), (0, 13)], [(0, 5), (0, 64)],
+             [(0, 3), (0, 65), (0, 9)]]
+    for i, lens in enumerate(later, start=2):
+        run(i, lens)
+        assert variants() == seen, f"batch {lens} compiled a new variant"
 
 
 def test_split_counts_are_powers_of_two_so_few_variants_compile(monkeypatch):
