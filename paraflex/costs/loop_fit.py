@@ -114,11 +114,16 @@ def fit_loop_lines(rows: list[dict], stage_time: Callable[[dict], float],
     return out
 
 
+def line_at(e: dict, prefill: bool, size: int) -> float:
+    """A model's fitted lines (`fit_loop_lines`' entry, or `engine_loop`'s in profile.json) at a
+    step of `size` prompt tokens (prefill) or requests (decode)."""
+    return e["prefill_s"] + e["prefill_per_token_s"] * size if prefill else e["decode_s"] + e["decode_per_seq_s"] * size
+
+
 def loop_line_s(lines: dict[str, dict], row: dict) -> float | None:
     """The value of `fit_loop_lines`' line for a logged step `row` at its size; None for a mixed
     step or a model without lines."""
     sized, e = step_size(row), lines.get(row["model"])
     if sized is None or e is None:
         return None
-    prefill, size = sized
-    return e["prefill_s"] + e["prefill_per_token_s"] * size if prefill else e["decode_s"] + e["decode_per_seq_s"] * size
+    return line_at(e, *sized)

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 
 from paraflex.costs.host_cpu import HOST_CPU_KEY, HostCpu
 from paraflex.costs.interconnect import Interconnect
+from paraflex.costs.loop_fit import line_at
 from paraflex.costs.step_overheads import PROFILE_FILE, arch_key
 from paraflex.errors import UserError
 
@@ -161,7 +162,7 @@ class EngineLoopTerm:
             return self.step_s
         if "decode_s" not in e:
             return e["step_s"]
-        return e["prefill_s"] + e["prefill_per_token_s"] * size if prefill else e["decode_s"] + e["decode_per_seq_s"] * size
+        return line_at(e, prefill, size)
 
 
 @dataclass(frozen=True)
