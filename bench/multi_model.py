@@ -287,7 +287,7 @@ def parse_args(argv=None):
     p.add_argument("--rate", default="1.5",
                    help="total requests/s over all models; a comma list runs each (e.g. 1,4: 4 saturates both systems)")
     p.add_argument("--replica-shares", choices=("work", "stages"),
-                   help="Alg. 1's target shares for ParaFlex's plan (default: the config default, work)")
+                   help="Alg. 1's target shares for ParaFlex's plan (default: the config default, stages)")
     p.add_argument("--dispatch", default="",
                    help="ParaFlex dispatch rules to run, comma list (home-first, least-outstanding; default: the config's)")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
