@@ -12,10 +12,12 @@ Times are Unix seconds (`time.time()`): arrival is when the frontend took the re
 the gateway parsed and tokenized it), token times when the frontend got them. One more column
 than the simulator's, `http_arrival_s`: when the gateway's handler got the HTTP request (it sets
 `HTTP_ARRIVAL`, a context variable the frontend's `start` sees on the Ray backend; the
-in-process backend, whose loop thread starts requests, hands it over with `awaiting` before it
-queues one; empty for requests that did not come over HTTP). arrival_s - http_arrival_s is the
-gateway's share (parse, tokenize, admission; in-process also the wait for the loop to take the
-request, up to one engine step) that `paraflex profile --gateway-log` turns into the simulator's gateway delay. `output_tokens`
+in-process backend, whose loop thread starts requests between engine steps, hands it over with
+`awaiting` as it queues one, and its arrival is that moment, not the loop's (the wait for the
+step in progress is the engines' queue, which the simulator models: counted in the gateway's share
+too, it was counted twice); empty for requests that did not come over HTTP). arrival_s -
+http_arrival_s is the gateway's share (parse, tokenize, admission) that `paraflex profile
+--gateway-log` turns into the simulator's gateway delay. `output_tokens`
 is the request's max_tokens; `id` the client-visible request id. Aborted or failed requests are
 not logged. Thread-safe: the gateway's loop starts requests, the engines' output thread ends them.
 """
@@ -55,21 +57,26 @@ class RequestLog:
         self.lock = threading.Lock()
         self.written = 0
         self.http_arrival: dict[str, float] = {}
+        self.queued_at: dict[str, float] = {}  # `awaiting`: when the backend queued it for the loop
 
     def started(self, rid: str, model: str, replica: int, prompt_tokens: int, max_tokens: int) -> None:
         with self.lock:
-            rec = self.store.add_request(rid, model, self.clock(), prompt_tokens, max_tokens)
+            queued = self.queued_at.pop(rid, None)
+            arrival = self.clock() if queued is None else queued
+            rec = self.store.add_request(rid, model, arrival, prompt_tokens, max_tokens)
             rec.replica = replica
             t_http = HTTP_ARRIVAL.get()
             if t_http is not None:
                 self.http_arrival[rid] = t_http
 
     def awaiting(self, rid: str) -> None:
-        """Keep this context's HTTP arrival for `rid`, which another thread will start (the
-        in-process backend's loop); `dropped` forgets it if the request never starts."""
+        """`rid` is queued now for another thread to start (the in-process backend's loop, between
+        engine steps): its arrival is now, and this context's HTTP arrival is kept for it;
+        `dropped` forgets both if the request never starts."""
         t_http = HTTP_ARRIVAL.get()
-        if t_http is not None:
-            with self.lock:
+        with self.lock:
+            self.queued_at[rid] = self.clock()
+            if t_http is not None:
                 self.http_arrival[rid] = t_http
 
     def tokens(self, rid: str, count: int) -> None:
@@ -96,6 +103,7 @@ class RequestLog:
         with self.lock:
             self.store.requests.pop(rid, None)
             self.http_arrival.pop(rid, None)
+            self.queued_at.pop(rid, None)
 
     def close(self) -> None:
         with self.lock:

@@ -90,6 +90,35 @@ def test_the_gateways_http_arrival_is_logged_with_the_request_it_started(tmp_pat
     assert rows["b"]["http_arrival_s"] == ""
 
 
+def test_a_request_queued_for_the_loop_thread_arrives_when_it_was_queued(tmp_path):
+    """The in-process backend queues a request (`awaiting`) for its loop thread, which starts it
+    after the engine step in progress: that wait is the engines' queue, so the arrival (and the
+    gateway's share, arrival - HTTP arrival) stops at the queueing, and TTFT counts the wait."""
+    placement = SimpleNamespace(models={"m": SimpleNamespace(replicas=[[0]])})
+    clock = Clock()
+    log = RequestLog(str(tmp_path / "log.csv"), [SimpleNamespace(name="m", slo_ttft_ms=None, slo_tbt_ms=None)],
+                     clock=clock)
+    f = Frontend(None, placement, Engines(), report=lambda line: None)
+    f.request_log = log
+    token = HTTP_ARRIVAL.set(99.998)
+    try:
+        log.awaiting("a")  # 2 ms after the HTTP arrival
+        log.awaiting("gone")
+    finally:
+        HTTP_ARRIVAL.reset(token)
+    clock.now = 100.015  # the loop thread takes it after a 15 ms step
+    f.start("a", "m", [1], SamplingParams(max_tokens=1), None)
+    log.dropped("gone")  # never started: nothing of it is kept
+    clock.now = 100.04
+    f.on_output("a", [7], "length", None)
+    log.close()
+    (row,) = _rows(tmp_path / "log.csv")
+    assert float(row["arrival_s"]) == pytest.approx(100.0)
+    assert float(row["arrival_s"]) - float(row["http_arrival_s"]) == pytest.approx(0.002)
+    assert float(row["ttft_s"]) == pytest.approx(0.04)
+    assert not log.queued_at and not log.http_arrival
+
+
 def test_an_unwritable_path_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="--request-log .*cannot write it"):
         RequestLog(str(tmp_path / "no" / "such" / "dir.csv"), [])
