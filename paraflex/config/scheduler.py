@@ -17,6 +17,14 @@ from paraflex.engine.core.dispatcher import DISPATCH_RULES
 from paraflex.errors import ConfigError
 
 POLICIES = ("full-batch-first", "pipeline-first", "prefill-first", "sarathi")
+# A CPU engine's prompt tokens per prefill batch when the config sets none (a GPU engine's is the
+# scheduler's 4096). A CPU prefills ~1,000 tokens/s, so a 4,096-token step holds every packed
+# prompt's first token (and every running decode) for ~4-5 s; in steps of 2,048 the first half
+# of a burst gets its first token after half of that, at the same FLOP/s per row (vLLM's CPU
+# server defaults to 2,048 too). SmolLM2-135M, 32 x 128-token prompts at once, 2 threads:
+# median TTFT 4.91 -> 2.72 s, the burst's 128 tokens each done in 16.78 vs 17.16 s (3
+# interleaved rounds; docs/engine-core.md, "Prefill token budget on a CPU").
+CPU_PREFILL_TOKEN_BUDGET = 2048
 
 
 @dataclass
@@ -24,8 +32,8 @@ class SchedulerConfig:
     max_batch_size: int = 32
     block_bytes: int = 32768
     policy: str = "full-batch-first"
-    # None: the engine's default budget (4096 tokens); a number: pack prompts (and size Sarathi
-    # chunks) up to this many tokens per prefill batch.
+    # None: the engine's default budget (4096 tokens; a CPU engine's CPU_PREFILL_TOKEN_BUDGET);
+    # a number: pack prompts (and size Sarathi chunks) up to this many tokens per prefill batch.
     prefill_token_budget: int | None = None
     # pack waiting prompts (up to max_batch_size, under the budget) into one prefill batch; false
     # with no budget is the paper's one prompt per prefill batch (§8.1). docs/engine-core.md
@@ -52,11 +60,13 @@ class SchedulerConfig:
         "Round 3"); a CPU matmul over all prompts' rows at once runs ~1.4x more FLOP/s than one
         prompt at a time (M=4096 vs M=128 rows for SmolLM2's shapes). `pack_prompts: false`
         without a budget keeps the paper's one prompt per prefill batch on a GPU (§8.1); a CPU
-        engine packs whatever, its one forward pass per batch being the unit of work."""
+        engine packs whatever, its one forward pass per batch being the unit of work, under
+        `CPU_PREFILL_TOKEN_BUDGET` tokens unless the config sets a budget."""
         opts: dict = {"max_batch_size": self.max_batch_size, "policy": self.policy,
                       "decode_batches_in_flight": self.decode_batches_in_flight, "head_start_s": dict(self.head_start_s)}
-        if self.prefill_token_budget is not None:
-            opts["prefill_token_budget"] = self.prefill_token_budget
+        budget = CPU_PREFILL_TOKEN_BUDGET if self.prefill_token_budget is None and on_cpu else self.prefill_token_budget
+        if budget is not None:
+            opts["prefill_token_budget"] = budget
         if self.pack_prompts or self.prefill_token_budget is not None or on_cpu:
             opts["prefill_max_requests"] = self.max_batch_size
         return opts

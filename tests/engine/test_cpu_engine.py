@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle_models import make_placement
 
+from paraflex.config.scheduler import CPU_PREFILL_TOKEN_BUDGET
 from paraflex.config.schema import Config
 from paraflex.engine.kernels import native_attention
 from paraflex.engine.worker.attention import AttentionMetadata, paged_attention
@@ -41,6 +42,13 @@ def test_scheduler_options_pack_prompts_and_pack_prompts_false_is_the_paper_sett
     assert sc.engine_options(on_cpu=True)["prefill_max_requests"] == 8  # a CPU engine packs whatever
     budgeted = _config(budget=64).scheduler.engine_options(on_cpu=False)
     assert budgeted["prefill_token_budget"] == 64 and budgeted["prefill_max_requests"] == 8
+
+
+def test_a_cpu_engine_prefills_in_steps_of_2048_tokens_unless_the_config_sets_a_budget():
+    sc = _config().scheduler
+    assert sc.engine_options(on_cpu=True)["prefill_token_budget"] == CPU_PREFILL_TOKEN_BUDGET == 2048
+    assert "prefill_token_budget" not in sc.engine_options(on_cpu=False)  # the scheduler's 4096
+    assert _config(budget=4096).scheduler.engine_options(on_cpu=True)["prefill_token_budget"] == 4096
 
 
 @pytest.mark.parametrize("budget, prefill_batches", [(None, 1), (12, 2), (11, 3)])
