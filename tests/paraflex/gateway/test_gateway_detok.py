@@ -1,9 +1,10 @@
 """Incremental detokenization: deltas add up to the full text, cut at the first stop string."""
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paraflex.gateway.detok import TextStream
+from paraflex.gateway.detok import CONTEXT_TOKENS, TextStream
 
 
 def byte_decode(ids: list[int]) -> str:
@@ -54,3 +55,73 @@ def test_holds_back_a_possible_stop_prefix_then_releases_it():
     assert ts.feed(list(b"STOPyz")) == "STx"  # cut before the stop string, rest released
     assert ts.stopped and ts.text == "abSTx"
     assert ts.feed(list(b"more"), final=True) == ""
+
+
+def _metaspace_tokenizer():
+    """A sentencepiece-like BPE (Metaspace: a word's leading space is part of its token and the
+    decoder drops it at the start of a decode), where a window must keep context."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    text = ["The capital of France is Paris.", "ünïcödé 🙂 words, and more words"] * 20
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"]))
+    return tok
+
+
+def _byte_level_tokenizer(tmp_path_factory):
+    from oracle_models import save_tokenizer
+    from tokenizers import Tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    save_tokenizer(d)
+    return Tokenizer.from_file(str(d / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def real_tokenizers(tmp_path_factory):
+    return {"byte-level BPE": _byte_level_tokenizer(tmp_path_factory), "metaspace BPE": _metaspace_tokenizer()}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(alphabet=st.sampled_from(list("The capitl ofFrancsP.ü🙂,\n")), max_size=60),
+       st.lists(st.integers(0, 119), max_size=30), st.lists(st.integers(1, 4), min_size=1, max_size=40))
+def test_windowed_deltas_equal_the_whole_decode_with_real_tokenizers(real_tokenizers, text, noise, chunks):
+    """Each feed decodes only the new tokens and a few before them: the deltas still add up to
+    the decode of every token at once, for encoded text and for arbitrary ids (partial bytes of
+    a character, unknown words) alike."""
+    for tok in real_tokenizers.values():
+        ids = tok.encode(text).ids + noise
+        decode = lambda x, tok=tok: tok.decode(x, skip_special_tokens=True)  # noqa: E731
+        got, _ = _run_with(decode, ids, chunks)
+        assert got == decode(ids)
+
+
+def _run_with(decode, ids, chunk_sizes):
+    ts = TextStream(decode, [])
+    out, i = [], 0
+    for size in chunk_sizes:
+        if i >= len(ids):
+            break
+        out.append(ts.feed(ids[i:i + size]))
+        i += size
+    out.append(ts.feed(ids[i:], final=True))
+    return "".join(out), ts.stopped
+
+
+def test_a_long_stream_decodes_each_token_a_bounded_number_of_times():
+    """The gateway's work per token must not grow with the output: over 3,000 tokens fed one at a
+    time, the ids handed to the decoder stay within a constant per token (decoding the whole
+    output each time handed it ~4.5 million)."""
+    decoded = []
+
+    def counting(ids):
+        decoded.append(len(ids))
+        return byte_decode(ids)
+
+    text = ("windowed détokenization 🙂 " * 200)[:3000]
+    ids = list(text.encode())
+    got, _ = _run_with(counting, ids, [1] * len(ids))
+    assert got == text
+    assert sum(decoded) <= 2 * (CONTEXT_TOKENS + 4) * len(ids)
