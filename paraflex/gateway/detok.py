@@ -10,9 +10,9 @@ Each feed decodes a window, not the whole output: the new tokens and `CONTEXT_TO
 them, taking the new text as what the window's decode adds to the decode of its context (a
 decoder's spacing at a word boundary, a character split over tokens, need that context; vLLM
 detokenizes the same way). Decoding everything each time made a stream's gateway work grow
-with the square of its length: 4,096 tokens one at a time took 2.3 s of the gateway's thread
-with SmolLM2's tokenizer (552 us per token; now 10 us: bench/detok_speed.py), the event loop
-every stream shares.
+with the square of its length: 4,096 tokens one at a time took 1.6-2.3 s of the gateway's
+thread with SmolLM2's tokenizer (382-552 us per token; now 6-10 us: bench/detok_speed.py), the
+event loop every stream shares.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class TextStream:
         self.token_ids: list[int] = []
         self.decoded = ""  # the text of token_ids[:self._read]
         self._read = 0
-        self.text = ""  # everything emitted so far
+        self.sent = 0  # characters of `decoded` emitted so far
         self.stopped = False
 
     def _decode_new(self, final: bool) -> None:
@@ -52,21 +52,24 @@ class TextStream:
             return ""
         self.token_ids.extend(token_ids)
         self._decode_new(final)
-        full = self.decoded
-        cut = self._find_stop(full)
-        if cut is not None:
-            self.stopped = True
-            full, final = full[:cut], True
+        end = len(self.decoded)
+        cut = self._find_stop()
+        if cut is not None:  # (at or past `sent`: the held-back tail covers a stop string's start)
+            self.stopped, end, final = True, cut, True
         if not final:  # (`decoded` ends in a complete character here: _decode_new held it back)
-            full = full[:max(len(self.text), len(full) - self._hold)]
-        # A later token can change how earlier bytes decode; what was sent stays sent.
-        delta = full[len(self.text):]
-        self.text += delta
+            end = max(self.sent, end - self._hold)
+        delta = self.decoded[self.sent:end]  # `decoded` only grows: what was sent stays sent
+        self.sent += len(delta)
         return delta
 
-    def _find_stop(self, full: str) -> int | None:
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return self.decoded[:self.sent]
+
+    def _find_stop(self) -> int | None:
         if not self._stop:
             return None
-        start = max(0, len(self.text) - self._hold - 1)
-        hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
+        start = max(0, self.sent - self._hold - 1)
+        hits = [i for i in (self.decoded.find(s, start) for s in self._stop) if i >= 0]
         return min(hits) if hits else None
