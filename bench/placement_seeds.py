@@ -1,0 +1,246 @@
+"""Same-order placement (Alg. 2) against random placement, with the planner's sharding and
+replica counts in both: workload seeds x placement seeds, and whether the engines' expected
+compute load tells the winner (issue 26, paper §8.5).
+
+Place in the data flow: plans the config once with the `paraflex` solver and once per
+placement seed with `--random-placement` (simulator/systems/random_placement.py: the same
+stage cuts and replica counts, stages scattered with the same number per engine, +-1), then
+simulates every placement on the requests of every workload seed (Splitwise trace replay, as
+bench/reproduce_paper.py does) and prints:
+
+* per workload seed, paraflex's achieved req/s beside the random draws' mean [min-max], and
+  paraflex / the random mean over all points with the per-seed ratios' range;
+* per placement its expected engine load (`engine_loads`: each model's requests split evenly
+  over its replicas, each resident stage costing its share of the model's reference time from
+  the cost model), as max / mean and coefficient of variation, beside its mean req/s;
+* the variance split of the random draws' req/s (`variance_split`): the spread of the
+  placements' means against what the placement x workload interaction alone gives a mean of
+  that many seeds (a placement effect smaller than that is not told apart from noise);
+* the correlation, within each workload seed, of req/s with the load's coefficient of variation;
+* with `--best`, the most compute-balanced same-order placement with the planner's replica
+  counts whose Phi* is no lower than the planner's (`best_balance`: exhaustive search, small
+  clusters only), to show how much a compute criterion in Alg. 2 could gain at all.
+
+    python bench/placement_seeds.py configs/paper-base.yaml --popularity balanced --rate 64 \\
+        --workload-seeds 0,1,2 --placement-seeds 0,1,2 --duration 20 [--best] [--jobs 2] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+from paraflex.cpu_info import machine_line
+from paraflex.planner.problem import replica_engines
+from paraflex.planner.replica_placer import water_levels
+from paraflex.planner.sharding import build_problem
+from paraflex.simulator.runner import SimSettings, simulate
+from paraflex.simulator.systems.layouts import build_system
+from work_bound import TRACE, point_config  # one point's config, as the other benches build it (bench/ is on sys.path)
+
+_TIE = 1e-9
+MAX_LEAVES = 2_000_000  # best_balance gives up past this many complete placements
+
+
+def stage_loads(config, placement) -> dict[str, np.ndarray]:
+    """Per model, the expected compute of each stage of one of its replicas: the model's rate
+    share / its replicas x the stage's share of the model's reference time (seconds per request)."""
+    cost = config.cluster.cost_model()
+    total = sum(m.rate for m in config.models)
+    out = {}
+    for m in config.models:
+        mp = placement.models[m.name]
+        per_request = cost.model_time(m.arch) * m.rate / total / mp.num_replicas
+        out[m.name] = np.array([per_request * (b - a) / mp.num_layers for a, b in mp.stages])
+    return out
+
+
+def engine_loads(config, placement) -> np.ndarray:
+    """Expected compute per engine: the sum of `stage_loads` over its resident stages."""
+    load = np.zeros(placement.num_engines)
+    for name, per_stage in stage_loads(config, placement).items():
+        for replica in placement.models[name].replicas:
+            for k, engine in enumerate(replica):
+                load[engine] += per_stage[k]
+    return load
+
+
+def balance(load: np.ndarray) -> tuple[float, float]:
+    """(max / mean, coefficient of variation) of per-engine loads."""
+    mean = load.mean()
+    return float(load.max() / mean), float(load.std() / mean)
+
+
+def variance_split(y: np.ndarray) -> tuple[float, float, float]:
+    """Standard deviations of a placements x workload-seeds table's placement effect (the rows'
+    means), workload effect (the columns' means) and interaction (what is left)."""
+    grand = y.mean()
+    rows, cols = y.mean(axis=1) - grand, y.mean(axis=0) - grand
+    rest = y - grand - rows[:, None] - cols[None, :]
+    dof = (y.shape[0] - 1) * (y.shape[1] - 1)
+    return float(rows.std(ddof=1)), float(cols.std(ddof=1)), float(np.sqrt((rest ** 2).sum() / dof)) if dof else 0.0
+
+
+def within_seed_correlation(x: np.ndarray, y: np.ndarray) -> float:
+    """Correlation of x with y (both placements x workload seeds) after removing each seed's mean."""
+    dx, dy = (x - x.mean(axis=0)).ravel(), (y - y.mean(axis=0)).ravel()
+    if dx.std() < _TIE or dy.std() < _TIE:
+        return float("nan")
+    return float(np.corrcoef(dx, dy)[0, 1])
+
+
+def best_balance(config, placement) -> tuple[np.ndarray | None, int]:
+    """The loads of the same-order placement (the planner's stage cuts and replica counts, no two
+    stages of a model on one engine, weights within memory, Phi* no lower than the planner's)
+    with the lowest max load, then the lowest spread; and how many such placements there are.
+    (None, count) past MAX_LEAVES."""
+    problem, _ = build_problem(config)
+    n, memory = problem.num_engines, float(problem.memory_bytes)
+    floor = placement.objective * memory * (1 - _TIE)
+    per_stage = stage_loads(config, placement)
+    units = []  # one per replica: (model index, stage weights, stage loads)
+    for i, spec in enumerate(problem.models):
+        weights = np.asarray(spec.stage_weights, dtype=float)
+        units += [(i, weights, per_stage[spec.name])] * placement.models[spec.name].num_replicas
+    units.sort(key=lambda u: (-len(u[1]), -u[1].sum(), u[0]))
+    cap, cnt, load = np.full(n, memory), np.zeros(n, dtype=int), np.zeros(n)
+    holds = [set() for _ in range(n)]
+    starts = [0] * len(units)
+    best, leaves = [None, None], [0]
+
+    def place(u: int) -> None:
+        if leaves[0] > MAX_LEAVES:
+            return
+        if u == len(units):
+            leaves[0] += 1
+            key = (round(float(load.max()), 12), float(load.std()))
+            if best[0] is None or key < best[0]:
+                best[0], best[1] = key, load.copy()
+            return
+        i, weights, stage_load = units[u]
+        s = len(weights)
+        same_model_before = u > 0 and units[u - 1][0] == i  # its replicas in increasing start order
+        for p in range(n if problem.ring else n - s + 1):
+            if same_model_before and p <= starts[u - 1]:
+                continue
+            window = replica_engines(p, s, n)
+            if any(i in holds[e] or cap[e] < weights[k] for k, e in enumerate(window)):
+                continue
+            for k, e in enumerate(window):
+                cap[e] -= weights[k]
+                cnt[e] += 1
+                load[e] += stage_load[k]
+                holds[e].add(i)
+            starts[u] = p
+            if water_levels(cap, cnt).min() >= floor:
+                place(u + 1)
+            for k, e in enumerate(window):
+                cap[e] += weights[k]
+                cnt[e] -= 1
+                load[e] -= stage_load[k]
+                holds[e].discard(i)
+
+    place(0)
+    return (None if leaves[0] > MAX_LEAVES else best[1]), leaves[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    config_path: str
+    popularity: str
+    duration: float
+    trace: str | None  # None: the config's own arrivals
+    rate: float
+    placement_seed: int | None  # None: the planner's placement
+    workload_seed: int
+
+
+def layout_of(config, placement_seed: int | None):
+    """The planner's layout, or the random draw `placement_seed` of its stages."""
+    return build_system(config, SimSettings(system="paraflex", random_placement=placement_seed is not None,
+                                            seed=placement_seed or 0))
+
+
+def run_point(point: Point) -> dict:
+    config = point_config(point.config_path, point.popularity, point.duration, point.trace)
+    layout = layout_of(config, point.placement_seed)
+    summary = simulate(config, SimSettings(system="paraflex", rate=point.rate, seed=point.workload_seed), layout=layout).summary
+    return {"placement_seed": point.placement_seed, "workload_seed": point.workload_seed,
+            "throughput_rps": summary["throughput_rps"], "e2e_median_s": summary["e2e_median_s"],
+            "e2e_p99_s": summary["e2e_p99_s"]}
+
+
+def report(config, rows: list[dict], placement_seeds: list[int], workload_seeds: list[int]) -> list[str]:
+    """The tables as Markdown lines."""
+    tput = {(r["placement_seed"], r["workload_seed"]): r["throughput_rps"] for r in rows}
+    ours = np.array([tput[None, w] for w in workload_seeds])
+    rand = np.array([[tput[p, w] for w in workload_seeds] for p in placement_seeds])
+    lines = ["| workload seed | paraflex req/s | random req/s, mean [min-max] | ratio |", "|---|---|---|---|"]
+    for j, w in enumerate(workload_seeds):
+        col = rand[:, j]
+        lines.append(f"| {w} | {ours[j]:.1f} | {col.mean():.1f} [{col.min():.1f}-{col.max():.1f}] | {ours[j] / col.mean():.2f} |")
+    ratios = ours / rand.mean(axis=0)
+    lines += ["", f"paraflex / random: {ours.mean() / rand.mean():.3f} (per workload seed {ratios.min():.2f}-{ratios.max():.2f}; "
+              f"{len(workload_seeds)} workload x {len(placement_seeds)} placement seeds)", ""]
+    seeds = [None, *placement_seeds]
+    shape = {p: balance(engine_loads(config, layout_of(config, p).placement)) for p in seeds}
+    lines += ["| placement | load max/mean | load CV | mean req/s |", "|---|---|---|---|"]
+    for p in seeds:
+        lines.append(f"| {'paraflex' if p is None else f'random {p}'} | {shape[p][0]:.3f} | {shape[p][1]:.3f} "
+                     f"| {statistics.mean(tput[p, w] for w in workload_seeds):.2f} |")
+    if len(placement_seeds) > 1 and len(workload_seeds) > 1:
+        sd_p, sd_w, sd_i = variance_split(rand)
+        cv = np.array([[shape[p][1]] * len(workload_seeds) for p in placement_seeds])
+        lines += ["", f"random draws: placement effect sd {sd_p:.2f} req/s against {sd_i / np.sqrt(len(workload_seeds)):.2f} "
+                  f"from the interaction alone (interaction sd {sd_i:.2f} / sqrt({len(workload_seeds)}) seeds); workload "
+                  f"effect sd {sd_w:.2f}; within-seed correlation of req/s with the load CV {within_seed_correlation(cv, rand):+.2f}"]
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("--popularity", default="balanced", help="balanced or a Zipf exponent (as bench/reproduce_paper.py)")
+    ap.add_argument("--rate", type=float, required=True, help="offered req/s over all models")
+    ap.add_argument("--duration", type=float, default=20.0, help="arrival window, s")
+    ap.add_argument("--trace", default=TRACE, help="arrival trace to replay (default: Splitwise conversation)")
+    ap.add_argument("--workload-seeds", default="0,1,2")
+    ap.add_argument("--placement-seeds", default="0,1,2")
+    ap.add_argument("--best", action="store_true", help="also search the most compute-balanced same-order placement")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", help="JSON file for the points")
+    a = ap.parse_args()
+    ws = [int(x) for x in a.workload_seeds.split(",")]
+    ps = [int(x) for x in a.placement_seeds.split(",")]
+    config = point_config(a.config, a.popularity, a.duration, a.trace)
+    points = [Point(a.config, a.popularity, a.duration, a.trace, a.rate, p, w) for p in [None, *ps] for w in ws]
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+        rows = list(pool.map(run_point, points))
+    print(f"# {a.config}, popularity {a.popularity}, {a.rate:g} req/s offered, {a.duration:g} s windows; "
+          f"{len(points)} points in {time.perf_counter() - t0:.0f} s wall; {machine_line()}")
+    print("\n".join(report(config, rows, ps, ws)))
+    if a.best:
+        placement = layout_of(config, None).placement
+        best, count = best_balance(config, placement)
+        ours = balance(engine_loads(config, placement))
+        if best is None:
+            print(f"\n--best: more than {MAX_LEAVES} same-order placements; not searched to the end")
+        else:
+            print(f"\nmost balanced of {count} same-order placements with Phi* >= the planner's: load max/mean "
+                  f"{balance(best)[0]:.3f}, CV {balance(best)[1]:.3f} (the planner's: {ours[0]:.3f}, {ours[1]:.3f})")
+    if a.out:
+        with open(a.out, "w", encoding="utf-8") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""bench/placement_seeds.py: the expected engine loads follow the placement (their total does
+not), the variance split and the within-seed correlation do their arithmetic, the search for the
+most compute-balanced same-order placement finds one at least as balanced as the planner's, and
+one short point simulates both placements on the same requests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from repo_paths import CONFIGS, load_bench
+
+BASE = str(CONFIGS / "paper-base.yaml")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench("placement_seeds")
+
+
+def test_engine_loads_move_with_the_placement_and_keep_their_total(bench):
+    config = bench.point_config(BASE, "balanced", duration=3.0, trace=None)
+    ours = bench.layout_of(config, None).placement
+    drawn = bench.layout_of(config, 1).placement
+    a, b = bench.engine_loads(config, ours), bench.engine_loads(config, drawn)
+    assert a.sum() == pytest.approx(b.sum())
+    assert not np.allclose(np.sort(a), np.sort(b))  # the draw pairs other stages on its engines
+    cost = config.cluster.cost_model()
+    per_stage = bench.stage_loads(config, ours)
+    for m in config.models:  # a model's replicas together carry its rate share x its reference time
+        total = per_stage[m.name].sum() * ours.models[m.name].num_replicas
+        assert total == pytest.approx(cost.model_time(m.arch) / len(config.models))
+    assert bench.balance(np.array([1.0, 1.0, 2.0, 0.0])) == (2.0, pytest.approx(np.sqrt(0.5)))
+
+
+def test_variance_split_separates_rows_columns_and_interaction(bench):
+    rows, cols = np.array([0.0, 1.0, 2.0]), np.array([10.0, 20.0])
+    additive = rows[:, None] + cols[None, :]
+    sd_p, sd_w, sd_i = bench.variance_split(additive)
+    assert (sd_p, sd_w, sd_i) == (pytest.approx(1.0), pytest.approx(np.std(cols, ddof=1)), pytest.approx(0.0))
+    checker = np.array([[1.0, -1.0], [-1.0, 1.0]])
+    sd_p, sd_w, sd_i = bench.variance_split(checker)
+    assert sd_p == pytest.approx(0.0) and sd_w == pytest.approx(0.0) and sd_i > 1.0
+
+
+def test_within_seed_correlation_ignores_the_seeds_own_level(bench):
+    x = np.array([[0.1, 0.1], [0.2, 0.2], [0.3, 0.3]])  # one value per placement, every seed
+    y = np.array([[30.0, 20.0], [29.0, 19.0], [28.0, 18.0]])  # seed 2 is 10 req/s lower throughout
+    assert bench.within_seed_correlation(x, y) == pytest.approx(-1.0)
+    assert np.isnan(bench.within_seed_correlation(x, np.full_like(y, 5.0)))
+
+
+@pytest.mark.parametrize("popularity", ["balanced", "1.01"])
+def test_best_balance_is_at_least_as_balanced_as_the_planner(bench, popularity):
+    config = bench.point_config(BASE, popularity, duration=3.0, trace=None)
+    placement = bench.layout_of(config, None).placement
+    best, count = bench.best_balance(config, placement)
+    assert count >= 1 and best is not None
+    ours = bench.balance(bench.engine_loads(config, placement))
+    assert bench.balance(best)[0] <= ours[0] + 1e-9
+    assert bench.balance(best)[1] <= ours[1] + 1e-9
+    assert best.sum() == pytest.approx(bench.engine_loads(config, placement).sum())
+
+
+def test_one_point_simulates_both_placements_on_the_same_requests(bench):
+    common = dict(config_path=BASE, popularity="balanced", duration=2.0, trace=None, rate=16.0, workload_seed=3)
+    ours = bench.run_point(bench.Point(placement_seed=None, **common))
+    drawn = bench.run_point(bench.Point(placement_seed=0, **common))
+    assert ours["throughput_rps"] > 0 and drawn["throughput_rps"] > 0
+    assert (ours["placement_seed"], drawn["placement_seed"]) == (None, 0)
+    lines = bench.report(bench.point_config(BASE, "balanced", 2.0, None), [ours, drawn], [0], [3])
+    assert lines[2].startswith("| 3 | ") and "paraflex / random" in lines[4]
