@@ -17,12 +17,14 @@ bench/reproduce_paper.py does) and prints:
   placements' means against what the placement x workload interaction alone gives a mean of
   that many seeds (a placement effect smaller than that is not told apart from noise);
 * the correlation, within each workload seed, of req/s with the load's coefficient of variation;
-* with `--best`, the most compute-balanced same-order placement with the planner's replica
-  counts whose Phi* is no lower than the planner's (`best_balance`: exhaustive search, small
-  clusters only), to show how much a compute criterion in Alg. 2 could gain at all.
+* with `--extremes`, two more rows: the most and the least compute-balanced same-order
+  placements with the planner's replica counts and a Phi* no lower than the planner's
+  (`balance_extremes`: exhaustive search, small clusters only), simulated on the same requests:
+  what a compute criterion in Alg. 2 could gain at all among placements its memory objective
+  does not tell apart.
 
     python bench/placement_seeds.py configs/paper-base.yaml --popularity balanced --rate 64 \\
-        --workload-seeds 0,1,2 --placement-seeds 0,1,2 --duration 20 [--best] [--jobs 2] [--out F]
+        --workload-seeds 0,1,2 --placement-seeds 0,1,2 --duration 20 [--extremes] [--jobs 2] [--out F]
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 
 from paraflex.cpu_info import machine_line
-from paraflex.planner.problem import replica_engines
+from paraflex.planner.assemble import to_placement
+from paraflex.planner.problem import Solution, replica_engines
 from paraflex.planner.replica_placer import water_levels
 from paraflex.planner.sharding import build_problem
 from paraflex.simulator.runner import SimSettings, simulate
@@ -46,7 +49,7 @@ from paraflex.simulator.systems.layouts import build_system
 from work_bound import TRACE, point_config  # one point's config, as the other benches build it (bench/ is on sys.path)
 
 _TIE = 1e-9
-MAX_LEAVES = 2_000_000  # best_balance gives up past this many complete placements
+MAX_LEAVES = 2_000_000  # balance_extremes gives up past this many complete placements
 
 
 def stage_loads(config, placement) -> dict[str, np.ndarray]:
@@ -96,11 +99,13 @@ def within_seed_correlation(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.corrcoef(dx, dy)[0, 1])
 
 
-def best_balance(config, placement) -> tuple[np.ndarray | None, int]:
-    """The loads of the same-order placement (the planner's stage cuts and replica counts, no two
-    stages of a model on one engine, weights within memory, Phi* no lower than the planner's)
-    with the lowest max load, then the lowest spread; and how many such placements there are.
-    (None, count) past MAX_LEAVES."""
+def balance_extremes(config, placement) -> tuple[dict[str, list[list[list[int]]]] | None, int]:
+    """The same-order placements (the planner's stage cuts and replica counts, stage k of a replica
+    on engine start + k, no two stages of a model on one engine, Phi* no lower than the planner's)
+    with the most and the least even compute load: {"most balanced": replicas, "least balanced":
+    replicas} (per model, each replica's engines; most balanced = lowest max engine load, then
+    lowest spread; least = highest spread), and how many such placements exist. (None, count)
+    past MAX_LEAVES."""
     problem, _ = build_problem(config)
     n, memory = problem.num_engines, float(problem.memory_bytes)
     floor = placement.objective * memory * (1 - _TIE)
@@ -113,16 +118,20 @@ def best_balance(config, placement) -> tuple[np.ndarray | None, int]:
     cap, cnt, load = np.full(n, memory), np.zeros(n, dtype=int), np.zeros(n)
     holds = [set() for _ in range(n)]
     starts = [0] * len(units)
-    best, leaves = [None, None], [0]
+    found: dict[str, tuple] = {}  # label -> (key, starts); smaller key wins
+    leaves = [0]
+
+    def keep(label: str, key: tuple) -> None:
+        if label not in found or key < found[label][0]:
+            found[label] = (key, list(starts))
 
     def place(u: int) -> None:
         if leaves[0] > MAX_LEAVES:
             return
         if u == len(units):
             leaves[0] += 1
-            key = (round(float(load.max()), 12), float(load.std()))
-            if best[0] is None or key < best[0]:
-                best[0], best[1] = key, load.copy()
+            keep("most balanced", (round(float(load.max()), 12), float(load.std())))
+            keep("least balanced", (-float(load.std()),))
             return
         i, weights, stage_load = units[u]
         s = len(weights)
@@ -148,7 +157,37 @@ def best_balance(config, placement) -> tuple[np.ndarray | None, int]:
                 holds[e].discard(i)
 
     place(0)
-    return (None if leaves[0] > MAX_LEAVES else best[1]), leaves[0]
+    if leaves[0] > MAX_LEAVES:
+        return None, leaves[0]
+    out = {}
+    for label, (_, chosen) in found.items():
+        replicas = [[] for _ in problem.models]
+        for (i, weights, _), p in zip(units, chosen):
+            replicas[i].append(replica_engines(p, len(weights), n))
+        out[label] = replicas
+    return out, leaves[0]
+
+
+PLANNER = "paraflex"
+EXTREMES = ("most balanced", "least balanced")
+
+
+def layout_of(config, label: str):
+    """The layout of one placement: the planner's (`PLANNER`), its random draw `random N`, or
+    one of `EXTREMES` (`balance_extremes`, placed with the planner's cuts and replica counts)."""
+    if label.startswith("random "):
+        return build_system(config, SimSettings(system="paraflex", random_placement=True, seed=int(label.split()[1])))
+    layout = build_system(config, SimSettings(system="paraflex"))
+    if label in EXTREMES:
+        extremes, count = balance_extremes(config, layout.placement)
+        if extremes is None:
+            raise SystemExit(f"--extremes: more than {MAX_LEAVES} same-order placements; not searched to the end")
+        problem, _ = build_problem(config)
+        layout.placement = to_placement(problem, Solution(replicas=extremes[label], objective_bytes=0.0),
+                                        f"paraflex ({label})", layout.placement.params)
+    elif label != PLANNER:
+        raise ValueError(f"unknown placement {label!r}")
+    return layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,30 +197,25 @@ class Point:
     duration: float
     trace: str | None  # None: the config's own arrivals
     rate: float
-    placement_seed: int | None  # None: the planner's placement
+    placement: str  # a `layout_of` label
     workload_seed: int
-
-
-def layout_of(config, placement_seed: int | None):
-    """The planner's layout, or the random draw `placement_seed` of its stages."""
-    return build_system(config, SimSettings(system="paraflex", random_placement=placement_seed is not None,
-                                            seed=placement_seed or 0))
 
 
 def run_point(point: Point) -> dict:
     config = point_config(point.config_path, point.popularity, point.duration, point.trace)
-    layout = layout_of(config, point.placement_seed)
+    layout = layout_of(config, point.placement)
     summary = simulate(config, SimSettings(system="paraflex", rate=point.rate, seed=point.workload_seed), layout=layout).summary
-    return {"placement_seed": point.placement_seed, "workload_seed": point.workload_seed,
+    return {"placement": point.placement, "workload_seed": point.workload_seed,
             "throughput_rps": summary["throughput_rps"], "e2e_median_s": summary["e2e_median_s"],
             "e2e_p99_s": summary["e2e_p99_s"]}
 
 
 def report(config, rows: list[dict], placement_seeds: list[int], workload_seeds: list[int]) -> list[str]:
     """The tables as Markdown lines."""
-    tput = {(r["placement_seed"], r["workload_seed"]): r["throughput_rps"] for r in rows}
-    ours = np.array([tput[None, w] for w in workload_seeds])
-    rand = np.array([[tput[p, w] for w in workload_seeds] for p in placement_seeds])
+    tput = {(r["placement"], r["workload_seed"]): r["throughput_rps"] for r in rows}
+    drawn = [f"random {p}" for p in placement_seeds]
+    ours = np.array([tput[PLANNER, w] for w in workload_seeds])
+    rand = np.array([[tput[p, w] for w in workload_seeds] for p in drawn])
     lines = ["| workload seed | paraflex req/s | random req/s, mean [min-max] | ratio |", "|---|---|---|---|"]
     for j, w in enumerate(workload_seeds):
         col = rand[:, j]
@@ -189,15 +223,16 @@ def report(config, rows: list[dict], placement_seeds: list[int], workload_seeds:
     ratios = ours / rand.mean(axis=0)
     lines += ["", f"paraflex / random: {ours.mean() / rand.mean():.3f} (per workload seed {ratios.min():.2f}-{ratios.max():.2f}; "
               f"{len(workload_seeds)} workload x {len(placement_seeds)} placement seeds)", ""]
-    seeds = [None, *placement_seeds]
-    shape = {p: balance(engine_loads(config, layout_of(config, p).placement)) for p in seeds}
-    lines += ["| placement | load max/mean | load CV | mean req/s |", "|---|---|---|---|"]
-    for p in seeds:
-        lines.append(f"| {'paraflex' if p is None else f'random {p}'} | {shape[p][0]:.3f} | {shape[p][1]:.3f} "
-                     f"| {statistics.mean(tput[p, w] for w in workload_seeds):.2f} |")
+    labels = [PLANNER, *drawn, *[x for x in EXTREMES if (x, workload_seeds[0]) in tput]]
+    shape = {p: balance(engine_loads(config, layout_of(config, p).placement)) for p in labels}
+    lines += ["| placement | load max/mean | load CV | mean req/s | × paraflex (per workload seed) |", "|---|---|---|---|---|"]
+    for p in labels:
+        per_seed = np.array([tput[p, w] for w in workload_seeds]) / ours
+        lines.append(f"| {p} | {shape[p][0]:.3f} | {shape[p][1]:.3f} | {statistics.mean(tput[p, w] for w in workload_seeds):.2f} "
+                     f"| {per_seed.mean():.3f} [{per_seed.min():.2f}-{per_seed.max():.2f}] |")
     if len(placement_seeds) > 1 and len(workload_seeds) > 1:
         sd_p, sd_w, sd_i = variance_split(rand)
-        cv = np.array([[shape[p][1]] * len(workload_seeds) for p in placement_seeds])
+        cv = np.array([[shape[p][1]] * len(workload_seeds) for p in drawn])
         lines += ["", f"random draws: placement effect sd {sd_p:.2f} req/s against {sd_i / np.sqrt(len(workload_seeds)):.2f} "
                   f"from the interaction alone (interaction sd {sd_i:.2f} / sqrt({len(workload_seeds)}) seeds); workload "
                   f"effect sd {sd_w:.2f}; within-seed correlation of req/s with the load CV {within_seed_correlation(cv, rand):+.2f}"]
@@ -213,29 +248,26 @@ def main() -> int:
     ap.add_argument("--trace", default=TRACE, help="arrival trace to replay (default: Splitwise conversation)")
     ap.add_argument("--workload-seeds", default="0,1,2")
     ap.add_argument("--placement-seeds", default="0,1,2")
-    ap.add_argument("--best", action="store_true", help="also search the most compute-balanced same-order placement")
+    ap.add_argument("--extremes", action="store_true", help="also simulate the most and the least compute-balanced "
+                    "same-order placements with the planner's replica counts and Phi* (exhaustive search: small clusters)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", help="JSON file for the points")
     a = ap.parse_args()
     ws = [int(x) for x in a.workload_seeds.split(",")]
     ps = [int(x) for x in a.placement_seeds.split(",")]
     config = point_config(a.config, a.popularity, a.duration, a.trace)
-    points = [Point(a.config, a.popularity, a.duration, a.trace, a.rate, p, w) for p in [None, *ps] for w in ws]
+    labels = [PLANNER, *[f"random {p}" for p in ps], *(EXTREMES if a.extremes else ())]
+    points = [Point(a.config, a.popularity, a.duration, a.trace, a.rate, p, w) for p in labels for w in ws]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as pool:
         rows = list(pool.map(run_point, points))
     print(f"# {a.config}, popularity {a.popularity}, {a.rate:g} req/s offered, {a.duration:g} s windows; "
           f"{len(points)} points in {time.perf_counter() - t0:.0f} s wall; {machine_line()}")
     print("\n".join(report(config, rows, ps, ws)))
-    if a.best:
-        placement = layout_of(config, None).placement
-        best, count = best_balance(config, placement)
-        ours = balance(engine_loads(config, placement))
-        if best is None:
-            print(f"\n--best: more than {MAX_LEAVES} same-order placements; not searched to the end")
-        else:
-            print(f"\nmost balanced of {count} same-order placements with Phi* >= the planner's: load max/mean "
-                  f"{balance(best)[0]:.3f}, CV {balance(best)[1]:.3f} (the planner's: {ours[0]:.3f}, {ours[1]:.3f})")
+    if a.extremes:
+        _, count = balance_extremes(config, layout_of(config, PLANNER).placement)
+        print(f"\n(most / least balanced: of the {count} same-order placements with the planner's replica counts and a Phi* "
+              "no lower than the planner's)")
     if a.out:
         with open(a.out, "w", encoding="utf-8") as fh:
             json.dump(rows, fh, indent=1)
