@@ -17,6 +17,8 @@ bench/reproduce_paper.py does) and prints:
   placements' means against what the placement x workload interaction alone gives a mean of
   that many seeds (a placement effect smaller than that is not told apart from noise);
 * the correlation, within each workload seed, of req/s with the load's coefficient of variation;
+* with `--memory-only`, a row for the paper's Alg. 2 without the planner's compute balance
+  (`planner.balance_compute: false`);
 * with `--extremes`, two more rows: the most and the least compute-balanced same-order
   placements with the planner's replica counts and a Phi* no lower than the planner's
   (`balance_extremes`: exhaustive search, small clusters only), simulated on the same requests:
@@ -24,7 +26,7 @@ bench/reproduce_paper.py does) and prints:
   does not tell apart.
 
     python bench/placement_seeds.py configs/paper-base.yaml --popularity balanced --rate 64 \\
-        --workload-seeds 0,1,2 --placement-seeds 0,1,2 --duration 20 [--extremes] [--jobs 2] [--out F]
+        --workload-seeds 0,1,2 --placement-seeds 0,1,2 --duration 20 [--memory-only] [--extremes] [--jobs 2] [--out F]
 """
 
 from __future__ import annotations
@@ -169,14 +171,18 @@ def balance_extremes(config, placement) -> tuple[dict[str, list[list[list[int]]]
 
 
 PLANNER = "paraflex"
+MEMORY_ONLY = "paraflex, memory only"  # the paper's Alg. 2 (planner.balance_compute: false)
 EXTREMES = ("most balanced", "least balanced")
 
 
 def layout_of(config, label: str):
-    """The layout of one placement: the planner's (`PLANNER`), its random draw `random N`, or
-    one of `EXTREMES` (`balance_extremes`, placed with the planner's cuts and replica counts)."""
+    """The layout of one placement: the planner's (`PLANNER`; `MEMORY_ONLY`: without its compute
+    balance), its random draw `random N`, or one of `EXTREMES` (`balance_extremes`, placed with
+    the planner's cuts and replica counts)."""
     if label.startswith("random "):
         return build_system(config, SimSettings(system="paraflex", random_placement=True, seed=int(label.split()[1])))
+    if label == MEMORY_ONLY:
+        return build_system(config, SimSettings(system="paraflex", memory_only_placement=True))
     layout = build_system(config, SimSettings(system="paraflex"))
     if label in EXTREMES:
         extremes, count = balance_extremes(config, layout.placement)
@@ -223,7 +229,7 @@ def report(config, rows: list[dict], placement_seeds: list[int], workload_seeds:
     ratios = ours / rand.mean(axis=0)
     lines += ["", f"paraflex / random: {ours.mean() / rand.mean():.3f} (per workload seed {ratios.min():.2f}-{ratios.max():.2f}; "
               f"{len(workload_seeds)} workload x {len(placement_seeds)} placement seeds)", ""]
-    labels = [PLANNER, *drawn, *[x for x in EXTREMES if (x, workload_seeds[0]) in tput]]
+    labels = [PLANNER, *drawn, *[x for x in (MEMORY_ONLY, *EXTREMES) if (x, workload_seeds[0]) in tput]]
     shape = {p: balance(engine_loads(config, layout_of(config, p).placement)) for p in labels}
     lines += ["| placement | load max/mean | load CV | mean req/s | × paraflex (per workload seed) |", "|---|---|---|---|---|"]
     for p in labels:
@@ -248,6 +254,8 @@ def main() -> int:
     ap.add_argument("--trace", default=TRACE, help="arrival trace to replay (default: Splitwise conversation)")
     ap.add_argument("--workload-seeds", default="0,1,2")
     ap.add_argument("--placement-seeds", default="0,1,2")
+    ap.add_argument("--memory-only", action="store_true", help="also simulate the paper's memory-only Alg. 2 placement "
+                    "(planner.balance_compute: false)")
     ap.add_argument("--extremes", action="store_true", help="also simulate the most and the least compute-balanced "
                     "same-order placements with the planner's replica counts and Phi* (exhaustive search: small clusters)")
     ap.add_argument("--jobs", type=int, default=2)
@@ -256,7 +264,7 @@ def main() -> int:
     ws = [int(x) for x in a.workload_seeds.split(",")]
     ps = [int(x) for x in a.placement_seeds.split(",")]
     config = point_config(a.config, a.popularity, a.duration, a.trace)
-    labels = [PLANNER, *[f"random {p}" for p in ps], *(EXTREMES if a.extremes else ())]
+    labels = [PLANNER, *[f"random {p}" for p in ps], *((MEMORY_ONLY,) if a.memory_only else ()), *(EXTREMES if a.extremes else ())]
     points = [Point(a.config, a.popularity, a.duration, a.trace, a.rate, p, w) for p in labels for w in ws]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as pool:
