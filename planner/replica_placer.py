@@ -12,12 +12,14 @@ fewest node boundaries wins, so consecutive stages share a node where memory all
 
 from __future__ import annotations
 
+from itertools import islice
+
 import numpy as np
 
 from paraflex.planner.problem import Problem
 
 _TIE = 1e-9
-_MAX_PAIRS = 256  # pair moves tried per polish round (bounds the polish on dense engines)
+_MAX_PAIRS = 256  # pair moves (swaps) tried per polish (even_out) round: bounds both on dense engines
 
 
 def sliding_min(values: np.ndarray, width: int) -> np.ndarray:
@@ -126,8 +128,8 @@ class ReplicaPlacer:
             rank = np.argsort(np.argsort(-load))  # 0 = the most loaded engine
             heat = {r: int(rank[self.windows(len(weights[r[0]]))[placed[r[0]][r[1]]]].min()) for r in reps}
             order = sorted(reps, key=heat.get)
-            pairs = [(a, b) for a in order for b in reversed(order)
-                     if a[0] != b[0] and len(weights[a[0]]) == len(weights[b[0]]) and heat[a] < heat[b]][:_MAX_PAIRS]
+            pairs = islice(((a, b) for a in order for b in reversed(order)
+                            if a[0] != b[0] and len(weights[a[0]]) == len(weights[b[0]]) and heat[a] < heat[b]), _MAX_PAIRS)
             best = None
             for a, b in pairs:
                 key = self._swap_key(cap, cnt, load, placed, weights, works, a, b, floor)
