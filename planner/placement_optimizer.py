@@ -35,8 +35,8 @@ Additions beyond the pseudo-code (measured by bench/planner_quality.py, docs/pla
 * with `Problem.balance_compute` (planner.balance_compute, the default; false is the paper's
   memory-only rule) the final plan's replicas of equal stage count then swap places where that
   evens the engines' compute load without lowering Phi* (`ReplicaPlacer.even_out`): the memory
-  objective leaves many placements tied, and which of them Alg. 2's ties pick changed the
-  simulated throughput at saturation by up to 8% (docs/plan.md, "Compute balance").
+  objective leaves many placements tied (540 on the balanced base cluster), and the most and
+  the least compute-balanced of them simulated 8% apart at saturation (docs/plan.md, "Compute balance").
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ Phi* of a partial placement is the first DRF water level (`water_levels`: min ov
 engines of C_e / n_e), so numpy scores all starts of a replica at once, the engines outside
 its window through a sliding minimum over the doubled engine ring. On a cluster of several
 nodes (`Problem.node_of`), among the starts of equal Phi* the one whose stages cross the
-fewest node boundaries wins, so consecutive stages share a node where memory allows.
+fewest node boundaries wins, so consecutive stages share a node where memory allows. With
+`Problem.balance_compute`, `even_out` then swaps replicas of equal stage count where that evens
+the engines' expected compute load without lowering Phi* (docs/plan.md, "Compute balance").
 """
 
 from __future__ import annotations
