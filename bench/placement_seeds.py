@@ -56,15 +56,12 @@ MAX_LEAVES = 2_000_000  # balance_extremes gives up past this many complete plac
 
 def stage_loads(config, placement) -> dict[str, np.ndarray]:
     """Per model, the expected compute of each stage of one of its replicas: the model's rate
-    share / its replicas x the stage's share of the model's reference time (seconds per request)."""
-    cost = config.cluster.cost_model()
-    total = sum(m.rate for m in config.models)
-    out = {}
-    for m in config.models:
-        mp = placement.models[m.name]
-        per_request = cost.model_time(m.arch) * m.rate / total / mp.num_replicas
-        out[m.name] = np.array([per_request * (b - a) / mp.num_layers for a, b in mp.stages])
-    return out
+    share / its replicas x the stage's work per request (`Problem.stage_work`, the planner's own
+    rule: its share of the model's reference time)."""
+    problem, _ = build_problem(config)
+    works, ratios = problem.stage_work(), problem.ratios
+    return {m.name: ratios[i] / placement.models[m.name].num_replicas * np.asarray(works[i])
+            for i, m in enumerate(problem.models)}
 
 
 def engine_loads(config, placement) -> np.ndarray:

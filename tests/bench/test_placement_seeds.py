@@ -30,6 +30,8 @@ def test_engine_loads_move_with_the_placement_and_keep_their_total(bench):
         total = per_stage[m.name].sum() * ours.models[m.name].num_replicas
         assert total == pytest.approx(cost.model_time(m.arch) / len(config.models))
     assert bench.balance(np.array([1.0, 1.0, 2.0, 0.0])) == (2.0, pytest.approx(np.sqrt(0.5)))
+    paper = bench.engine_loads(config, bench.layout_of(config, bench.MEMORY_ONLY).placement)
+    assert bench.balance(a)[1] < bench.balance(paper)[1]  # the planner's compute balance, against Alg. 2 alone
 
 
 def test_variance_split_separates_rows_columns_and_interaction(bench):
