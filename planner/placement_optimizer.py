@@ -31,7 +31,12 @@ Additions beyond the pseudo-code (measured by bench/planner_quality.py, docs/pla
   the front of the order (kept for later iterations) and the iteration retried, at most 8
   times per run, then once more with the repair on, before the last feasible plan is
   returned; retries skip the repair except at the first step, to bound the cost;
-* the final plan is polished by the same local search, which never lowers Phi*.
+* the final plan is polished by the same local search, which never lowers Phi*;
+* with `Problem.balance_compute` (planner.balance_compute, the default; false is the paper's
+  memory-only rule) the final plan's replicas of equal stage count then swap places where that
+  evens the engines' compute load without lowering Phi* (`ReplicaPlacer.even_out`): the memory
+  objective leaves many placements tied (540 on the balanced base cluster), and the most and
+  the least compute-balanced of them simulated 8% apart at saturation (docs/plan.md, "Compute balance").
 """
 
 from __future__ import annotations
@@ -217,6 +222,10 @@ def _finish(problem: Problem, placer: ReplicaPlacer, weights, last, reason: str,
     cap, cnt, starts, iteration = last
     if polish:
         placer.polish(cap, cnt, starts, weights)
+    if problem.balance_compute:  # (after the polish, which would undo it for a higher level elsewhere)
+        ratios, stage_work = problem.ratios, problem.stage_work()
+        works = [ratios[i] / max(len(st), 1) * np.asarray(stage_work[i]) for i, st in enumerate(starts)]
+        placer.even_out(cap, cnt, starts, weights, works)
     empty = [e for e in range(problem.num_engines) if cnt[e] == 0]
     if empty:
         reason += (f"; engine{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} "

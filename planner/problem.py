@@ -55,6 +55,7 @@ class ModelSpec:
     stage_weights: tuple[int, ...]
     rate: float  # workload ratio R_i; `Problem` normalises so that the R_i sum to 1
     arch: StageWeights = field(compare=False, repr=False, default=None)
+    model_time: float = 0.0  # the cost model's reference time of the whole model, s (0: not known)
 
     @property
     def num_stages(self) -> int:
@@ -75,11 +76,12 @@ class ModelSpec:
         weights = tuple(
             self.arch.stage_weight_bytes(a, b, k == 0, k == last) for k, (a, b) in enumerate(stages)
         )
-        return ModelSpec(self.name, self.num_layers, stages, weights, self.rate, self.arch)
+        return ModelSpec(self.name, self.num_layers, stages, weights, self.rate, self.arch, self.model_time)
 
     @classmethod
-    def from_arch(cls, name: str, num_layers: int, num_stages: int, rate: float, arch: StageWeights) -> "ModelSpec":
-        return cls(name, num_layers, (), (), rate, arch).resplit(num_stages)
+    def from_arch(cls, name: str, num_layers: int, num_stages: int, rate: float, arch: StageWeights,
+                  model_time: float = 0.0) -> "ModelSpec":
+        return cls(name, num_layers, (), (), rate, arch, model_time).resplit(num_stages)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,9 @@ class Problem:
     # Alg. 1's target share by work (weight bytes) rather than stage count (eq. 7, the default of a
     # hand-built problem); `build_problem` sets it from planner.replica_shares. planner/replication.py
     work_shares: bool = False
+    # after Alg. 2, swap replicas where that evens the engines' compute load (`stage_work`) without
+    # lowering Phi* (`ReplicaPlacer.even_out`); `build_problem` sets it from planner.balance_compute
+    balance_compute: bool = False
 
     def __post_init__(self):
         if not self.models:
@@ -131,6 +136,14 @@ class Problem:
     @property
     def stage_counts(self) -> list[int]:
         return [m.num_stages for m in self.models]
+
+    def stage_work(self) -> list[tuple[float, ...]]:
+        """Per model, the compute each of its stages spends on one request of that model: the
+        stage's layer share of the model's reference time, or, unless every model has one
+        (hand-built problems), of the model's weight bytes (a decode step reads every weight once)."""
+        if all(m.model_time > 0 for m in self.models):
+            return [tuple(m.model_time * (b - a) / m.num_layers for a, b in m.stages) for m in self.models]
+        return [tuple(float(w) for w in m.stage_weights) for m in self.models]
 
 
 class NoFeasiblePlan(UserError):

@@ -7,17 +7,21 @@ Phi* of a partial placement is the first DRF water level (`water_levels`: min ov
 engines of C_e / n_e), so numpy scores all starts of a replica at once, the engines outside
 its window through a sliding minimum over the doubled engine ring. On a cluster of several
 nodes (`Problem.node_of`), among the starts of equal Phi* the one whose stages cross the
-fewest node boundaries wins, so consecutive stages share a node where memory allows.
+fewest node boundaries wins, so consecutive stages share a node where memory allows. With
+`Problem.balance_compute`, `even_out` then swaps replicas of equal stage count where that evens
+the engines' expected compute load without lowering Phi* (docs/plan.md, "Compute balance").
 """
 
 from __future__ import annotations
+
+from itertools import islice
 
 import numpy as np
 
 from paraflex.planner.problem import Problem
 
 _TIE = 1e-9
-_MAX_PAIRS = 256  # pair moves tried per polish round (bounds the polish on dense engines)
+_MAX_PAIRS = 256  # pair moves (swaps) tried per polish (even_out) round: bounds both on dense engines
 
 
 def sliding_min(values: np.ndarray, width: int) -> np.ndarray:
@@ -106,12 +110,67 @@ class ReplicaPlacer:
             if not moved:
                 return
 
-    def shift(self, cap: np.ndarray, cnt: np.ndarray, weights: np.ndarray, start: int, sign: int) -> None:
-        """Add (sign=+1) or remove (sign=-1) one replica starting at `start`."""
+    def even_out(self, cap: np.ndarray, cnt: np.ndarray, placed: list[list[int]], weights: list[np.ndarray],
+                 works: list[np.ndarray], rounds: int = 64) -> np.ndarray:
+        """Compute balance after the placement (`Problem.balance_compute`): swap the starts of two
+        replicas of different models with the same stage count where that keeps Phi* and evens
+        the engines' compute load (`works[i]`: the per-stage work of one replica of model i); the
+        best swap of a round is made, as long as one lowers (highest engine load, sum of squared
+        loads). Stage counts per engine, node crossings and (4) stay as they were. Candidates
+        pair replicas on the most loaded engines with replicas on the least loaded, at most
+        _MAX_PAIRS a round. `placed`, `cap` and `cnt` are updated in place; returns the loads."""
+        load = np.zeros(self.n)
+        for i, starts in enumerate(placed):
+            for p in starts:
+                load[self.windows(len(works[i]))[p]] += works[i]
+        reps = [(i, j) for i, starts in enumerate(placed) for j in range(len(starts))]
+        for _ in range(rounds):
+            floor = water_levels(cap, cnt).min() * (1 - _TIE)
+            now = _balance_key(load)
+            rank = np.argsort(np.argsort(-load))  # 0 = the most loaded engine
+            heat = {r: int(rank[self.windows(len(weights[r[0]]))[placed[r[0]][r[1]]]].min()) for r in reps}
+            order = sorted(reps, key=heat.get)
+            pairs = islice(((a, b) for a in order for b in reversed(order)
+                            if a[0] != b[0] and len(weights[a[0]]) == len(weights[b[0]]) and heat[a] < heat[b]), _MAX_PAIRS)
+            best = None
+            for a, b in pairs:
+                key = self._swap_key(cap, cnt, load, placed, weights, works, a, b, floor)
+                if key is not None and key < now and (best is None or key < best[0]):
+                    best = (key, a, b)
+            if best is None:
+                return load
+            self._swap(cap, cnt, load, placed, weights, works, best[1], best[2])
+        return load
+
+    def _swap_key(self, cap, cnt, load, placed, weights, works, a, b, floor):
+        """`_balance_key` after swapping replicas a and b ((model, replica) pairs), None where that
+        breaks (4), memory or Phi*."""
+        self._swap(cap, cnt, load, placed, weights, works, a, b)
+        key = None
+        s = len(weights[a[0]])
+        ok = all(len(set(self.windows(s)[placed[i]].ravel().tolist())) == s * len(placed[i]) for i in (a[0], b[0]))
+        if ok and (cap >= 0).all() and water_levels(cap, cnt).min() >= floor:
+            key = _balance_key(load)
+        self._swap(cap, cnt, load, placed, weights, works, a, b)  # (a swap undoes itself)
+        return key
+
+    def _swap(self, cap, cnt, load, placed, weights, works, a, b) -> None:
+        (i, j), (k, m) = a, b
+        pa, pb = placed[i][j], placed[k][m]
+        self.shift(cap, cnt, weights[i], pa, -1, load, works[i])
+        self.shift(cap, cnt, weights[k], pb, -1, load, works[k])
+        self.shift(cap, cnt, weights[i], pb, +1, load, works[i])
+        self.shift(cap, cnt, weights[k], pa, +1, load, works[k])
+        placed[i][j], placed[k][m] = pb, pa
+
+    def shift(self, cap: np.ndarray, cnt: np.ndarray, weights: np.ndarray, start: int, sign: int,
+              load: np.ndarray | None = None, work: np.ndarray | None = None) -> None:
+        """Add (sign=+1) or remove (sign=-1) one replica starting at `start` (and its `work` to `load`)."""
         win = self.windows(len(weights))[start]
         cap[win] -= sign * weights
         cnt[win] += sign
-
+        if load is not None:
+            load[win] += sign * work
     def taken(self, starts: list[int], num_stages: int) -> np.ndarray:
         """Engines already holding one of these replicas of a model (constraint 4)."""
         taken = np.zeros(self.n, dtype=bool)
@@ -189,3 +248,9 @@ def lex_greater(a: np.ndarray, b: np.ndarray) -> bool:
     """a > b lexicographically, ignoring float noise."""
     differ = np.flatnonzero(~np.isclose(a, b, rtol=1e-9, atol=0.0))
     return bool(len(differ)) and bool(a[differ[0]] > b[differ[0]])
+
+
+def _balance_key(load: np.ndarray) -> tuple[float, float]:
+    """How uneven the engines' compute load is: (highest load, sum of squares), rounded so float
+    noise cannot make a swap look better."""
+    return (round(float(load.max()), 9), round(float((load ** 2).sum()), 9))

@@ -54,7 +54,7 @@ def build_problem(config, cost_model=None) -> tuple[Problem, dict]:
     for i, (m, t) in enumerate(zip(config.models, times)):
         if m.stages is not None:  # the config fixes the cut: the planner only places it
             specs.append(_fixed_stages(m, f"models[{i}].stages", config.cluster.memory_bytes,
-                                       config.planner.kappa_bytes, n))
+                                       config.planner.kappa_bytes, n, t))
             continue
         s = stage_count(t, target, m.arch.num_layers)
         if s > n:
@@ -63,7 +63,7 @@ def build_problem(config, cost_model=None) -> tuple[Problem, dict]:
                 f"cluster has {n} engines: using {n}; raise planner.target_stage_time to keep stages even"
             )
             s = n
-        spec = ModelSpec.from_arch(m.name, m.arch.num_layers, s, m.rate, m.arch)
+        spec = ModelSpec.from_arch(m.name, m.arch.num_layers, s, m.rate, m.arch, t)
         fitted = _fit_stages(spec, config.cluster.memory_bytes, config.planner.kappa_bytes, n)
         if fitted.num_stages != s:
             warnings.append(
@@ -81,6 +81,7 @@ def build_problem(config, cost_model=None) -> tuple[Problem, dict]:
         ring=bool(config.planner.ring),
         node_of=config.cluster.topology().node_of if config.cluster.nodes else None,
         work_shares=config.planner.replica_shares == "work",
+        balance_compute=config.planner.balance_compute,
     )
     facts = {  # (specs hold the final stage counts)
         "target_stage_time_ms": target * 1e3,
@@ -91,10 +92,10 @@ def build_problem(config, cost_model=None) -> tuple[Problem, dict]:
     return problem, facts
 
 
-def _fixed_stages(model, path: str, memory: int, kappa: int, num_engines: int) -> ModelSpec:
+def _fixed_stages(model, path: str, memory: int, kappa: int, num_engines: int, model_time: float) -> ModelSpec:
     """The model's spec cut into its configured `stages: K` even stages; ConfigError naming
     `path` when its largest stage plus kappa does not fit an engine (with the fewest K that does)."""
-    spec = ModelSpec.from_arch(model.name, model.arch.num_layers, model.stages, model.rate, model.arch)
+    spec = ModelSpec.from_arch(model.name, model.arch.num_layers, model.stages, model.rate, model.arch, model_time)
     if max(spec.stage_weights) + kappa <= memory:
         return spec
     try:

@@ -47,6 +47,7 @@ class SimSettings:
     unbounded_decode_batches: bool = False  # the paper's rule: no in-flight bound on decode batches
     paper_replication: bool = False  # the paper's Alg. 1 stop (planner.fill_engines: false)
     work_shares: bool = False  # Alg. 1's shares by weight bytes, not the paper's eq. 7 (planner.replica_shares: work)
+    memory_only_placement: bool = False  # the paper's Alg. 2, no compute balance (planner.balance_compute: false)
     no_head_start: bool = False  # paraflex: ignore scheduler.head_start_s (arrival order, the paper's)
     one_prompt_prefills: bool = False  # paraflex: the paper's one prompt per prefill batch (scheduler.pack_prompts: false)
     host_link_gbps: float = 256.0

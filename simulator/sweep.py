@@ -42,7 +42,8 @@ AGGREGATED = ("throughput_rps", "e2e_median_s", "e2e_p99_s", "ttft_median_s", "t
 ABLATIONS = {"no-sharding": "no_sharding", "random-placement": "random_placement", "prefill-first": "prefill_first",
              "pipeline-first": "pipeline_first",
              "unbounded-decode-batches": "unbounded_decode_batches", "paper-replication": "paper_replication",
-             "work-shares": "work_shares", "no-head-start": "no_head_start",
+             "work-shares": "work_shares", "memory-only-placement": "memory_only_placement",
+             "no-head-start": "no_head_start",
              "one-prompt-prefills": "one_prompt_prefills"}
 
 

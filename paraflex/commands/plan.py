@@ -46,6 +46,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--work-shares", action="store_true",
                         help="Alg. 1's target shares by rate x weight bytes instead of the paper's rate x stage count "
                              "(planner.replica_shares: work)")
+    parser.add_argument("--memory-only-placement", action="store_true",
+                        help="ablation: the paper's Alg. 2 placement, without the swaps that even the engines' compute "
+                             "load (planner.balance_compute: false)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no table, no progress")
 
 
@@ -55,6 +58,8 @@ def run(args) -> int:
         config.planner.fill_engines = False
     if getattr(args, "work_shares", False):
         config.planner.replica_shares = "work"
+    if getattr(args, "memory_only_placement", False):
+        config.planner.balance_compute = False
     if args.validate:
         return _validate(args.validate, config)
     require_runnable(config)

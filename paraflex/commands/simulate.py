@@ -62,6 +62,9 @@ def add_arguments(p) -> None:
     a.add_argument("--work-shares", action="store_true",
                    help="paraflex: Alg. 1's shares by rate x weight bytes instead of the paper's rate x stage count "
                         "(planner.replica_shares: work)")
+    a.add_argument("--memory-only-placement", action="store_true",
+                   help="paraflex: the paper's Alg. 2 placement, without the swaps that even the engines' compute load "
+                        "(planner.balance_compute: false)")
     a.add_argument("--one-prompt-prefills", action="store_true",
                    help="paraflex: the paper's one prompt per prefill batch instead of packing waiting prompts "
                         "(scheduler.pack_prompts: false)")
@@ -206,7 +209,7 @@ def _settings(args, rate: float, seed: int):
                        random_placement=args.random_placement, prefill_first=args.prefill_first,
                        pipeline_first=args.pipeline_first,
                        unbounded_decode_batches=args.unbounded_decode_batches, paper_replication=args.paper_replication,
-                       work_shares=args.work_shares,
+                       work_shares=args.work_shares, memory_only_placement=args.memory_only_placement,
                        one_prompt_prefills=args.one_prompt_prefills, no_head_start=args.no_head_start,
                        host_link_gbps=args.host_link_gbps, check_invariants=args.check_invariants,
                        prefill_engines=args.prefill_engines,

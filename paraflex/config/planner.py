@@ -31,6 +31,9 @@ class PlannerConfig:
     # Alg. 1's target share of a model: "stages" (rate x stage count, the paper's eq. 7, the
     # default) or "work" (rate x weight bytes). planner/replication.py
     replica_shares: str = "stages"
+    # after Alg. 2, swap replicas of equal stage count where that evens the engines' compute load
+    # without lowering Phi*; False is the paper's memory-only placement. planner/replica_placer.py
+    balance_compute: bool = True
 
     @property
     def kappa_bytes(self) -> int:
@@ -55,6 +58,7 @@ def parse_planner(raw) -> PlannerConfig:
         ring=s.bool("ring", False),
         fill_engines=s.bool("fill_engines", True),
         replica_shares=s.str("replica_shares", "stages", choices=REPLICA_SHARES),
+        balance_compute=s.bool("balance_compute", True),
     )
 
 

@@ -28,6 +28,8 @@ paper kept as ablations of `paraflex` (docs/engine-core.md, docs/plan.md):
 chosen model is full: `planner.fill_engines: false`) and `one_prompt_prefills` (one prompt per
 prefill batch, §8.1: `scheduler.pack_prompts: false`); and one option beyond the paper,
 `work_shares` (Alg. 1's target shares by weight bytes: `planner.replica_shares: work`).
+`memory_only_placement` is the paper's Alg. 2 without the compute balance the planner adds
+after it (`planner.balance_compute: false`; docs/plan.md, "Compute balance").
 `no_head_start` drops the config's `scheduler.head_start_s` (a ParaFlex option, so the baselines
 never get one; docs/engine-core.md "Round 5").
 """
@@ -72,6 +74,8 @@ def paraflex(config, settings) -> SystemLayout:
         config = dataclasses.replace(config, planner=dataclasses.replace(config.planner, fill_engines=False))
     if settings.work_shares:
         config = dataclasses.replace(config, planner=dataclasses.replace(config.planner, replica_shares="work"))
+    if settings.memory_only_placement:
+        config = dataclasses.replace(config, planner=dataclasses.replace(config.planner, balance_compute=False))
     if settings.no_sharding:
         layout = _layout("paraflex", config, "shared", "full-batch-first")
     else:
@@ -111,8 +115,10 @@ def vllm_tp(config, settings) -> SystemLayout:
 def build_system(config, settings) -> SystemLayout:
     builder = SYSTEMS.get(settings.system, "--system")
     if (settings.no_sharding or settings.random_placement or settings.paper_replication or settings.work_shares
+            or settings.memory_only_placement
             or settings.pipeline_first or settings.one_prompt_prefills or settings.no_head_start) and settings.system != "paraflex":
-        raise UserError("--no-sharding, --random-placement, --paper-replication, --work-shares, --pipeline-first, "
+        raise UserError("--no-sharding, --random-placement, --paper-replication, --work-shares, --memory-only-placement, "
+                        "--pipeline-first, "
                         "--one-prompt-prefills and --no-head-start are ablations of --system paraflex; drop them or use paraflex")
     if settings.prefill_first and settings.pipeline_first:
         raise UserError("--prefill-first and --pipeline-first each replace the policy; pass one of them")

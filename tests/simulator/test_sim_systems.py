@@ -199,3 +199,19 @@ def test_head_starts_reach_paraflex_engines_only_and_the_ablation_drops_them():
     assert _layout(cfg, "sarathi").head_start_s == {}
     with pytest.raises(UserError, match="ablations of --system paraflex"):
         _layout(cfg, "sarathi", no_head_start=True)
+
+
+def test_memory_only_placement_is_the_papers_alg2_and_an_ablation_of_paraflex_only():
+    """Balanced base cluster: the default evens the engines' compute load after Alg. 2 (other
+    internlm engines); `--memory-only-placement` plans as the paper does, from a copy of the config."""
+    config = load_config(BASE)
+    config.workload.zipf_alpha = None
+    for m in config.models:
+        m.rate = 1.0
+    ours = _layout(config, "paraflex").placement
+    paper = _layout(config, "paraflex", memory_only_placement=True).placement
+    assert config.planner.balance_compute
+    assert _engines_of(ours, "internlm2.5-20b-chat-1") != _engines_of(paper, "internlm2.5-20b-chat-1")
+    assert ours.models["llama-2-70b"].replicas == paper.models["llama-2-70b"].replicas
+    with pytest.raises(UserError, match="ablations of --system paraflex"):
+        _layout(config, "sarathi", memory_only_placement=True)

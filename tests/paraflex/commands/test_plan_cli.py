@@ -200,3 +200,18 @@ def test_other_solvers_default_to_their_own_file(tmp_path, monkeypatch, capsys):
     assert "wrote placement-grouped.json" in capsys.readouterr().out
     assert Placement.load(tmp_path / "placement-grouped.json").planner == "grouped"
     assert (tmp_path / "placement.json").read_text() == first
+
+
+def test_memory_only_placement_flag_plans_the_papers_alg2(tmp_path, capsys):
+    """Balanced base cluster: `--memory-only-placement` gives the plan without the compute
+    balance (planner.balance_compute: false), with the same replica counts and Phi*."""
+    text = Path(BASE).read_text().replace("zipf_alpha: 1.01", "")
+    cfg = tmp_path / "balanced.yaml"
+    cfg.write_text(text)
+    main(["plan", str(cfg), "-o", str(tmp_path / "ours.json"), "-q"])
+    main(["plan", str(cfg), "-o", str(tmp_path / "paper.json"), "-q", "--memory-only-placement"])
+    ours, paper = Placement.load(tmp_path / "ours.json"), Placement.load(tmp_path / "paper.json")
+    assert ours.objective == pytest.approx(paper.objective)
+    assert [m.num_replicas for m in ours.models.values()] == [m.num_replicas for m in paper.models.values()]
+    assert [sorted(r[0] for r in m.replicas) for m in ours.models.values()] != \
+        [sorted(r[0] for r in m.replicas) for m in paper.models.values()]
