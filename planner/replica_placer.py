@@ -171,6 +171,7 @@ class ReplicaPlacer:
         cnt[win] += sign
         if load is not None:
             load[win] += sign * work
+
     def taken(self, starts: list[int], num_stages: int) -> np.ndarray:
         """Engines already holding one of these replicas of a model (constraint 4)."""
         taken = np.zeros(self.n, dtype=bool)
