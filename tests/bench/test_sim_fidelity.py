@@ -70,28 +70,33 @@ def test_in_process_run_on_random_checkpoints_logs_http_arrivals(tmp_path, capsy
     assert (tmp_path / "fidelity.csv").read_text() == first
 
 
+def _resimulated(tmp_path, run_name: str) -> dict:
+    """The saved served run bench/served-runs/RUN_NAME simulated again (`--resimulate` on a copy):
+    (load, metric, stat) -> the all-models relative error."""
+    import shutil
+
+    from repo_paths import BENCH
+
+    run = tmp_path / run_name
+    shutil.copytree(BENCH / "served-runs" / run_name, run)
+    assert load_bench("sim_fidelity").main(["--resimulate", str(run)]) == 0
+    with open(run / "fidelity.csv", newline="") as fh:
+        return {(r["load"], r["metric"], r["stat"]): float(r["rel_err"]) for r in csv.DictReader(fh) if r["model"] == "all"}
+
+
 def test_the_h100_run_resimulates_within_target_at_every_load(tmp_path, capsys):
     """The saved served H100 run (bench/served-runs/h100-fidelity: the request log, the request
     lists and the GPU profile fitted on its calibration) simulated again: at light, mid and high
     load the simulated TBT median and the throughput, and at mid and high load the E2E median, stay
     within the issue's targets (docs/simulate.md, "Fidelity on a GPU"); a change to the cost
     model, the engine loop's fit or the scheduler that breaks the GPU calibration fails it."""
-    import shutil
-
-    from repo_paths import BENCH
-
-    run = tmp_path / "h100"
-    shutil.copytree(BENCH / "served-runs" / "h100-fidelity", run)
-    bench = load_bench("sim_fidelity")
-    assert bench.main(["--resimulate", str(run)]) == 0
-    with open(run / "fidelity.csv", newline="") as fh:
-        rows = {(r["load"], r["model"], r["metric"], r["stat"]): float(r["rel_err"]) for r in csv.DictReader(fh)}
+    rows = _resimulated(tmp_path, "h100-fidelity")
     assert {load for load, *_ in rows} == {"light", "mid", "high"}
     for load in ("light", "mid", "high"):
-        assert abs(rows[(load, "all", "TBT", "median")]) <= 0.10, load
-        assert abs(rows[(load, "all", "throughput", "req/s")]) <= 0.05, load
+        assert abs(rows[(load, "TBT", "median")]) <= 0.10, load
+        assert abs(rows[(load, "throughput", "req/s")]) <= 0.05, load
     for load in ("mid", "high"):
-        assert abs(rows[(load, "all", "E2E", "median")]) <= 0.10, load
+        assert abs(rows[(load, "E2E", "median")]) <= 0.10, load
 
 
 def test_the_h100_run_of_400_requests_per_load_resimulates_within_target_where_it_did(tmp_path):
@@ -100,15 +105,7 @@ def test_the_h100_run_of_400_requests_per_load_resimulates_within_target_where_i
     within the issue's targets, the P99s of TTFT, TBT and E2E at mid load and of TTFT at high load,
     and the throughput at every load; the mid and high medians are the documented misses (the
     served engine's steps shortened over the run, after its calibration: docs/simulate.md)."""
-    import shutil
-
-    from repo_paths import BENCH
-
-    run = tmp_path / "h100-400"
-    shutil.copytree(BENCH / "served-runs" / "h100-fidelity-400", run)
-    assert load_bench("sim_fidelity").main(["--resimulate", str(run)]) == 0
-    with open(run / "fidelity.csv", newline="") as fh:
-        rows = {(r["load"], r["metric"], r["stat"]): float(r["rel_err"]) for r in csv.DictReader(fh) if r["model"] == "all"}
+    rows = _resimulated(tmp_path, "h100-fidelity-400")
     target = {"median": 0.10, "p99": 0.20, "req/s": 0.05}
     held = [("light", m, s) for m in ("TTFT", "TBT", "E2E") for s in ("median", "p99")]
     held += [("mid", m, "p99") for m in ("TTFT", "TBT", "E2E")] + [("high", "TTFT", "p99")]

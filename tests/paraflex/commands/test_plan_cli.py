@@ -159,17 +159,21 @@ def test_no_config_plans_the_shipped_demo(tmp_path, monkeypatch):
     assert Placement.load(tmp_path / "placement.json").planner == "paraflex"
 
 
+def _plan_balanced(tmp_path, *flags) -> Placement:
+    """`paraflex plan` of the base cluster under balanced popularity with `flags`, loaded."""
+    cfg = tmp_path / "balanced.yaml"
+    cfg.write_text(Path(BASE).read_text().replace("zipf_alpha: 1.01", ""))
+    out = tmp_path / f"plan{''.join(flags)}.json"
+    main(["plan", str(cfg), "-o", str(out), "-q", *flags])
+    return Placement.load(out)
+
+
 def test_fill_uses_every_engine_and_paper_replication_is_the_ablation(tmp_path, capsys):
     """The base cluster under balanced popularity: the paper's Alg. 1 stops every model at two
     replicas when llama-2-70b's third does not fit (engines 0 and 3 then hold one 43 GiB stage
     each); by default the one-stage models go on replicating onto the engines that hold fewer stages than
     the busiest."""
-    text = Path(BASE).read_text().replace("zipf_alpha: 1.01", "")
-    cfg = tmp_path / "balanced.yaml"
-    cfg.write_text(text)
-    main(["plan", str(cfg), "-o", str(tmp_path / "fill.json"), "-q"])
-    main(["plan", str(cfg), "-o", str(tmp_path / "paper.json"), "-q", "--paper-replication"])
-    fill, paper = Placement.load(tmp_path / "fill.json"), Placement.load(tmp_path / "paper.json")
+    fill, paper = _plan_balanced(tmp_path), _plan_balanced(tmp_path, "--paper-replication")
     assert [m.num_replicas for m in paper.models.values()] == [2, 2, 2, 2]
     assert [m.num_replicas for m in fill.models.values()] == [4, 3, 3, 2]
     assert [len(e.stages) for e in fill.engines] == [2] * 8
@@ -181,12 +185,7 @@ def test_fill_uses_every_engine_and_paper_replication_is_the_ablation(tmp_path, 
 def test_stage_shares_are_the_default_and_work_shares_the_option(tmp_path, capsys):
     """Balanced base cluster: codellama (34B) is one stage of 1.7x internlm's work; by stage
     count (eq. 7, the default) it gets a replica fewer than internlm-1, by weight bytes one more."""
-    text = Path(BASE).read_text().replace("zipf_alpha: 1.01", "")
-    cfg = tmp_path / "balanced.yaml"
-    cfg.write_text(text)
-    main(["plan", str(cfg), "-o", str(tmp_path / "work.json"), "-q", "--work-shares"])
-    main(["plan", str(cfg), "-o", str(tmp_path / "stages.json"), "-q"])
-    work, stages = Placement.load(tmp_path / "work.json"), Placement.load(tmp_path / "stages.json")
+    work, stages = _plan_balanced(tmp_path, "--work-shares"), _plan_balanced(tmp_path)
     assert [m.num_replicas for m in work.models.values()] == [3, 3, 4, 2]
     assert [m.num_replicas for m in stages.models.values()] == [4, 3, 3, 2]
     assert all(e.stages for e in work.engines)
@@ -205,12 +204,7 @@ def test_other_solvers_default_to_their_own_file(tmp_path, monkeypatch, capsys):
 def test_memory_only_placement_flag_plans_the_papers_alg2(tmp_path, capsys):
     """Balanced base cluster: `--memory-only-placement` gives the plan without the compute
     balance (planner.balance_compute: false), with the same replica counts and Phi*."""
-    text = Path(BASE).read_text().replace("zipf_alpha: 1.01", "")
-    cfg = tmp_path / "balanced.yaml"
-    cfg.write_text(text)
-    main(["plan", str(cfg), "-o", str(tmp_path / "ours.json"), "-q"])
-    main(["plan", str(cfg), "-o", str(tmp_path / "paper.json"), "-q", "--memory-only-placement"])
-    ours, paper = Placement.load(tmp_path / "ours.json"), Placement.load(tmp_path / "paper.json")
+    ours, paper = _plan_balanced(tmp_path), _plan_balanced(tmp_path, "--memory-only-placement")
     assert ours.objective == pytest.approx(paper.objective)
     assert [m.num_replicas for m in ours.models.values()] == [m.num_replicas for m in paper.models.values()]
     assert [sorted(r[0] for r in m.replicas) for m in ours.models.values()] != \

@@ -11,15 +11,17 @@ def byte_decode(ids: list[int]) -> str:
     return bytes(ids).decode("utf-8", errors="replace")
 
 
-def run(ids: list[int], chunk_sizes: list[int], stop: list[str]) -> tuple[str, bool]:
-    ts = TextStream(byte_decode, stop)
+def run(ids: list[int], chunk_sizes: list[int], stop: list[str], decode=byte_decode) -> tuple[str, bool]:
+    """`ids` fed in chunks of `chunk_sizes` (the rest at the end, final): the deltas joined, and
+    whether a stop string ended the stream; no delta shows U+FFFD before the text decodes to one."""
+    ts = TextStream(decode, stop)
     out, i = [], 0
     for size in chunk_sizes:
         if i >= len(ids):
             break
         out.append(ts.feed(ids[i:i + size]))
         i += size
-        assert "\ufffd" not in "".join(out) or "\ufffd" in byte_decode(ids[:i])
+        assert "\ufffd" not in "".join(out) or "\ufffd" in decode(ids[:i])
     out.append(ts.feed(ids[i:], final=True))
     return "".join(out), ts.stopped
 
@@ -94,20 +96,8 @@ def test_windowed_deltas_equal_the_whole_decode_with_real_tokenizers(real_tokeni
     for tok in real_tokenizers.values():
         ids = tok.encode(text).ids + noise
         decode = lambda x, tok=tok: tok.decode(x, skip_special_tokens=True)  # noqa: E731
-        got, _ = _run_with(decode, ids, chunks)
+        got, _ = run(ids, chunks, [], decode)
         assert got == decode(ids)
-
-
-def _run_with(decode, ids, chunk_sizes):
-    ts = TextStream(decode, [])
-    out, i = [], 0
-    for size in chunk_sizes:
-        if i >= len(ids):
-            break
-        out.append(ts.feed(ids[i:i + size]))
-        i += size
-    out.append(ts.feed(ids[i:], final=True))
-    return "".join(out), ts.stopped
 
 
 def test_a_long_stream_decodes_each_token_a_bounded_number_of_times():
@@ -122,6 +112,6 @@ def test_a_long_stream_decodes_each_token_a_bounded_number_of_times():
 
     text = ("windowed détokenization 🙂 " * 200)[:3000]
     ids = list(text.encode())
-    got, _ = _run_with(counting, ids, [1] * len(ids))
+    got, _ = run(ids, [1] * len(ids), [], counting)
     assert got == text
     assert sum(decoded) <= 2 * (CONTEXT_TOKENS + 4) * len(ids)

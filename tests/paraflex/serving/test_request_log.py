@@ -68,13 +68,19 @@ def test_rows_carry_the_simulators_columns_and_times(tmp_path):
     assert log.written == 1 and not log.store.requests and not log.http_arrival
 
 
-def test_the_gateways_http_arrival_is_logged_with_the_request_it_started(tmp_path):
-    placement = SimpleNamespace(models={"m": SimpleNamespace(replicas=[[0]])})
+def _logged_frontend(tmp_path):
+    """(clock, log, frontend): one model "m" on one engine, its requests logged at the clock's times."""
     clock = Clock()
     log = RequestLog(str(tmp_path / "log.csv"), [SimpleNamespace(name="m", slo_ttft_ms=None, slo_tbt_ms=None)],
                      clock=clock)
-    f = Frontend(None, placement, Engines(), report=lambda line: None)
+    f = Frontend(None, SimpleNamespace(models={"m": SimpleNamespace(replicas=[[0]])}), Engines(),
+                 report=lambda line: None)
     f.request_log = log
+    return clock, log, f
+
+
+def test_the_gateways_http_arrival_is_logged_with_the_request_it_started(tmp_path):
+    clock, log, f = _logged_frontend(tmp_path)
     token = HTTP_ARRIVAL.set(99.98)  # as the gateway's handler sets it, 20 ms before the frontend
     try:
         f.start("a", "m", [1], SamplingParams(max_tokens=1), None)
@@ -94,12 +100,7 @@ def test_a_request_queued_for_the_loop_thread_arrives_when_it_was_queued(tmp_pat
     """The in-process backend queues a request (`awaiting`) for its loop thread, which starts it
     after the engine step in progress: that wait is the engines' queue, so the arrival (and the
     gateway's share, arrival - HTTP arrival) stops at the queueing, and TTFT counts the wait."""
-    placement = SimpleNamespace(models={"m": SimpleNamespace(replicas=[[0]])})
-    clock = Clock()
-    log = RequestLog(str(tmp_path / "log.csv"), [SimpleNamespace(name="m", slo_ttft_ms=None, slo_tbt_ms=None)],
-                     clock=clock)
-    f = Frontend(None, placement, Engines(), report=lambda line: None)
-    f.request_log = log
+    clock, log, f = _logged_frontend(tmp_path)
     token = HTTP_ARRIVAL.set(99.998)
     try:
         log.awaiting("a")  # 2 ms after the HTTP arrival
