@@ -289,7 +289,7 @@ def parse_args(argv=None):
     p.add_argument("--replica-shares", choices=("work", "stages"),
                    help="Alg. 1's target shares for ParaFlex's plan (default: the config default, stages)")
     p.add_argument("--dispatch", default="",
-                   help="ParaFlex dispatch rules to run, comma list (home-first, least-outstanding; default: the config's)")
+                   help="ParaFlex dispatch rules to run, comma list (home-first, least-outstanding, least-load; default: the config's)")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)

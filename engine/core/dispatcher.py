@@ -1,4 +1,4 @@
-"""Dispatch over a model's replicas: home-first (the default) or least outstanding requests.
+"""Dispatch over a model's replicas: home-first, least outstanding requests, or least load.
 
 Place in the data flow: the gateway (and the simulator's front end) asks `pick(model)` which
 replica a new request goes to, sends it to that replica's first-stage engine, and calls
@@ -16,25 +16,47 @@ stay on one engine, so an engine hosting several models' replicas mostly runs on
 decode steps instead of taking turns among all of them (whose TPOT is then the sum of every
 resident model's step); under heavy load the counts stay within `margin` of each other, which
 is least outstanding again.
+
+Least load (`scheduler.dispatch: least-load`, departure from the paper; docs/engine-core.md):
+the replica whose busiest engine has the shortest expected decode cycle once the request joins
+(`engine_loads.py`: every resident model's steps, from the cost model), ties to the home, then
+the lowest index. The cost of a replica is the request's own expected time per token there
+plus what it adds to every request already on those engines: a replica whose model is not yet
+active there costs a weight read per step, which all of them wait for, so an engine busy with
+other models takes a model's request only when its home is far busier, and engines hosting
+several models keep each model's decode batch whole. An idle engine takes it at once.
+
+`auto` (the default): least load on CPU engines, home-first on GPU engines (`resolved_rule`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from paraflex.engine.core.engine_loads import EngineLoads, stage_costs
 from paraflex.engine.core.home_replicas import home_replicas
 from paraflex.errors import ConfigError, ParaflexError, UserError
 
-DISPATCH_RULES = ("home-first", "least-outstanding")
+DISPATCH_RULES = ("auto", "home-first", "least-outstanding", "least-load")
+
+
+def resolved_rule(rule: str, on_cpu: bool) -> str:
+    """`auto` (the default) is least load on CPU engines and home-first on GPUs: measured
+    better on each (docs/engine-core.md, "Least-load dispatch"); any other rule is itself."""
+    if rule != "auto":
+        return rule
+    return "least-load" if on_cpu else "home-first"
 
 
 class Dispatcher:
     """Outstanding-request counters per (model, replica), and each model's home replica."""
 
-    def __init__(self, replicas: Mapping[str, int], homes: Mapping[str, int] | None = None, margin: int = 0):
+    def __init__(self, replicas: Mapping[str, int], homes: Mapping[str, int] | None = None, margin: int = 0,
+                 loads: tuple | None = None):
         """`replicas` maps each model name to its number of replicas (>= 1); `homes` maps models
         to their home replica (none: least outstanding for every model); `margin`: how many more
-        requests than the least loaded replica a home may hold and still take the next one."""
+        requests than the least loaded replica a home may hold and still take the next one;
+        `loads`: (routes, stage costs, max batch) for least-load dispatch (`EngineLoads`)."""
         self._outstanding: dict[str, list[int]] = {}
         for model, n in replicas.items():
             if n < 1:
@@ -44,18 +66,29 @@ class Dispatcher:
             raise ConfigError("scheduler.home_margin", f"must be >= 0 (got {margin})")
         self.margin = margin
         self.homes = {m: h for m, h in (homes or {}).items() if 0 <= h < len(self._outstanding.get(m, ()))}
+        self.loads = None if loads is None else EngineLoads(*loads[:2], self._outstanding, loads[2])
 
     @classmethod
-    def from_placement(cls, placement, config=None) -> "Dispatcher":
+    def from_placement(cls, placement, config=None, cost=None) -> "Dispatcher":
         """Counters for every model of a `paraflex.placement.Placement`; with a `config`, its
-        `scheduler.dispatch` rule (homes from the config's rates and weight bytes), without one
-        least outstanding."""
+        `scheduler.dispatch` rule (homes from the config's rates and weight bytes; least load's
+        step costs from `cost`, a `CostModel`, else the config's), without one least
+        outstanding."""
         replicas = {name: len(mp.replicas) for name, mp in placement.models.items()}
-        if config is None or config.scheduler.dispatch == "least-outstanding":
+        rule = None if config is None else config.scheduler.dispatch
+        if rule == "auto":
+            rule = resolved_rule(rule, config.cluster.device == "cpu")
+        if rule is None or rule == "least-outstanding":
             return cls(replicas)
         demand = {m.name: m.rate * m.arch.weight_bytes() for m in config.models}
         routes = {name: mp.replicas for name, mp in placement.models.items()}
-        return cls(replicas, home_replicas(routes, demand), config.scheduler.home_margin)
+        homes = home_replicas(routes, demand)
+        if rule == "home-first":
+            return cls(replicas, homes, config.scheduler.home_margin)
+        batch = config.scheduler.max_batch_size
+        archs = {m.name: m.arch for m in config.models}
+        costs = stage_costs(placement, archs, cost if cost is not None else config.cluster.cost_model(), batch)
+        return cls(replicas, homes, loads=(routes, costs, batch))
 
     def _counts(self, model: str) -> list[int]:
         counts = self._outstanding.get(model)
@@ -64,16 +97,21 @@ class Dispatcher:
         return counts
 
     def pick(self, model: str, among: Iterable[int] | None = None) -> int | None:
-        """The model's home while it holds fewer than `margin` requests more than the least
-        loaded candidate, else the candidate with the fewest outstanding requests (lowest index
-        on ties), counted; only the replicas `among` (e.g. the live ones) when given, None
-        when that is empty."""
+        """Least load: the candidate with the shortest expected busiest-engine cycle after it
+        (home, then lowest index on ties). Otherwise the model's home while it holds fewer than
+        `margin` requests more than the least loaded candidate, else the candidate with the
+        fewest outstanding requests (lowest index on ties). Counted; only the replicas `among`
+        (e.g. the live ones) when given, None when that is empty."""
         counts = self._counts(model)
         candidates = range(len(counts)) if among is None else sorted(among)
-        best = min(candidates, key=counts.__getitem__, default=None)
         home = self.homes.get(model)
-        if best is not None and home is not None and home in candidates and counts[home] < counts[best] + self.margin:
-            best = home
+        if self.loads is not None:
+            cost = self.loads.cost
+            best = min(candidates, key=lambda j: (cost(model, j), j != home, j), default=None)
+        else:
+            best = min(candidates, key=counts.__getitem__, default=None)
+            if best is not None and home is not None and home in candidates and counts[home] < counts[best] + self.margin:
+                best = home
         if best is not None:
             counts[best] += 1
         return best
@@ -85,9 +123,14 @@ class Dispatcher:
             raise ParaflexError(f"dispatcher: done({model!r}, {replica}) without a matching pick")
         counts[replica] -= 1
 
-    def add_replica(self, model: str) -> int:
-        """A replica of `model` joins (live re-planning); returns its index."""
+    def add_replica(self, model: str, route: list[int] | None = None) -> int:
+        """A replica of `model` on engines `route` (stage order; needed by least load) joins
+        (live re-planning); returns its index."""
         counts = self._counts(model)
+        if self.loads is not None:
+            if route is None:
+                raise ParaflexError(f"dispatcher: least-load dispatch needs the engines of {model!r}'s new replica")
+            self.loads.add_replica(model, route)
         counts.append(0)
         return len(counts) - 1
 
@@ -98,6 +141,8 @@ class Dispatcher:
         if counts[replica]:
             raise ParaflexError(f"dispatcher: replica {replica} of {model!r} still has {counts[replica]} request(s)")
         del counts[replica]
+        if self.loads is not None:
+            self.loads.remove_replica(model, replica)
         home = self.homes.get(model)
         if home == replica:
             del self.homes[model]
@@ -108,6 +153,8 @@ class Dispatcher:
         """Renumber `model`'s replicas: new index i is old index order[i]."""
         counts = self._counts(model)
         self._outstanding[model] = [counts[j] for j in order]
+        if self.loads is not None:
+            self.loads.reorder(model, order)
         if model in self.homes:
             self.homes[model] = order.index(self.homes[model])
 

@@ -231,7 +231,7 @@ class Frontend:
         """A replica of `model` whose stages are all loaded on `engines` joins dispatch."""
         with self.lock:
             self.placement = with_replica(self.placement, model, engines)
-            self.dispatcher.add_replica(model)
+            self.dispatcher.add_replica(model, list(engines))
 
     def retire_replica(self, model: str, engines: list[int]) -> None:
         """`model`'s replica on `engines` takes no new request; its requests go on (it drains)."""

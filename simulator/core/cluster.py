@@ -90,7 +90,7 @@ class Cluster:
                 scheduler.add_stage(ref.model, ref.stage, b - a, -(-arch.kv_bytes_per_token_per_layer() // tp), mp.num_stages)
             self.engines.append(SimEngine(ep.id, scheduler, pool, cost, stages, swap_Bps))
         self.replicas = {name: mp.replicas for name, mp in placement.models.items()}
-        self.dispatcher = Dispatcher.from_placement(placement, config)
+        self.dispatcher = Dispatcher.from_placement(placement, config, cost)
         self.records: dict[str, object] = {}
         # times of the heap events of each (model, replica): the decode fast-forward's horizon
         self.route_pending: dict[tuple[str, int], list[float]] = {

@@ -189,7 +189,7 @@ class LivePlacement:
         cl = self.cluster
         for m, routes in cl.replicas.items():
             while len(cl.dispatcher.outstanding(m)) < len(routes):
-                cl.dispatcher.add_replica(m)
+                cl.dispatcher.add_replica(m, list(routes[len(cl.dispatcher.outstanding(m))]))
 
     def _advance_loads(self, t: float) -> None:
         for load in self.loads:

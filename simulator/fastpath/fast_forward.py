@@ -257,8 +257,11 @@ class DecodeFastForward:
         count if frozen, else 0) than the least loaded of the others can hold by then (an
         upper bound: their counts now, plus the skipped arrivals, each on the least loaded).
         Home-first dispatch (engine/core/dispatcher.py) sends it home or by the same rule, so
-        the proof holds when the model's home avoids `seen`; none is skipped otherwise."""
+        the proof holds when the model's home avoids `seen`; none is skipped otherwise. Least-load
+        dispatch weighs every resident model's requests, so none is skipped under it."""
         cluster = self.cluster
+        if cluster.dispatcher.loads is not None:
+            return i
         home = cluster.dispatcher.homes.get(m)
         if home is not None and not self.route_sets[m][home].isdisjoint(seen):
             return i

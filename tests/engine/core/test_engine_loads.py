@@ -1,0 +1,129 @@
+"""EngineLoads and least-load dispatch: expected decode cycles per engine from the counts."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from paraflex.engine.core.dispatcher import Dispatcher, resolved_rule
+from paraflex.engine.core.engine_loads import EngineLoads, StageCost, stage_costs
+from paraflex.errors import ParaflexError
+
+BIG, SMALL = StageCost(fixed=10.0, per_request=1.0), StageCost(fixed=4.0, per_request=0.5)
+
+
+def _loads(counts, routes, costs, max_batch=4):
+    return EngineLoads(routes, costs, counts, max_batch)
+
+
+def test_cycle_sums_active_stages_and_pays_a_weight_read_per_batch():
+    counts = {"a": [3, 0], "b": [5]}
+    loads = _loads(counts, {"a": [[0], [1]], "b": [[0]]}, {"a": [BIG], "b": [SMALL]})
+    # engine 0: a (3 requests, one batch) 10 + 3, b (5 requests, two batches of <= 4) 2 x 4 + 2.5
+    assert loads.load(0) == pytest.approx(13 + 10.5) and loads.load(1) == 0
+    assert loads.after("a", 0) == pytest.approx(23.5 + 1)  # a is active there: one more row
+    assert loads.after("a", 1) == pytest.approx(11)  # not active: a weight read too
+    counts["a"][0] = 4  # a full batch: the next request opens a second one
+    assert loads.after("a", 0) == pytest.approx(24.5 + 11)
+
+
+def test_cost_charges_the_delay_to_the_requests_already_there():
+    counts = {"a": [2, 0], "b": [0, 6]}
+    loads = _loads(counts, {"a": [[0], [1]], "b": [[0], [1]]}, {"a": [BIG], "b": [SMALL]}, max_batch=8)
+    # on engine 0 a adds 1 s per token to its own 2 requests; on engine 1 a weight read (11 s) to b's 6
+    assert loads.cost("a", 0) == pytest.approx(12 + 1 + 1 * 2)
+    assert loads.cost("a", 1) == pytest.approx(7 + 11 + 11 * 6)
+
+
+def test_a_pipeline_is_as_slow_as_its_busiest_engine():
+    counts = {"p": [0], "q": [4]}
+    loads = _loads(counts, {"p": [[0, 1]], "q": [[1]]}, {"p": [SMALL, SMALL], "q": [BIG]})
+    assert loads.after("p", 0) == pytest.approx(14 + 4.5)
+
+
+def test_routes_must_match_the_stage_costs():
+    with pytest.raises(ParaflexError, match="does not match its 1 stage"):
+        _loads({"a": [0]}, {"a": [[0, 1]]}, {"a": [BIG]})
+    with pytest.raises(ParaflexError, match="max_batch"):
+        _loads({"a": [0]}, {"a": [[0]]}, {"a": [BIG]}, max_batch=0)
+
+
+def _dispatcher(homes=None):
+    routes = {"a": [[0], [1]], "b": [[0], [1]]}
+    return Dispatcher({"a": 2, "b": 2}, homes=homes, loads=(routes, {"a": [BIG], "b": [BIG]}, 8))
+
+
+def test_least_load_uses_an_idle_engine_but_keeps_a_busy_one_to_its_models():
+    d = _dispatcher(homes={"a": 0, "b": 1})
+    assert d.pick("a") == 0  # both engines idle: home
+    assert d.pick("a") == 1  # engine 1 idle: a weight read there delays no one (11 < 12 + 1)
+    d.done("a", 1)
+    for _ in range(4):
+        d.pick("a", among=[0])
+    for _ in range(3):
+        d.pick("b", among=[1])
+    # a's home holds 5: one more adds 1 s per token to those 5 (cost 16 + 5); engine 1 would
+    # add a weight read to b's 3 requests (cost 13 + 11 + 11 x 3)
+    assert d.pick("a") == 0
+    for _ in range(3):
+        d.done("b", 1)
+    assert d.pick("a") == 1  # engine 1 idle again
+
+
+def test_least_load_ties_go_home_then_to_the_lowest_index():
+    assert _dispatcher(homes={"a": 1}).pick("a") == 1
+    assert _dispatcher().pick("a") == 0
+
+
+def test_least_load_follows_live_replica_changes():
+    d = _dispatcher(homes={"a": 0})
+    with pytest.raises(ParaflexError, match="needs the engines"):
+        d.add_replica("a")
+    assert d.add_replica("a", [2]) == 2
+    assert [d.pick("a") for _ in range(3)] == [0, 1, 2]  # each engine idle in turn
+    assert d.loads.load(2) == pytest.approx(11)
+    d.done("a", 1)
+    d.remove_replica("a", 1)  # replica 2 (engine 2) is index 1 now
+    assert d.outstanding("a") == [1, 1] and d.loads.load(2) == pytest.approx(11) and d.loads.load(1) == 0
+    d.reorder("a", [1, 0])
+    d.done("a", 0)  # the request on engine 2
+    assert d.loads.load(2) == 0 and d.loads.load(0) == pytest.approx(11)
+
+
+def test_stage_costs_split_a_step_into_its_batch_and_its_rows():
+    class Linear:
+        def decode_time(self, arch, layers, batch, context, first=False, last=False):
+            return layers * (2.0 + 0.25 * batch) + (1.0 if last else 0.0)
+
+    placement = SimpleNamespace(models={"m": SimpleNamespace(stages=[(0, 4), (4, 6)])})
+    costs = stage_costs(placement, {"m": None}, Linear(), max_batch=16)
+    assert costs["m"][0] == pytest.approx(StageCost(8.0, 1.0))
+    assert costs["m"][1] == pytest.approx(StageCost(5.0, 0.5))
+
+
+class _Flat:
+    def decode_time(self, arch, layers, batch, context, first=False, last=False):
+        return 1.0 + 0.1 * batch
+
+
+def test_from_placement_builds_least_load_from_the_cost_model():
+    arch = SimpleNamespace(weight_bytes=lambda: 10)
+    config = SimpleNamespace(scheduler=SimpleNamespace(dispatch="least-load", home_margin=4, max_batch_size=8),
+                             models=[SimpleNamespace(name="a", rate=2.0, arch=arch), SimpleNamespace(name="b", rate=1.0, arch=arch)])
+    placement = SimpleNamespace(models={m: SimpleNamespace(replicas=[[0], [1]], stages=[(0, 2)]) for m in "ab"})
+    d = Dispatcher.from_placement(placement, config, _Flat())
+    assert d.homes == {"a": 0, "b": 1} and d.loads is not None
+    # fixed 1.0, 0.1 per request: the first request goes home, the second to the idle engine
+    assert [d.pick("a") for _ in range(2)] == [0, 1] and d.pick("b") == 1
+
+
+@pytest.mark.parametrize("device, rule", [("cpu", "least-load"), ("h100-80g", "home-first")])
+def test_auto_is_least_load_on_cpu_engines_and_home_first_on_gpus(device, rule):
+    assert resolved_rule("auto", on_cpu=device == "cpu") == rule
+    assert resolved_rule("least-outstanding", on_cpu=True) == "least-outstanding"
+    arch = SimpleNamespace(weight_bytes=lambda: 10)
+    config = SimpleNamespace(scheduler=SimpleNamespace(dispatch="auto", home_margin=4, max_batch_size=8),
+                             cluster=SimpleNamespace(device=device, cost_model=lambda: _Flat()),
+                             models=[SimpleNamespace(name="a", rate=1.0, arch=arch)])
+    placement = SimpleNamespace(models={"a": SimpleNamespace(replicas=[[0], [1]], stages=[(0, 2)])})
+    d = Dispatcher.from_placement(placement, config)
+    assert (d.loads is not None) == (rule == "least-load") and d.homes == {"a": 0}
