@@ -106,15 +106,12 @@ class EngineLoads:
         """What one more request of `model` on `replica` costs in seconds per token: its own
         cycle (`after`) plus, on each engine of the replica, the step time it adds times the
         requests already there, which each wait that much longer per token."""
-        n = self._counts[model][replica]
-        counts = self._counts
-        own, others = 0.0, 0.0
+        n, counts = self._counts[model][replica], self._counts
+        others = 0.0
         for c, engine in zip(self._costs[model], self._routes[model][replica]):
-            residents = self._residents.get(engine, ())
-            added = self._step(c, n + 1) - self._step(c, n)
-            own = max(own, sum(self._step(rc, counts[m][r]) for m, r, rc in residents) + added)
-            others += added * sum(counts[m][r] for m, r, _ in residents)
-        return own + others
+            waiting = sum(counts[m][r] for m, r, _ in self._residents.get(engine, ()))
+            others += (self._step(c, n + 1) - self._step(c, n)) * waiting
+        return self.after(model, replica) + others
 
     def add_replica(self, model: str, route: Sequence[int]) -> None:
         """A replica of `model` on `route` joined, as the model's last index."""
