@@ -1,4 +1,4 @@
-"""Dispatch over a model's replicas: home-first, least outstanding requests, or least load.
+"""Dispatch over a model's replicas: least load (the default), home-first, or least outstanding requests.
 
 Place in the data flow: the gateway (and the simulator's front end) asks `pick(model)` which
 replica a new request goes to, sends it to that replica's first-stage engine, and calls
@@ -8,7 +8,7 @@ Least outstanding (paper §5, first paragraph; `scheduler.dispatch: least-outsta
 replica with the fewest unfinished requests, ties to the lowest replica index (the placement
 lists replicas in a stable order).
 
-Home-first (`scheduler.dispatch: home-first`, departure from the paper; docs/engine-core.md):
+Home-first (`scheduler.dispatch: home-first`, the previous default; docs/engine-core.md):
 each model has a home replica (`home_replicas.py` spreads the homes over the engines by
 demand); a request goes home unless the home holds `margin` or more requests than the least
 loaded replica, and then by the least-outstanding rule. Under light load a model's requests
@@ -17,16 +17,14 @@ decode steps instead of taking turns among all of them (whose TPOT is then the s
 resident model's step); under heavy load the counts stay within `margin` of each other, which
 is least outstanding again.
 
-Least load (`scheduler.dispatch: least-load`, departure from the paper; docs/engine-core.md):
+Least load (`scheduler.dispatch: least-load`, the default; departure from the paper; docs/engine-core.md):
 the replica whose busiest engine has the shortest expected decode cycle once the request joins
 (`engine_loads.py`: every resident model's steps, from the cost model), ties to the home, then
-the lowest index. The cost of a replica is the request's own expected time per token there
-plus what it adds to every request already on those engines: a replica whose model is not yet
-active there costs a weight read per step, which all of them wait for, so an engine busy with
-other models takes a model's request only when its home is far busier, and engines hosting
-several models keep each model's decode batch whole. An idle engine takes it at once.
-
-`auto` (the default): least load on CPU engines, home-first on GPU engines (`resolved_rule`).
+the lowest index. A replica whose model has no request there yet counts its weight read twice:
+once as the step it adds to those engines' cycle, once more as the price of splitting the
+model's decode batch. So a model stays whole on its home until the home's engines are busier
+than another replica's by more than a weight read, engines hosting several models keep each
+model's batch whole, and a busy model spreads over replicas where it is already active.
 """
 
 from __future__ import annotations
@@ -37,15 +35,7 @@ from paraflex.engine.core.engine_loads import EngineLoads, stage_costs
 from paraflex.engine.core.home_replicas import home_replicas
 from paraflex.errors import ConfigError, ParaflexError, UserError
 
-DISPATCH_RULES = ("auto", "home-first", "least-outstanding", "least-load")
-
-
-def resolved_rule(rule: str, on_cpu: bool) -> str:
-    """`auto` (the default) is least load on CPU engines and home-first on GPUs: measured
-    better on each (docs/engine-core.md, "Least-load dispatch"); any other rule is itself."""
-    if rule != "auto":
-        return rule
-    return "least-load" if on_cpu else "home-first"
+DISPATCH_RULES = ("least-load", "home-first", "least-outstanding")
 
 
 class Dispatcher:
@@ -76,8 +66,6 @@ class Dispatcher:
         outstanding."""
         replicas = {name: len(mp.replicas) for name, mp in placement.models.items()}
         rule = None if config is None else config.scheduler.dispatch
-        if rule == "auto":
-            rule = resolved_rule(rule, config.cluster.device == "cpu")
         if rule is None or rule == "least-outstanding":
             return cls(replicas)
         demand = {m.name: m.rate * m.arch.weight_bytes() for m in config.models}

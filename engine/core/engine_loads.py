@@ -1,10 +1,11 @@
 """Expected decode load per engine, for least-load dispatch (`scheduler.dispatch: least-load`).
 
 Place in the data flow: the `Dispatcher` (engine/core/dispatcher.py) owns one. For a new
-request it asks `after(model, replica)` of each candidate replica (the expected decode cycle of
-that replica's busiest engine once the request joins), and tells it when replicas are added,
-removed or renumbered. The costs come from the cost model once per placement (`stage_costs`);
-the counts are the dispatcher's, read live. Pure Python.
+request it asks `cost(model, replica)` of each candidate replica (the expected decode cycle of
+that replica's busiest engine once the request joins, `after`, plus a weight read where the
+model is idle), and tells it when replicas are added, removed or renumbered. The costs come
+from the cost model once per placement (`stage_costs`); the counts are the dispatcher's, read
+live. Pure Python.
 
 Model: an engine takes turns among the decode batches of its resident stages, so one round of
 them (its cycle) lasts the sum of their steps, over the stages whose replica has unfinished
@@ -12,8 +13,9 @@ requests. A stage step of n requests costs ceil(n / max_batch) x `fixed` (the st
 batch 1 less one request: mostly reading the stage's weights) + n x `per_request` (one more
 row's compute and KV reads at `REFERENCE_CONTEXT` tokens). So one more request costs
 `per_request` on an engine where its replica is already active, and also `fixed` where it is
-not (or where its batches are full): a model spills onto another replica only when the
-engines there are emptier by more than the weight read the spill adds.
+not (or where its batches are full). `cost` adds that weight read once more for a replica
+where the model is idle: a model spills there only when the engines are emptier by more than
+the read the spill adds and the batch it splits.
 """
 
 from __future__ import annotations
@@ -103,15 +105,13 @@ class EngineLoads:
                    for c, engine in zip(self._costs[model], self._routes[model][replica]))
 
     def cost(self, model: str, replica: int) -> float:
-        """What one more request of `model` on `replica` costs in seconds per token: its own
-        cycle (`after`) plus, on each engine of the replica, the step time it adds times the
-        requests already there, which each wait that much longer per token."""
-        n, counts = self._counts[model][replica], self._counts
-        others = 0.0
-        for c, engine in zip(self._costs[model], self._routes[model][replica]):
-            waiting = sum(counts[m][r] for m, r, _ in self._residents.get(engine, ()))
-            others += (self._step(c, n + 1) - self._step(c, n)) * waiting
-        return self.after(model, replica) + others
+        """What one more request of `model` on `replica` costs: its own expected time per token
+        there (`after`), plus, where the model has no request on the replica yet, the weight
+        read of the replica's largest stage once more: a spill onto idle weights must save more
+        than the step it adds to those engines' cycle, so a model stays whole on its replicas
+        until the difference in load pays for that read."""
+        extra = 0.0 if self._counts[model][replica] else max(c.fixed for c in self._costs[model])
+        return self.after(model, replica) + extra
 
     def add_replica(self, model: str, route: Sequence[int]) -> None:
         """A replica of `model` on `route` joined, as the model's last index."""

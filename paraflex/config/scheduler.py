@@ -41,9 +41,9 @@ class SchedulerConfig:
     # decode batches of a multi-stage model in flight at once: "stages" (S; the default), "Nx"
     # (N x S), a number, or "unbounded" (the paper's rule). engine/core/policies/inflight_bound.py
     decode_batches_in_flight: str | int = "stages"
-    # over a model's replicas: "auto" (least-load on CPU engines, home-first on GPUs), the
-    # home replica first, least load, or the paper's least outstanding; engine/core/dispatcher.py
-    dispatch: str = "auto"
+    # over a model's replicas: least load (the default), the home replica first, or the paper's
+    # least outstanding; engine/core/dispatcher.py
+    dispatch: str = "least-load"
     home_margin: int = 4  # requests a home may hold beyond the least loaded replica
     # model name -> seconds its requests count as having arrived earlier when an engine orders
     # its queues (none: arrival order, the paper's); engine/core/scheduler.py, add_request
@@ -84,7 +84,7 @@ def parse_scheduler(raw) -> SchedulerConfig:
         prefill_token_budget=s.int("prefill_token_budget", None, minimum=1),
         pack_prompts=s.bool("pack_prompts", True),
         decode_batches_in_flight=_inflight(s),
-        dispatch=s.str("dispatch", "auto", choices=DISPATCH_RULES),
+        dispatch=s.str("dispatch", "least-load", choices=DISPATCH_RULES),
         home_margin=s.int("home_margin", 4, minimum=0),
         head_start_s=_head_starts(s),
     )

@@ -16,6 +16,9 @@ def _config() -> Config:
         "cluster": {"num_engines": 4, "device": "a100-80g", "tp": 1, "memory_gb": 48, "host_memory_gb": 64},
         "models": [{"name": "a", "arch": "llama-20b", "rate": 3}, {"name": "b", "arch": "llama-20b", "rate": 1}],
         "planner": {"kappa_gb": 1},
+        # least outstanding spreads every model over all its replicas, so the new replicas'
+        # requests show they joined dispatch (least load keeps b whole while one replica suffices)
+        "scheduler": {"dispatch": "least-outstanding"},
         "workload": {"arrival": "poisson", "duration_s": 120, "seed": 1},
     })
 

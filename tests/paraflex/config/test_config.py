@@ -91,7 +91,7 @@ def test_defaults_and_units():
     assert cfg.cluster.memory_bytes == int(144 * GIB)
     assert cfg.planner.target_stage_time == "auto" and cfg.planner.ring is False
     assert cfg.scheduler.max_batch_size == 32 and cfg.scheduler.block_bytes == 32768
-    assert cfg.scheduler.dispatch == "auto" and cfg.scheduler.home_margin == 4
+    assert cfg.scheduler.dispatch == "least-load" and cfg.scheduler.home_margin == 4
     assert cfg.workload is None
     assert cfg.model("b").slo_ttft_ms == 500 and cfg.model("a").slo_tbt_ms is None
     link = cfg.cluster.interconnect()
