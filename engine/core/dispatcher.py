@@ -42,11 +42,11 @@ class Dispatcher:
     """Outstanding-request counters per (model, replica), and each model's home replica."""
 
     def __init__(self, replicas: Mapping[str, int], homes: Mapping[str, int] | None = None, margin: int = 0,
-                 loads: tuple | None = None):
+                 loads: EngineLoads | None = None):
         """`replicas` maps each model name to its number of replicas (>= 1); `homes` maps models
         to their home replica (none: least outstanding for every model); `margin`: how many more
         requests than the least loaded replica a home may hold and still take the next one;
-        `loads`: (routes, stage costs, max batch) for least-load dispatch (`EngineLoads`)."""
+        `loads`: the engines' stages and step costs for least-load dispatch."""
         self._outstanding: dict[str, list[int]] = {}
         for model, n in replicas.items():
             if n < 1:
@@ -56,7 +56,7 @@ class Dispatcher:
             raise ConfigError("scheduler.home_margin", f"must be >= 0 (got {margin})")
         self.margin = margin
         self.homes = {m: h for m, h in (homes or {}).items() if 0 <= h < len(self._outstanding.get(m, ()))}
-        self.loads = None if loads is None else EngineLoads(*loads[:2], self._outstanding, loads[2])
+        self.loads = loads
 
     @classmethod
     def from_placement(cls, placement, config=None, cost=None) -> "Dispatcher":
@@ -76,7 +76,7 @@ class Dispatcher:
         batch = config.scheduler.max_batch_size
         archs = {m.name: m.arch for m in config.models}
         costs = stage_costs(placement, archs, cost if cost is not None else config.cluster.cost_model(), batch)
-        return cls(replicas, homes, loads=(routes, costs, batch))
+        return cls(replicas, homes, loads=EngineLoads(routes, costs, batch))
 
     def _counts(self, model: str) -> list[int]:
         counts = self._outstanding.get(model)
@@ -94,8 +94,8 @@ class Dispatcher:
         candidates = range(len(counts)) if among is None else sorted(among)
         home = self.homes.get(model)
         if self.loads is not None:
-            cost = self.loads.cost
-            best = min(candidates, key=lambda j: (cost(model, j), j != home, j), default=None)
+            cost, outstanding = self.loads.cost, self._outstanding
+            best = min(candidates, key=lambda j: (cost(outstanding, model, j), j != home, j), default=None)
         else:
             best = min(candidates, key=counts.__getitem__, default=None)
             if best is not None and home is not None and home in candidates and counts[home] < counts[best] + self.margin:

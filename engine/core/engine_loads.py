@@ -1,11 +1,11 @@
 """Expected decode load per engine, for least-load dispatch (`scheduler.dispatch: least-load`).
 
 Place in the data flow: the `Dispatcher` (engine/core/dispatcher.py) owns one. For a new
-request it asks `cost(model, replica)` of each candidate replica (the expected decode cycle of
-that replica's busiest engine once the request joins, `after`, plus a weight read where the
-model is idle), and tells it when replicas are added, removed or renumbered. The costs come
-from the cost model once per placement (`stage_costs`); the counts are the dispatcher's, read
-live. Pure Python.
+request it asks `cost(counts, model, replica)` of each candidate replica (the expected decode
+cycle of that replica's busiest engine once the request joins, `after`, plus a weight read
+where the model is idle), with its own outstanding counts, and tells it when replicas are
+added, removed or renumbered. The costs come from the cost model once per placement
+(`stage_costs`). Pure Python.
 
 Model: an engine takes turns among the decode batches of its resident stages, so one round of
 them (its cycle) lasts the sum of their steps, over the stages whose replica has unfinished
@@ -56,17 +56,16 @@ def stage_costs(placement, archs: Mapping[str, object], cost, max_batch: int) ->
 
 
 class EngineLoads:
-    """Each engine's expected decode cycle, from the dispatcher's outstanding counts (read live,
-    so it holds no state of its own beyond which stages sit on which engine)."""
+    """Which stages sit on which engine and what their steps cost; each engine's expected decode
+    cycle from outstanding counts per (model, replica) that the caller passes in (`counts`:
+    model -> one count per replica, the dispatcher's)."""
 
     def __init__(self, routes: Mapping[str, Sequence[Sequence[int]]], costs: Mapping[str, Sequence[StageCost]],
-                 counts: Mapping[str, list[int]], max_batch: int):
+                 max_batch: int):
         """`routes`: model -> its replicas' engine lists (stage order); `costs`: model -> its
-        stages' `StageCost`; `counts`: the dispatcher's outstanding requests per (model,
-        replica); `max_batch`: requests per decode batch."""
+        stages' `StageCost`; `max_batch`: requests per decode batch."""
         if max_batch < 1:
             raise ParaflexError(f"engine loads: max_batch must be >= 1 (got {max_batch})")
-        self._counts = counts
         self._costs = {m: list(c) for m, c in costs.items()}
         self._max_batch = max_batch
         self._routes: dict[str, list[tuple[int, ...]]] = {}
@@ -93,25 +92,24 @@ class EngineLoads:
     def _step(self, c: StageCost, n: int) -> float:
         return 0.0 if n <= 0 else -(-n // self._max_batch) * c.fixed + n * c.per_request
 
-    def load(self, engine: int) -> float:
-        """Seconds of `engine`'s expected decode cycle now."""
-        counts = self._counts
+    def load(self, counts: Mapping[str, list[int]], engine: int) -> float:
+        """Seconds of `engine`'s expected decode cycle under `counts`."""
         return sum(self._step(c, counts[m][r]) for m, r, c in self._residents.get(engine, ()))
 
-    def after(self, model: str, replica: int) -> float:
+    def after(self, counts: Mapping[str, list[int]], model: str, replica: int) -> float:
         """The cycle of the busiest engine of `model`'s `replica` once one more request joins it."""
-        n = self._counts[model][replica]
-        return max(self.load(engine) + self._step(c, n + 1) - self._step(c, n)
+        n = counts[model][replica]
+        return max(self.load(counts, engine) + self._step(c, n + 1) - self._step(c, n)
                    for c, engine in zip(self._costs[model], self._routes[model][replica]))
 
-    def cost(self, model: str, replica: int) -> float:
+    def cost(self, counts: Mapping[str, list[int]], model: str, replica: int) -> float:
         """What one more request of `model` on `replica` costs: its own expected time per token
         there (`after`), plus, where the model has no request on the replica yet, the weight
         read of the replica's largest stage once more: a spill onto idle weights must save more
         than the step it adds to those engines' cycle, so a model stays whole on its replicas
         until the difference in load pays for that read."""
-        extra = 0.0 if self._counts[model][replica] else max(c.fixed for c in self._costs[model])
-        return self.after(model, replica) + extra
+        extra = 0.0 if counts[model][replica] else max(c.fixed for c in self._costs[model])
+        return self.after(counts, model, replica) + extra
 
     def add_replica(self, model: str, route: Sequence[int]) -> None:
         """A replica of `model` on `route` joined, as the model's last index."""

@@ -11,44 +11,48 @@ from paraflex.errors import ParaflexError
 BIG, SMALL = StageCost(fixed=10.0, per_request=1.0), StageCost(fixed=4.0, per_request=0.5)
 
 
-def _loads(counts, routes, costs, max_batch=4):
-    return EngineLoads(routes, costs, counts, max_batch)
+def _loads(routes, costs, max_batch=4):
+    return EngineLoads(routes, costs, max_batch)
 
 
 def test_cycle_sums_active_stages_and_pays_a_weight_read_per_batch():
     counts = {"a": [3, 0], "b": [5]}
-    loads = _loads(counts, {"a": [[0], [1]], "b": [[0]]}, {"a": [BIG], "b": [SMALL]})
+    loads = _loads({"a": [[0], [1]], "b": [[0]]}, {"a": [BIG], "b": [SMALL]})
     # engine 0: a (3 requests, one batch) 10 + 3, b (5 requests, two batches of <= 4) 2 x 4 + 2.5
-    assert loads.load(0) == pytest.approx(13 + 10.5) and loads.load(1) == 0
-    assert loads.after("a", 0) == pytest.approx(23.5 + 1)  # a is active there: one more row
-    assert loads.after("a", 1) == pytest.approx(11)  # not active: a weight read too
+    assert loads.load(counts, 0) == pytest.approx(13 + 10.5) and loads.load(counts, 1) == 0
+    assert loads.after(counts, "a", 0) == pytest.approx(23.5 + 1)  # a is active there: one more row
+    assert loads.after(counts, "a", 1) == pytest.approx(11)  # not active: a weight read too
     counts["a"][0] = 4  # a full batch: the next request opens a second one
-    assert loads.after("a", 0) == pytest.approx(24.5 + 11)
+    assert loads.after(counts, "a", 0) == pytest.approx(24.5 + 11)
 
 
 def test_cost_adds_a_weight_read_where_the_model_is_not_active_yet():
     counts = {"a": [2, 0], "b": [0, 6]}
-    loads = _loads(counts, {"a": [[0], [1]], "b": [[0], [1]]}, {"a": [BIG], "b": [SMALL]}, max_batch=8)
-    assert loads.cost("a", 0) == pytest.approx(12 + 1)  # active there: its own cycle with one more row
-    assert loads.cost("a", 1) == pytest.approx(7 + 11 + 10)  # idle weights: the step it adds, and the read again
+    loads = _loads({"a": [[0], [1]], "b": [[0], [1]]}, {"a": [BIG], "b": [SMALL]}, max_batch=8)
+    assert loads.cost(counts, "a", 0) == pytest.approx(12 + 1)  # active there: its own cycle with one more row
+    assert loads.cost(counts, "a", 1) == pytest.approx(7 + 11 + 10)  # idle weights: the step it adds, and the read again
 
 
 def test_a_pipeline_is_as_slow_as_its_busiest_engine():
     counts = {"p": [0], "q": [4]}
-    loads = _loads(counts, {"p": [[0, 1]], "q": [[1]]}, {"p": [SMALL, SMALL], "q": [BIG]})
-    assert loads.after("p", 0) == pytest.approx(14 + 4.5)
+    loads = _loads({"p": [[0, 1]], "q": [[1]]}, {"p": [SMALL, SMALL], "q": [BIG]})
+    assert loads.after(counts, "p", 0) == pytest.approx(14 + 4.5)
 
 
 def test_routes_must_match_the_stage_costs():
     with pytest.raises(ParaflexError, match="does not match its 1 stage"):
-        _loads({"a": [0]}, {"a": [[0, 1]]}, {"a": [BIG]})
+        _loads({"a": [[0, 1]]}, {"a": [BIG]})
     with pytest.raises(ParaflexError, match="max_batch"):
-        _loads({"a": [0]}, {"a": [[0]]}, {"a": [BIG]}, max_batch=0)
+        _loads({"a": [[0]]}, {"a": [BIG]}, max_batch=0)
 
 
 def _dispatcher(homes=None):
     routes = {"a": [[0], [1]], "b": [[0], [1]]}
-    return Dispatcher({"a": 2, "b": 2}, homes=homes, loads=(routes, {"a": [BIG], "b": [BIG]}, 8))
+    return Dispatcher({"a": 2, "b": 2}, homes=homes, loads=EngineLoads(routes, {"a": [BIG], "b": [BIG]}, 8))
+
+
+def _counts(d):
+    return {m: d.outstanding(m) for m in ("a", "b")}
 
 
 def test_least_load_keeps_a_model_on_its_home_until_a_spill_pays_for_its_weight_read():
@@ -74,12 +78,12 @@ def test_least_load_follows_live_replica_changes():
         d.add_replica("a")
     assert d.add_replica("a", [2]) == 2
     assert [d.pick("a") for _ in range(3)] == [0, 0, 0]
-    assert d.pick("a", among=[2]) == 2 and d.loads.load(2) == pytest.approx(11)
+    assert d.pick("a", among=[2]) == 2 and d.loads.load(_counts(d), 2) == pytest.approx(11)
     d.remove_replica("a", 1)  # replica 2 (engine 2) is index 1 now
-    assert d.outstanding("a") == [3, 1] and d.loads.load(2) == pytest.approx(11) and d.loads.load(1) == 0
+    assert d.outstanding("a") == [3, 1] and d.loads.load(_counts(d), 2) == pytest.approx(11) and d.loads.load(_counts(d), 1) == 0
     d.reorder("a", [1, 0])
     d.done("a", 0)  # the request on engine 2
-    assert d.loads.load(2) == 0 and d.loads.load(0) == pytest.approx(13)
+    assert d.loads.load(_counts(d), 2) == 0 and d.loads.load(_counts(d), 0) == pytest.approx(13)
 
 
 def test_stage_costs_split_a_step_into_its_batch_and_its_rows():
