@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is no package
-from multi_model import MODELS, SMOLLM2, popularity_rates  # noqa: E402
+from multi_model import MODELS, SMOLLM2, config_dict, popularity_rates, stage_time_arg  # noqa: E402
 
 from paraflex.config.schema import Config  # noqa: E402
 from paraflex.simulator.runner import SimSettings, simulate  # noqa: E402
@@ -44,18 +44,13 @@ def shape_dirs(root: str) -> dict[str, str]:
 
 
 def mix_config(dirs: dict[str, str], rates: dict[str, float], rule: str, target_stage_time) -> Config:
-    """bench/multi_model.py's ParaFlex config (2 engines, its memory and scheduler) under `rule`."""
+    """bench/multi_model.py's ParaFlex config (`config_dict`: 2 engines, about the memory it
+    gives them, its scheduler) under `rule`."""
     dispatch, _, margin = rule.partition(":")
-    scheduler = {"max_batch_size": 32, "block_bytes": 32768, "policy": "full-batch-first",
-                 "prefill_token_budget": 2048, "dispatch": dispatch}
+    cfg = config_dict({n: {"hf": dirs[n]} for n in NAMES}, rates, 2, 2.7, dispatch, None, target_stage_time)
     if margin:
-        scheduler["home_margin"] = int(margin)
-    models = [{"name": n, "hf": dirs[n], "dtype": "float32", "rate": rates[n],
-               "slo_ttft_ms": MODELS[n][1], "slo_tbt_ms": MODELS[n][2]} for n in NAMES]
-    return Config.from_dict({"name": "dispatch-rules", "models": models, "scheduler": scheduler,
-                             "cluster": {"num_engines": 2, "device": "cpu", "tp": 1, "memory_gb": 2.7,
-                                         "host_memory_gb": 1, "interconnect_gbps": 10, "interconnect_latency_us": 50},
-                             "planner": {"target_stage_time": target_stage_time, "kappa_gb": 0.05, "ring": False}})
+        cfg["scheduler"]["home_margin"] = int(margin)
+    return Config.from_dict(cfg)
 
 
 def poisson_requests(rates: dict[str, float], duration: float, seed: int) -> list[SimRequest]:
@@ -83,10 +78,7 @@ def main(argv=None) -> int:
     except ValueError:
         p.error("--rates and --seeds: comma lists of numbers, e.g. --rates 1,4 --seeds 0,1")
     rules = [r for r in args.rules.split(",") if r]
-    try:
-        tst = float(args.target_stage_time)
-    except ValueError:
-        tst = args.target_stage_time
+    tst = stage_time_arg(args.target_stage_time)
     print(f"simulated, `cpu` cost model; {args.duration:g} s of arrivals per point, seeds {seeds}; rules {rules}")
     with tempfile.TemporaryDirectory(prefix="dispatch-rules-") as root:
         dirs = shape_dirs(root)

