@@ -55,6 +55,7 @@ from fidelity_compare import compare, plot_cdfs, print_runs, print_table, write_
 from fidelity_setup import Setup, build_setup  # noqa: E402
 from serve_client import one_request  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
+from served_drift import ThreadSampler, drift_report  # noqa: E402
 from served_split import served_parts, step_split  # noqa: E402
 
 from paraflex.config.schema import Config  # noqa: E402
@@ -125,19 +126,36 @@ def read_log(path: str) -> list[dict]:
     return rows
 
 
-def calibrate(setup: Setup, server, log_path: str, out: str, profile: str, rng, n: int, lone: int = 8) -> float:
+def calibrate(setup: Setup, server, log_path: str, out: str, profile: str, rng, n: int, lone: int = 8,
+              warm_in: float = 0.0) -> float:
     """Send `lone` requests one at a time, measure the saturation rate (`burst`, which it
     returns), then send 2`n` open loop at CALIBRATION_LOAD of it; store in the profile what the lone and
     the moderate requests measured (`paraflex profile --gateway-log --step-log`, their log rows
     in gateway.csv, their steps in calib-steps/): the engine loop's term, the tokens' return
     path and the per-request delays. The saturation runs' steps are kept apart (burst-steps/): lines
-    fitted from them predicted the loads' steps worse (docs/simulate.md, fifth pass)."""
-    start = time.time()
-    for req in make_requests(setup, 1.0, lone, 2 * 10**6, rng):
-        asyncio.run(replay(setup, server.url, [dataclasses.replace(req, arrival=0.0)], rng))
-    windows = [(start, time.time())]
-    sat = burst(setup, server, n, rng)
-    windows.append((windows[0][1], time.time()))
+    fitted from them predicted the loads' steps worse (docs/simulate.md, fifth pass). With
+    `warm_in` seconds the burst comes first, then that long open loop at CALIBRATION_LOAD, then the
+    lone and the moderate requests: a server whose steps change over its first minutes is
+    calibrated as the loads will find it (docs/simulate.md, "Fidelity on a GPU")."""
+    def alone() -> tuple[float, float]:
+        start = time.time()
+        for req in make_requests(setup, 1.0, lone, 2 * 10**6, rng):
+            asyncio.run(replay(setup, server.url, [dataclasses.replace(req, arrival=0.0)], rng))
+        return start, time.time()
+
+    if warm_in > 0:
+        start = time.time()
+        sat = burst(setup, server, n, rng)
+        rate = CALIBRATION_LOAD * sat
+        asyncio.run(replay(setup, server.url, make_requests(setup, rate, max(1, round(warm_in * rate)),
+                                                            5 * 10**6, rng), rng))
+        print(f"warm-in: {time.time() - start:.0f} s (the burst, then {warm_in:.0f} s at {rate:.2f} req/s)",
+              flush=True)
+        windows = [alone(), (start, time.time())]
+    else:
+        windows = [alone()]
+        sat = burst(setup, server, n, rng)
+        windows.append((windows[0][1], time.time()))
     start = time.time()
     asyncio.run(replay(setup, server.url, make_requests(setup, CALIBRATION_LOAD * sat, 2 * n, 3 * 10**6, rng), rng))
     windows.append((start, time.time()))
@@ -222,10 +240,13 @@ def serve_loads(setup: Setup, args, out: str, config_path: str, placement_path: 
                           log_path=os.path.join(out, "serve.log"),
                           extra_args=("--placement", placement_path, "--request-log", log_path,
                                       "--step-log", os.path.join(out, "steps")))
+    sampler = ThreadSampler(server.proc.pid, os.path.join(out, "threads.csv"))
+    with open(os.path.join(out, "threads.json"), "w") as fh:
+        json.dump({"pid": server.proc.pid}, fh)
     rng = np.random.default_rng(args.seed)
     windows = []
     try:
-        measured = calibrate(setup, server, log_path, out, profile, rng, n) if profile else None
+        measured = calibrate(setup, server, log_path, out, profile, rng, n, warm_in=args.warm_in) if profile else None
         sat = args.saturation or measured or burst(setup, server, n, rng)
         for i, (load, frac) in enumerate(LOADS):
             path = os.path.join(out, f"requests-{load}.csv")
@@ -237,8 +258,10 @@ def serve_loads(setup: Setup, args, out: str, config_path: str, placement_path: 
             windows.append({"load": load, "start": epoch, "end": time.time(),
                             "client_ttft_s": float(np.median([r.ttft for r in results]))})
     finally:
+        sampler.stop()
         server.stop()
     print_pauses(os.path.join(out, "serve.log"))
+    print(drift_report(out), flush=True)
     with open(os.path.join(out, "windows.json"), "w") as fh:
         json.dump(windows, fh, indent=1)
     return windows
@@ -332,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resimulate", metavar="DIR", help="serve nothing: simulate the results folder DIR of an earlier "
                     "run again (with --profile, or DIR/profile) and compare it with its server log")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warm-in", type=float, default=0.0, metavar="S",
+                    help="serve S seconds at the calibration's load before calibrating (after the burst), so "
+                         "that a server whose steps change over its first minutes is calibrated as the loads "
+                         "find it (default 0)")
     ap.add_argument("--backend", choices=("ray", "in-process"), default="ray",
                     help="ray: two engine actors, a model cut over both (default); in-process: one engine holding "
                          "every model (`serve --in-process`, e.g. on a GPU machine without Ray)")

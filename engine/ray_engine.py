@@ -232,12 +232,12 @@ class EngineActor:
         try:
             last = 0.0
             while not self._stop.is_set():
-                start, t0 = time.time(), time.perf_counter()
+                start, t0, c0 = time.time(), time.perf_counter(), time.thread_time()
                 worked = self._apply_inbox()
                 ran = self.loop.step()
                 worked |= ran
                 if ran and self.step_log is not None:
-                    self.step_log.record_last_run(self.loop, start, time.perf_counter() - t0)
+                    self.step_log.record_last_run(self.loop, start, time.perf_counter() - t0, time.thread_time() - c0)
                 now = time.monotonic()
                 if now - last > STATS_EVERY_S:
                     self._snapshot()

@@ -6,8 +6,10 @@ DIR/engine-<id>.csv when the serve command asks (`start_step_log`), the in-proce
 every loop iteration that ran a batch (`record_last_run`): what the batch carried (model, stage,
 kind, batch size, prompt tokens, decode context, how many stages the engine holds, whether its
 output crosses engines) and how long it took: `busy_s` the whole iteration (inbox, transport
-poll, schedule, forward, sampling, sending the hidden state or tokens, the output push) and
-`run_s` the forward pass and sampling alone; `req_ids` the batch's engine request ids (space-
+poll, schedule, forward, sampling, sending the hidden state or tokens, the output push),
+`run_s` the forward pass and sampling alone, and `cpu_s` the CPU time the loop's thread spent in
+the iteration (`time.thread_time`; `busy_s - cpu_s` is the time it waited: for the device, or for
+the interpreter lock another thread of the process held); `req_ids` the batch's engine request ids (space-
 separated: the request log's `id` unless a restart re-issued it), so a request's steps can be
 found. `paraflex profile CONFIG --step-log DIR` (paraflex/costs/loop_fit.py) compares `busy_s`
 with the cost model's stage time of the same batch and fits what the served loop adds per stage
@@ -23,7 +25,7 @@ import os
 
 FLUSH_EVERY_S = 0.2  # the longest a logged row waits in the buffer (a Ray engine flushes with its stats refresh)
 STEP_LOG_COLUMNS = ("engine", "model", "stage", "num_stages", "kind", "batch_size", "prefill_tokens",
-                    "total_context", "resident_stages", "crosses", "start_s", "busy_s", "run_s", "req_ids")
+                    "total_context", "resident_stages", "crosses", "start_s", "busy_s", "run_s", "cpu_s", "req_ids")
 
 
 class StepLog:
@@ -38,21 +40,23 @@ class StepLog:
         self.writer.writerow(STEP_LOG_COLUMNS)
 
     def record(self, batch, route: list[int], resident_stages: int, start_s: float, busy_s: float,
-               run_s: float) -> None:
+               run_s: float, cpu_s: float) -> None:
         """One batch `batch` (a ScheduledBatch) of the replica on engines `route`."""
         crosses = any(e != self.engine_id for e in route)  # hidden state or tokens leave this engine
         self.writer.writerow((self.engine_id, batch.model, batch.stage, len(route), batch.kind, batch.batch_size,
                               batch.prefill_tokens, batch.total_context, resident_stages, int(crosses),
-                              f"{start_s:.6f}", f"{busy_s:.7f}", f"{run_s:.7f}", " ".join(batch.req_ids)))
+                              f"{start_s:.6f}", f"{busy_s:.7f}", f"{run_s:.7f}", f"{cpu_s:.7f}",
+                              " ".join(batch.req_ids)))
 
-    def record_last_run(self, loop, start_s: float, busy_s: float) -> None:
+    def record_last_run(self, loop, start_s: float, busy_s: float, cpu_s: float) -> None:
         """The batch `loop` (an EngineLoop) last ran, if it has not been logged yet, in an
-        iteration that started at `start_s` (Unix s) and took `busy_s`."""
+        iteration that started at `start_s` (Unix s), took `busy_s` and `cpu_s` of its thread."""
         if loop.last_run is None:
             return
         batch, run_s = loop.last_run
         loop.last_run = None
-        self.record(batch, loop.routes.get(batch.model, [self.engine_id]), len(loop.routes), start_s, busy_s, run_s)
+        route = loop.routes.get(batch.model, [self.engine_id])
+        self.record(batch, route, len(loop.routes), start_s, busy_s, run_s, cpu_s)
 
     def flush(self) -> None:
         self.file.flush()

@@ -101,10 +101,10 @@ class InProcessEngines:
         worked = False
         logs = self.step_logs
         for engine in self.loops:
-            start, t0 = time.time(), time.perf_counter()
+            start, t0, c0 = time.time(), time.perf_counter(), time.thread_time()
             ran = engine.step()
             if ran and engine.engine_id in logs:
-                logs[engine.engine_id].record_last_run(engine, start, time.perf_counter() - t0)
+                logs[engine.engine_id].record_last_run(engine, start, time.perf_counter() - t0, time.thread_time() - c0)
             worked |= ran
         if logs and time.monotonic() - self.flushed > FLUSH_EVERY_S:
             for log in logs.values():

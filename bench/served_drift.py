@@ -1,0 +1,160 @@
+"""Does a served engine's step change over the run, and whose time is it? The server's threads'
+CPU, sampled from /proc while bench/sim_fidelity.py serves, beside its step log, per time bin.
+
+    python bench/served_drift.py RESULTS_DIR [--bin 20]      # a bench/sim_fidelity.py results folder
+
+Why: on an H100 the in-process server's prefill steps shortened over a served run, whatever the
+load (llama-1b-shape's from 21.5 ms in the first minute to ~15 ms after two and a half), while
+the engine alone (bench/prefill_drift.py) did not: the served step is 6-12 ms longer than the
+bare engine's call, time the gateway's thread may hold the interpreter lock while the engine's
+thread waits (docs/simulate.md, "Fidelity on a GPU"). Two measurements split that time:
+
+* the step log's `cpu_s` (engine/step_log.py): the engine loop thread's own CPU time in the
+  step, so `busy_s - cpu_s` is what it waited (the device, or the lock);
+* `ThreadSampler`: every thread's CPU time (utime + stime of /proc/PID/task/TID/stat) every
+  second into threads.csv, so the gateway's thread (the main thread: uvicorn's event loop) shows
+  its cores' worth per bin.
+
+Per bin the report prints the prefill and decode steps' median wall and CPU time (per model, the
+most frequent model's), the main thread's and the other threads' cores. A drift in `busy_s` that
+`cpu_s` follows is the engine thread's own work; one in the wait that follows the main thread's
+cores is the lock. bench/ is no package: sim_fidelity.py imports this module from its folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+
+THREAD_COLUMNS = ("t", "tid", "name", "cpu_s")
+
+
+class ThreadSampler:
+    """Every `every` seconds, each thread of process `pid`: its CPU seconds so far, appended to
+    `path` (THREAD_COLUMNS) by a daemon thread until `stop()`. Without /proc (not Linux) it
+    records nothing and says so once."""
+
+    def __init__(self, pid: int, path: str, every: float = 1.0) -> None:
+        self.pid, self.path, self.every = pid, path, every
+        self.ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._stop = threading.Event()
+        self.available = os.path.isdir(f"/proc/{pid}/task")
+        if not self.available:
+            print(f"served_drift: no /proc/{pid}/task here: threads' CPU not sampled", flush=True)
+            return
+        self.file = open(path, "w", newline="", encoding="utf-8")
+        self.writer = csv.writer(self.file)
+        self.writer.writerow(THREAD_COLUMNS)
+        self.thread = threading.Thread(target=self._run, name="thread-sampler", daemon=True)
+        self.thread.start()
+
+    def sample(self) -> list[tuple[int, str, float]]:
+        """(tid, name, CPU seconds) of every thread of the process now; [] once it has exited."""
+        rows = []
+        for task in glob.glob(f"/proc/{self.pid}/task/*/stat"):
+            try:
+                with open(task) as fh:
+                    text = fh.read()
+            except OSError:  # the thread (or the process) ended between the listing and the read
+                continue
+            name = text[text.index("(") + 1:text.rindex(")")]
+            fields = text[text.rindex(")") + 2:].split()  # fields from the 3rd (state) on
+            rows.append((int(task.split("/")[-2]), name, (int(fields[11]) + int(fields[12])) / self.ticks))
+        return rows
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = time.time()
+            for tid, name, cpu in self.sample():
+                self.writer.writerow((f"{now:.3f}", tid, name, f"{cpu:.2f}"))
+            self.file.flush()
+            self._stop.wait(self.every)
+
+    def stop(self) -> None:
+        if self.available:
+            self._stop.set()
+            self.thread.join(5)
+            self.file.close()
+
+
+def _read(path: str) -> list[dict]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def thread_cores(rows: list[dict], pid: int, start: float, end: float) -> tuple[float, float]:
+    """(the main thread's, all other threads') cores' worth over [start, end): CPU seconds
+    between the first and the last sample inside it, over their time apart."""
+    inside = [r for r in rows if start <= float(r["t"]) < end]
+    times = sorted({float(r["t"]) for r in inside})
+    if len(times) < 2:
+        return float("nan"), float("nan")
+    first, last = times[0], times[-1]
+    cpu_at = {t: {} for t in (first, last)}
+    for r in inside:
+        if float(r["t"]) in cpu_at:
+            cpu_at[float(r["t"])][int(r["tid"])] = float(r["cpu_s"])
+    span = last - first
+    main = (cpu_at[last].get(pid, 0.0) - cpu_at[first].get(pid, 0.0)) / span
+    others = sum(cpu - cpu_at[first].get(tid, 0.0) for tid, cpu in cpu_at[last].items() if tid != pid) / span
+    return main, others
+
+
+def drift_report(out: str, bin_s: float = 20.0) -> str:
+    """The per-bin table of a results folder (its steps/ and threads.csv, threads.json's pid)."""
+    steps = [r for path in sorted(glob.glob(os.path.join(out, "steps", "engine-*.csv"))) for r in _read(path)]
+    if not steps:
+        return "served_drift: no step log in " + out
+    has_cpu = "cpu_s" in steps[0]
+    threads_csv, pid = os.path.join(out, "threads.csv"), None
+    threads = _read(threads_csv) if os.path.isfile(threads_csv) else []
+    if threads:
+        with open(os.path.join(out, "threads.json")) as fh:
+            pid = int(json.load(fh)["pid"])
+    model = Counter(r["model"] for r in steps if r["kind"] == "prefill").most_common(1)
+    model = model[0][0] if model else steps[0]["model"]
+    t0 = min(float(r["start_s"]) for r in steps)
+    t_end = max(float(r["start_s"]) for r in steps)
+    lines = [f"served steps over the run ({model}'s, medians in ms; cpu: the engine thread's own; "
+             f"cores: the server's main thread (gateway) / its other threads), {bin_s:.0f} s bins:",
+             f"{'from s':>7} {'prefills':>8} {'busy':>6} {'cpu':>6} {'decodes':>8} {'busy':>6} {'cpu':>6} "
+             f"{'main':>5} {'others':>6}"]
+    t = t0
+    while t <= t_end:
+        inside = [r for r in steps if t <= float(r["start_s"]) < t + bin_s and r["model"] == model]
+        cells = [f"{t - t0:7.0f}"]
+        for kind in ("prefill", "decode"):
+            rows = [r for r in inside if r["kind"] == kind]
+            busy = 1e3 * statistics.median(float(r["busy_s"]) for r in rows) if rows else float("nan")
+            cpu = 1e3 * statistics.median(float(r["cpu_s"]) for r in rows) if rows and has_cpu else float("nan")
+            cells += [f"{len(rows):8d}", f"{busy:6.2f}", f"{cpu:6.2f}"]
+        main, others = thread_cores(threads, pid, t, t + bin_s) if pid else (float("nan"), float("nan"))
+        cells += [f"{main:5.2f}", f"{others:6.2f}"]
+        lines.append(" ".join(cells))
+        t += bin_s
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="a bench/sim_fidelity.py results folder (steps/, threads.csv)")
+    ap.add_argument("--bin", type=float, default=20.0, help="seconds per bin (default 20)")
+    args = ap.parse_args(argv)
+    if not os.path.isdir(os.path.join(args.out, "steps")):
+        print(f"served_drift: {args.out} has no steps/ folder: give a bench/sim_fidelity.py results folder",
+              file=sys.stderr)
+        return 2
+    print(drift_report(args.out, args.bin))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
