@@ -67,6 +67,8 @@ def main() -> int:
     ap.add_argument("--bin", type=float, default=10.0, help="seconds per printed bin (default 10)")
     ap.add_argument("--lengths", default="64-768", help="prompt lengths, uniform in LO-HI (default 64-768)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--profile-calls", type=int, default=0, metavar="N",
+                    help="after the timed calls, N more under cProfile: the functions with the most own time")
     args = ap.parse_args()
     lo, hi = (int(x) for x in args.lengths.split("-"))
     setup = build_setup("in-process", "random-small" if args.small else "random-real", os.path.abspath(args.out))
@@ -93,23 +95,58 @@ def main() -> int:
             vocab = table[model][-1]
             n = rng.randint(lo, min(hi, cluster.max_model_len(model) - 1))
             prompt = [5 + rng.randrange(vocab - 5) for _ in range(n)]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             cluster.generate(model, [prompt], greedy)
-            took = time.perf_counter() - t0
+            took, cpu = time.perf_counter() - t0, time.thread_time() - c0
             first = n not in seen[model]
             seen[model].add(n)
-            calls.append((t0 - start, model, took, first, *allocator(), gc.get_stats()[2]["collections"]))
+            calls.append((t0 - start, model, took, first, *allocator(), gc.get_stats()[2]["collections"], cpu,
+                          control_s()))
+        if args.profile_calls:
+            profile_calls(cluster, models, table, args.profile_calls, lo, hi, rng)
     finally:
         cluster.shutdown()
     report(calls, args.bin)
     return 0
 
 
+def control_s() -> float:
+    """Seconds of a fixed pure-Python workload (no torch, no device): the host CPU's own speed
+    now, so a bin whose calls and control both slow down was a slower host, not the engine."""
+    t0 = time.perf_counter()
+    total = 0
+    for k in range(5000):
+        total += k * k % 7
+    return time.perf_counter() - t0
+
+
+def profile_calls(cluster, models: list[str], table: dict, n: int, lo: int, hi: int, rng) -> None:
+    """`n` more prefills (models in turn) under cProfile: the 25 functions with the most own time."""
+    import cProfile
+    import pstats
+
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prompts = [(models[i % len(models)], [5 + rng.randrange(table[models[i % len(models)]][-1] - 5)
+                                          for _ in range(rng.randint(lo, hi))]) for i in range(n)]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for model, prompt in prompts:
+        cluster.generate(model, [prompt[:cluster.max_model_len(model) - 1]], greedy)
+    profiler.disable()
+    print(f"cProfile of {n} prefills (own time, the 25 largest):")
+    pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+
+
 def report(calls: list[tuple], bin_s: float) -> None:
     median = {m: statistics.median(c[2] for c in calls if c[1] == m) for m in {c[1] for c in calls}}
     print(f"{len(calls)} prefills; median per model: "
           + ", ".join(f"{m} {1000 * s:.1f} ms" for m, s in sorted(median.items())))
-    print("bin (s)   calls  median  p90    first-met  cudaMalloc  segments  retries  gen2 GCs   (times: call / model's median)")
+    print(f"the calls' own CPU time (this thread) over their wall time: "
+          f"{sum(c[8] for c in calls) / sum(c[2] for c in calls):.2f}")
+    control = statistics.median(c[9] for c in calls)
+    print(f"control (a fixed pure-Python workload after each call): median {1e6 * control:.0f} us")
+    print("bin (s)   calls  median  p90    cpu/wall  control  first-met  cudaMalloc  segments  retries  gen2 GCs   "
+          "(times: call / model's median; control: its median / the run's)")
     bins: dict[int, list] = {}
     for c in calls:
         bins.setdefault(int(c[0] // bin_s), []).append(c)
@@ -117,7 +154,9 @@ def report(calls: list[tuple], bin_s: float) -> None:
         rel = sorted(c[2] / median[c[1]] for c in rows)
         p90 = rel[min(len(rel) - 1, int(0.9 * len(rel)))]
         last = rows[-1]
+        cpu_share = sum(c[8] for c in rows) / sum(c[2] for c in rows)
         print(f"{b * bin_s:5.0f}-{(b + 1) * bin_s:<4.0f} {len(rows):5d}  {statistics.median(rel):.3f}  {p90:.3f}  "
+              f"{cpu_share:8.2f}  {statistics.median(c[9] for c in rows) / control:7.3f}  "
               f"{sum(c[3] for c in rows) / len(rows):8.0%}  {last[4]:10d}  {last[5]:8d}  {last[6]:7d}  {last[7]:8d}")
 
 
