@@ -112,3 +112,19 @@ def test_the_h100_run_of_400_requests_per_load_resimulates_within_target_where_i
     held += [(load, "throughput", "req/s") for load in ("light", "mid", "high")]
     for cell in held:
         assert abs(rows[cell]) <= target[cell[2]], (cell, rows[cell])
+
+
+def test_the_h200_run_resimulates_within_target_where_it_did(tmp_path):
+    """The fourth session's served H200 run (bench/served-runs/h200-fidelity-300: 300 requests per
+    load, calibrated after a 90 s warm-in) simulated again: at light load the P99s, the E2E median
+    and the throughput, at mid load the TTFT median, the TBT and E2E P99s and the throughput, and
+    the throughput at high load within the issue's targets; the rest are the documented misses (the
+    host-bound prefill of that machine, whose CPU speed moved by up to 1.7x within a minute:
+    docs/simulate.md, "Fidelity on a GPU", fourth session)."""
+    rows = _resimulated(tmp_path, "h200-fidelity-300")
+    target = {"median": 0.10, "p99": 0.20, "req/s": 0.05}
+    held = [("light", m, "p99") for m in ("TTFT", "TBT", "E2E")] + [("light", "E2E", "median")]
+    held += [("mid", "TTFT", "median"), ("mid", "TBT", "p99"), ("mid", "E2E", "p99")]
+    held += [(load, "throughput", "req/s") for load in ("light", "mid", "high")]
+    for cell in held:
+        assert abs(rows[cell]) <= target[cell[2]], (cell, rows[cell])
