@@ -63,6 +63,9 @@ def test_in_process_run_on_random_checkpoints_logs_http_arrivals(tmp_path, capsy
     assert all(0 <= float(r["arrival_s"]) - float(r["http_arrival_s"]) < 5 for r in logged)
     steps = list(csv.DictReader((tmp_path / "steps" / "engine-0.csv").open(newline="")))  # in-process step log
     assert steps and all(float(r["busy_s"]) >= float(r["run_s"]) > 0 for r in steps)
+    assert all(float(r["cpu_s"]) >= 0 for r in steps)  # the loop thread's own CPU time in the step
+    # the server's threads were sampled, and the run printed its steps per time bin beside them
+    assert (tmp_path / "threads.csv").is_file() and "served steps over the run" in out
     for weights in tmp_path.glob("checkpoints/*/*.safetensors"):
         weights.unlink()
     first = (tmp_path / "fidelity.csv").read_text()
@@ -128,3 +131,23 @@ def test_the_h200_run_resimulates_within_target_where_it_did(tmp_path):
     held += [(load, "throughput", "req/s") for load in ("light", "mid", "high")]
     for cell in held:
         assert abs(rows[cell]) <= target[cell[2]], (cell, rows[cell])
+
+
+def test_warm_in_serves_before_the_calibration_and_the_calibration_follows_it(tmp_path, capsys):
+    """`--warm-in S` (profiled, toy shapes on the CPU): the burst, then S seconds at the
+    calibration's load, then the lone and the half-load requests; only those two are the
+    calibration's rows (gateway.csv), and they all came after the warm-in."""
+    bench = load_bench("sim_fidelity")
+    assert bench.main(["--backend", "in-process", "--shapes", "random-small", "--requests", "6", "--warm-in", "1",
+                       "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "warm-in: " in out and out.index("warm-in: ") < out.index("calibration: ")
+    with open(tmp_path / "gateway.csv", newline="") as fh:
+        calib = list(csv.DictReader(fh))
+    assert len(calib) == 8 + 12  # 8 alone, 2 x 6 at half of saturation
+    with open(tmp_path / "served_requests.csv", newline="") as fh:
+        served = list(csv.DictReader(fh))
+    calib_ids = {r["id"] for r in calib}
+    before = [float(r["arrival_s"]) for r in served if r["id"] not in calib_ids
+              and float(r["arrival_s"]) < min(float(r["arrival_s"]) for r in calib)]
+    assert len(before) >= 4 + 8  # the burst's requests and the warm-in's came first
