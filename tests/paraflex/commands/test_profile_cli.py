@@ -150,8 +150,8 @@ def test_a_step_log_with_its_request_log_gives_the_return_path_and_the_delays(tm
     steps, log = [",".join(STEP_LOG_COLUMNS)], [",".join(LOG_COLUMNS)]
     for i in range(3):  # each request alone: prefill, then one decode step; 4 ms back
         t = 100.0 + i
-        steps.append(f"{engine},{model},{stage},{mp.num_stages},prefill,1,8,0,1,0,{t:.6f},0.010,0.005,r{i}")
-        steps.append(f"{engine},{model},{stage},{mp.num_stages},decode,1,0,9,1,0,{t + 0.014:.6f},0.005,0.003,r{i}")
+        steps.append(f"{engine},{model},{stage},{mp.num_stages},prefill,1,8,0,1,0,{t:.6f},0.010,0.005,0.009,r{i}")
+        steps.append(f"{engine},{model},{stage},{mp.num_stages},decode,1,0,9,1,0,{t + 0.014:.6f},0.005,0.003,0.004,r{i}")
         log.append(f"r{i},{model},0,{t - 0.001:.6f},8,2,{t + 0.014:.6f},{t + 0.023:.6f},0.024,0.015,0.009,0.009,2,"
                    f"{t - 0.002:.6f}")
     (tmp_path / "steps").mkdir()
