@@ -8,8 +8,9 @@ kind, batch size, prompt tokens, decode context, how many stages the engine hold
 output crosses engines) and how long it took: `busy_s` the whole iteration (inbox, transport
 poll, schedule, forward, sampling, sending the hidden state or tokens, the output push),
 `run_s` the forward pass and sampling alone, and `cpu_s` the CPU time the loop's thread spent in
-the iteration (`time.thread_time`; `busy_s - cpu_s` is the time it waited: for the device, or for
-the interpreter lock another thread of the process held); `req_ids` the batch's engine request ids (space-
+the iteration (`time.thread_time`; `busy_s - cpu_s` is the time it waited: for the device, for
+the interpreter lock another thread of the process held, or on a CPU engine for the kernels'
+worker threads, whose share of the step is not the loop thread's CPU time); `req_ids` the batch's engine request ids (space-
 separated: the request log's `id` unless a restart re-issued it), so a request's steps can be
 found. `paraflex profile CONFIG --step-log DIR` (paraflex/costs/loop_fit.py) compares `busy_s`
 with the cost model's stage time of the same batch and fits what the served loop adds per stage
