@@ -16,9 +16,10 @@ thread waits (docs/simulate.md, "Fidelity on a GPU"). Two measurements split tha
   its cores' worth per bin.
 
 Per bin the report prints the prefill and decode steps' median wall and CPU time (per model, the
-most frequent model's), the main thread's and the other threads' cores. A drift in `busy_s` that
-`cpu_s` follows is the engine thread's own work; one in the wait that follows the main thread's
-cores is the lock. bench/ is no package: sim_fidelity.py imports this module from its folder.
+most frequent model's), the main thread's and the other threads' cores. On a GPU engine, a drift
+in `busy_s` that `cpu_s` follows is the engine thread's own work; one in the wait that follows the
+main thread's cores is the lock. On a CPU engine the kernels' worker threads do part of each step,
+so there the wait holds their share too. bench/ is no package: sim_fidelity.py imports this module from its folder.
 """
 
 from __future__ import annotations
