@@ -15,6 +15,14 @@ thread waits (docs/simulate.md, "Fidelity on a GPU"). Two measurements split tha
   second into threads.csv, so the gateway's thread (the main thread: uvicorn's event loop) shows
   its cores' worth per bin.
 
+* `HostProbe`: a process of its own times a fixed pure-Python workload (no torch, no device) four
+  times a second into host.csv, the host CPU's speed at that moment; `host_speeds` gives each
+  load window's speed against the calibration's (1.00: the same; 0.80: its work took 1.25x as
+  long). On the H200 machine the bare engine's prefills and this workload moved together by up to
+  1.7x within a minute (docs/simulate.md, "Fidelity on a GPU", fourth session). Where the server
+  keeps every core busy (the 2-core VM) the probe also waits for a core, so there it measures the
+  contention as well.
+
 Per bin the report prints the prefill and decode steps' median wall and CPU time (per model, the
 most frequent model's), the main thread's and the other threads' cores. On a GPU engine, a drift
 in `busy_s` that `cpu_s` follows is the engine thread's own work; one in the wait that follows the
@@ -30,6 +38,7 @@ import glob
 import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -84,6 +93,56 @@ class ThreadSampler:
             self._stop.set()
             self.thread.join(5)
             self.file.close()
+
+
+PROBE_EVERY_S = 0.25
+# the probe process: a fixed pure-Python workload timed, one CSV line per run, until terminated
+PROBE_CODE = """import sys, time
+out = open(sys.argv[1], "w", buffering=1)
+out.write("t,probe_s\\n")
+while True:
+    t0, s = time.perf_counter(), 0
+    for k in range(20000):
+        s += k * k % 7
+    out.write(f"{time.time():.3f},{time.perf_counter() - t0:.6f}\\n")
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+class HostProbe:
+    """The host CPU's speed over a run: a process of its own (so it shares no interpreter lock with
+    the caller) runs PROBE_CODE into `path` until `stop()`."""
+
+    def __init__(self, path: str, every: float = PROBE_EVERY_S) -> None:
+        self.path = path
+        self.proc = subprocess.Popen([sys.executable, "-c", PROBE_CODE, path, str(every)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def host_speeds(path: str, reference: list[tuple[float, float]], windows: dict[str, tuple[float, float]]
+                ) -> dict[str, float]:
+    """Each window's host speed against the `reference` windows' (their median probe time over
+    the window's): name -> ratio; a window without probe runs (or no reference ones) is left out."""
+    rows = [(float(r["t"]), float(r["probe_s"])) for r in _read(path)] if os.path.isfile(path) else []
+    ref = [dt for t, dt in rows if any(a <= t <= b for a, b in reference)]
+    if not ref:
+        return {}
+    base = statistics.median(ref)
+    out = {}
+    for name, (a, b) in windows.items():
+        inside = [dt for t, dt in rows if a <= t <= b]
+        if inside:
+            out[name] = base / statistics.median(inside)
+    return out
 
 
 def _read(path: str) -> list[dict]:

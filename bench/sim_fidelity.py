@@ -22,10 +22,14 @@ and throughput, real vs simulated with the relative error; writes fidelity.csv a
 fidelity_cdfs.png (fidelity_compare.py). Real times start at the HTTP arrival the server logs
 (`http_arrival_s`), as the simulator's do with the measured delays. Per load it also prints the
 served steps and TTFT parts against the simulator's terms (served_split.py), and warns where
-the profile's `noise` says its rounds disagreed.
+the profile's `noise` says its rounds disagreed. While it serves it samples the server's threads'
+CPU and runs a host-speed probe in a process of its own (served_drift.py): it prints the served
+steps per time bin beside the threads' cores, and each load window's host speed against the
+calibration's. `--warm-in S` serves S seconds at the calibration's load (after the burst) before
+calibrating.
 
     python bench/sim_fidelity.py [--out DIR] [--requests 40] [--runs 1] [--profile DIR | --no-profile]
-                                 [--saturation RPS] [--tiny] [--resimulate DIR]
+                                 [--saturation RPS] [--warm-in S] [--tiny] [--resimulate DIR]
 
 `--runs K`: K independent runs (each profiles, calibrates and serves anew) in DIR/run-<k>, then
 each all-models error per run and how many runs meet the target (fidelity-runs.csv).
@@ -55,7 +59,7 @@ from fidelity_compare import compare, plot_cdfs, print_runs, print_table, write_
 from fidelity_setup import Setup, build_setup  # noqa: E402
 from serve_client import one_request  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
-from served_drift import ThreadSampler, drift_report  # noqa: E402
+from served_drift import HostProbe, ThreadSampler, drift_report, host_speeds  # noqa: E402
 from served_split import served_parts, step_split  # noqa: E402
 
 from paraflex.config.schema import Config  # noqa: E402
@@ -160,6 +164,8 @@ def calibrate(setup: Setup, server, log_path: str, out: str, profile: str, rng, 
     asyncio.run(replay(setup, server.url, make_requests(setup, CALIBRATION_LOAD * sat, 2 * n, 3 * 10**6, rng), rng))
     windows.append((start, time.time()))
     calib = (windows[0], windows[2])
+    with open(os.path.join(out, "calibration.json"), "w") as fh:
+        json.dump({"windows": calib}, fh)  # the host probe's reference (served_drift.host_speeds)
     rows = [r for r in raw_log(log_path) if any(a <= float(r["arrival_s"]) <= b for a, b in calib)]
     path = os.path.join(out, "gateway.csv")
     with open(path, "w", newline="") as fh:
@@ -241,6 +247,7 @@ def serve_loads(setup: Setup, args, out: str, config_path: str, placement_path: 
                           extra_args=("--placement", placement_path, "--request-log", log_path,
                                       "--step-log", os.path.join(out, "steps")))
     sampler = ThreadSampler(server.proc.pid, os.path.join(out, "threads.csv"))
+    probe = HostProbe(os.path.join(out, "host.csv"))
     with open(os.path.join(out, "threads.json"), "w") as fh:
         json.dump({"pid": server.proc.pid}, fh)
     rng = np.random.default_rng(args.seed)
@@ -258,6 +265,7 @@ def serve_loads(setup: Setup, args, out: str, config_path: str, placement_path: 
             windows.append({"load": load, "start": epoch, "end": time.time(),
                             "client_ttft_s": float(np.median([r.ttft for r in results]))})
     finally:
+        probe.stop()
         sampler.stop()
         server.stop()
     print_pauses(os.path.join(out, "serve.log"))
@@ -307,12 +315,28 @@ def report(out: str, profile: str | None, windows: list[dict]) -> list[dict]:
         print(f"{load}: {len(real)}/{len(requests)} logged; {split}median TTFT at the client "
               f"{1000 * w['client_ttft_s']:.1f} ms vs {1000 * log_ttft:.1f} ms in the server log: client + HTTP "
               f"transport + response path {1000 * (w['client_ttft_s'] - log_ttft):.1f} ms")
+    print_host_speeds(out, windows)
     print()
     print_table(rows)
     write_csv(os.path.join(out, "fidelity.csv"), rows)
     png = plot_cdfs(os.path.join(out, "fidelity_cdfs.png"), runs)
     print(f"results: {out}/fidelity.csv, " + (png or "no PNG (matplotlib is not installed)"))
     return rows
+
+
+def print_host_speeds(out: str, windows: list[dict]) -> None:
+    """Each load window's host CPU speed against the calibration's (bench/served_drift.py's probe),
+    where the run has both."""
+    calibration = os.path.join(out, "calibration.json")
+    if not os.path.isfile(calibration):
+        return
+    with open(calibration) as fh:
+        reference = [tuple(w) for w in json.load(fh)["windows"]]
+    speeds = host_speeds(os.path.join(out, "host.csv"), reference, {w["load"]: (w["start"], w["end"]) for w in windows})
+    if speeds:
+        print("host speed against the calibration's (a pure-Python probe in its own process; below 1: slower; "
+              "where the server keeps every core busy it includes the wait for one): "
+              + ", ".join(f"{load} {v:.2f}" for load, v in speeds.items()))
 
 
 def one_run(args, out: str, n: int) -> list[dict]:

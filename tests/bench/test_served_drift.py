@@ -64,3 +64,30 @@ def test_the_report_bins_a_step_log_and_says_when_there_is_none(tmp_path):
     assert [float(b[2]) for b in bins] == [10.0, 10.0, 15.0]  # the prefill's median wall time per bin
     assert all(float(b[3]) == 9.0 and float(b[5]) == 2.0 for b in bins)  # its CPU; the decode's wall
     assert all(float(b[7]) == pytest.approx(0.2) and float(b[8]) == pytest.approx(0.8) for b in bins)
+
+
+def test_host_speeds_compare_each_window_with_the_reference_windows(tmp_path):
+    bench = load_bench("served_drift")
+    path = tmp_path / "host.csv"
+    rows = [(t, 0.002) for t in range(0, 10)] + [(t, 0.004) for t in range(10, 20)]
+    rows += [(t, 0.0016) for t in range(20, 30)]
+    path.write_text("t,probe_s\n" + "".join(f"{t},{dt}\n" for t, dt in rows))
+    windows = {"slow": (10.0, 19.5), "fast": (20.0, 29.5), "none": (50.0, 60.0)}
+    speeds = bench.host_speeds(str(path), [(0.0, 9.5)], windows)
+    assert speeds == {"slow": pytest.approx(0.5), "fast": pytest.approx(1.25)}  # no probe run in "none"
+    assert bench.host_speeds(str(path), [(40.0, 45.0)], {"slow": (10.0, 19.5)}) == {}  # no reference runs
+    assert bench.host_speeds(str(tmp_path / "missing.csv"), [(0.0, 9.5)], {"slow": (10.0, 19.5)}) == {}
+
+
+def test_the_host_probe_runs_in_its_own_process_until_stopped(tmp_path):
+    bench = load_bench("served_drift")
+    probe = bench.HostProbe(str(tmp_path / "host.csv"), every=0.02)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not (tmp_path / "host.csv").exists()
+                                            or len((tmp_path / "host.csv").read_text().splitlines()) < 4):
+        time.sleep(0.05)
+    probe.stop()
+    assert probe.proc.poll() is not None and probe.proc.pid != os.getpid()
+    lines = (tmp_path / "host.csv").read_text().splitlines()
+    assert lines[0] == "t,probe_s" and len(lines) >= 4
+    assert all(float(line.split(",")[1]) > 0 for line in lines[1:])

@@ -142,6 +142,8 @@ def test_warm_in_serves_before_the_calibration_and_the_calibration_follows_it(tm
                        "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "warm-in: " in out and out.index("warm-in: ") < out.index("calibration: ")
+    # each load window's host speed against the calibration's, from the probe's own process
+    assert "host speed against the calibration's" in out and (tmp_path / "calibration.json").is_file()
     with open(tmp_path / "gateway.csv", newline="") as fh:
         calib = list(csv.DictReader(fh))
     assert len(calib) == 8 + 12  # 8 alone, 2 x 6 at half of saturation
