@@ -1,33 +1,31 @@
 """Does a served engine's step change over the run, and whose time is it? The server's threads'
-CPU, sampled from /proc while bench/sim_fidelity.py serves, beside its step log, per time bin.
+CPU and the host's speed, measured while bench/sim_fidelity.py serves, beside its step log.
 
     python bench/served_drift.py RESULTS_DIR [--bin 20]      # a bench/sim_fidelity.py results folder
 
 Why: on an H100 the in-process server's prefill steps shortened over a served run, whatever the
 load (llama-1b-shape's from 21.5 ms in the first minute to ~15 ms after two and a half), while
-the engine alone (bench/prefill_drift.py) did not: the served step is 6-12 ms longer than the
-bare engine's call, time the gateway's thread may hold the interpreter lock while the engine's
-thread waits (docs/simulate.md, "Fidelity on a GPU"). Two measurements split that time:
+the engine alone (bench/prefill_drift.py) seemed not to (docs/simulate.md, "Fidelity on a GPU").
+Three measurements split a served step's time:
 
 * the step log's `cpu_s` (engine/step_log.py): the engine loop thread's own CPU time in the
-  step, so `busy_s - cpu_s` is what it waited (the device, or the lock);
+  step, so `busy_s - cpu_s` is what it waited for (the device, or the interpreter lock; on a CPU
+  engine also the kernels' worker threads, whose share is not the loop thread's CPU time);
 * `ThreadSampler`: every thread's CPU time (utime + stime of /proc/PID/task/TID/stat) every
   second into threads.csv, so the gateway's thread (the main thread: uvicorn's event loop) shows
-  its cores' worth per bin.
-
+  its cores' worth per bin;
 * `HostProbe`: a process of its own times a fixed pure-Python workload (no torch, no device) four
   times a second into host.csv, the host CPU's speed at that moment; `host_speeds` gives each
   load window's speed against the calibration's (1.00: the same; 0.80: its work took 1.25x as
   long). On the H200 machine the bare engine's prefills and this workload moved together by up to
-  1.7x within a minute (docs/simulate.md, "Fidelity on a GPU", fourth session). Where the server
-  keeps every core busy (the 2-core VM) the probe also waits for a core, so there it measures the
-  contention as well.
+  1.7x within a minute (docs/simulate.md, fourth session). Where the server keeps every core busy
+  (the 2-core VM) the probe also waits for a core, so there it measures the contention as well.
 
-Per bin the report prints the prefill and decode steps' median wall and CPU time (per model, the
-most frequent model's), the main thread's and the other threads' cores. On a GPU engine, a drift
-in `busy_s` that `cpu_s` follows is the engine thread's own work; one in the wait that follows the
-main thread's cores is the lock. On a CPU engine the kernels' worker threads do part of each step,
-so there the wait holds their share too. bench/ is no package: sim_fidelity.py imports this module from its folder.
+Per bin the report prints the prefill and decode steps' median wall and CPU time (the most
+frequent model's) and the main thread's and the other threads' cores. On a GPU engine a drift in
+`busy_s` that `cpu_s` follows is the engine thread's own work (as on the H200: the host), one in
+the wait that follows the main thread's cores the lock. bench/ is no package: sim_fidelity.py
+imports this module from its folder.
 """
 
 from __future__ import annotations
