@@ -94,7 +94,7 @@ def bf16_steps_apart(a: torch.Tensor, b: torch.Tensor, tiny: float = 1e-30) -> i
 @given(rows=st.integers(1, 9), width=st.integers(1, 70), scale=st.sampled_from([1e-3, 1.0, 300.0]),
        seed=st.integers(0, 10_000))
 @settings(max_examples=60, deadline=None)
-def test_bf16_add_rms_norm_gives_the_torch_sum_and_a_norm_within_one_step(rows, width, scale, seed):
+def test_bf16_add_rms_norm_gives_the_torch_sum_and_a_norm_within_two_steps(rows, width, scale, seed):
     bf16 = torch.bfloat16
     stream, x = _rows(seed, rows, width, scale).to(bf16), _rows(seed + 1, rows, width, scale).to(bf16)
     weight = _rows(seed + 2, 1, width)[0].to(bf16)
@@ -105,8 +105,12 @@ def test_bf16_add_rms_norm_gives_the_torch_sum_and_a_norm_within_one_step(rows, 
         ref = layer_ops.add_rms_norm(stream_ref, x, weight, 1e-5)
         norm_ref = layer_ops.rms_norm(x, weight, 1e-6)
     assert torch.equal(stream, stream_ref)  # the same rounded additions
-    assert bf16_steps_apart(out, ref) <= 1  # the float32 inv may differ in its last bit, tipping a rounding
-    assert bf16_steps_apart(_norm_native(x, weight, 1e-6), norm_ref) <= 1
+    # Both round the normalised row to bfloat16 and then its product with the weight. Their float32
+    # inverse RMS may differ in its last bit (another summation order), which can tip the first
+    # rounding by one step; the weight (|w| up to ~2) carries that step into up to two of the
+    # product's. So: within two steps (one was seen to fail in CI: 2 steps at a row of scale 1e-3).
+    assert bf16_steps_apart(out, ref) <= 2
+    assert bf16_steps_apart(_norm_native(x, weight, 1e-6), norm_ref) <= 2
 
 
 @given(rows=st.integers(1, 5), inter=st.integers(1, 40), seed=st.integers(0, 10_000))
