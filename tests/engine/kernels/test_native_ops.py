@@ -107,8 +107,9 @@ def test_bf16_add_rms_norm_gives_the_torch_sum_and_a_norm_within_two_steps(rows,
     assert torch.equal(stream, stream_ref)  # the same rounded additions
     # Both round the normalised row to bfloat16 and then its product with the weight. Their float32
     # inverse RMS may differ in its last bit (another summation order), which can tip the first
-    # rounding by one step; the weight (|w| up to ~2) carries that step into up to two of the
-    # product's. So: within two steps (one was seen to fail in CI: 2 steps at a row of scale 1e-3).
+    # rounding by one step; one step of the row moves the exact product by less than two of the
+    # product's steps (the ratio of the two mantissas is below 2), so the rounded products are at
+    # most two steps apart (CI met an example two steps apart at a row of scale 1e-3).
     assert bf16_steps_apart(out, ref) <= 2
     assert bf16_steps_apart(_norm_native(x, weight, 1e-6), norm_ref) <= 2
 
