@@ -40,7 +40,7 @@ from paraflex.engine.ray_output import BatchingSink
 from paraflex.engine.core.request import WAITING_PREFILL
 from paraflex.engine.core.sampling_params import SamplingParams
 from paraflex.engine.kernels import omp_policy
-from paraflex.engine.step_log import FLUSH_EVERY_S, StepLog
+from paraflex.engine.step_log import FLUSH_EVERY_S, StepLog, step_clock
 from paraflex.engine.transport.base import Envelope
 from paraflex.engine.transport.ray import GroupSpec, RayTransport
 from paraflex.errors import ParaflexError
@@ -232,12 +232,12 @@ class EngineActor:
         try:
             last = 0.0
             while not self._stop.is_set():
-                start, t0, c0 = time.time(), time.perf_counter(), time.thread_time()
+                clock = step_clock()
                 worked = self._apply_inbox()
                 ran = self.loop.step()
                 worked |= ran
                 if ran and self.step_log is not None:
-                    self.step_log.record_last_run(self.loop, start, time.perf_counter() - t0, time.thread_time() - c0)
+                    self.step_log.record_last_run(self.loop, clock)
                 now = time.monotonic()
                 if now - last > STATS_EVERY_S:
                     self._snapshot()

@@ -10,9 +10,10 @@ poll, schedule, forward, sampling, sending the hidden state or tokens, the outpu
 `run_s` the forward pass and sampling alone, and `cpu_s` the CPU time the loop's thread spent in
 the iteration (`time.thread_time`; `busy_s - cpu_s` is the time it waited: for the device, for
 the interpreter lock another thread of the process held, or on a CPU engine for the kernels'
-worker threads, whose share of the step is not the loop thread's CPU time); `req_ids` the batch's engine request ids (space-
-separated: the request log's `id` unless a restart re-issued it), so a request's steps can be
-found. `paraflex profile CONFIG --step-log DIR` (paraflex/costs/loop_fit.py) compares `busy_s`
+worker threads, whose share of the step is not the loop thread's CPU time); `req_ids` the
+batch's engine request ids (space-separated: the request log's `id` unless a restart re-issued
+it), so a request's steps can be found. The loop takes `step_clock()` when an iteration starts
+and hands it to `record_last_run`. `paraflex profile CONFIG --step-log DIR` (paraflex/costs/loop_fit.py) compares `busy_s`
 with the cost model's stage time of the same batch and fits what the served loop adds per stage
 step as a function of what the step carries (`engine_loop` in profile.json). Rows are buffered
 and flushed at least every FLUSH_EVERY_S; the engine's (or the in-process loop's) thread is the only
@@ -23,10 +24,17 @@ from __future__ import annotations
 
 import csv
 import os
+import time
 
 FLUSH_EVERY_S = 0.2  # the longest a logged row waits in the buffer (a Ray engine flushes with its stats refresh)
 STEP_LOG_COLUMNS = ("engine", "model", "stage", "num_stages", "kind", "batch_size", "prefill_tokens",
                     "total_context", "resident_stages", "crosses", "start_s", "busy_s", "run_s", "cpu_s", "req_ids")
+
+
+def step_clock() -> tuple[float, float, float]:
+    """Taken when a loop iteration starts, for `StepLog.record_last_run`: the Unix time, the
+    performance counter and the calling thread's CPU time."""
+    return time.time(), time.perf_counter(), time.thread_time()
 
 
 class StepLog:
@@ -49,11 +57,13 @@ class StepLog:
                               f"{start_s:.6f}", f"{busy_s:.7f}", f"{run_s:.7f}", f"{cpu_s:.7f}",
                               " ".join(batch.req_ids)))
 
-    def record_last_run(self, loop, start_s: float, busy_s: float, cpu_s: float) -> None:
+    def record_last_run(self, loop, clock: tuple[float, float, float]) -> None:
         """The batch `loop` (an EngineLoop) last ran, if it has not been logged yet, in an
-        iteration that started at `start_s` (Unix s), took `busy_s` and `cpu_s` of its thread."""
+        iteration that started at `clock` (`step_clock()` then, on this thread) and ends now."""
         if loop.last_run is None:
             return
+        start_s, t0, c0 = clock
+        busy_s, cpu_s = time.perf_counter() - t0, time.thread_time() - c0
         batch, run_s = loop.last_run
         loop.last_run = None
         route = loop.routes.get(batch.model, [self.engine_id])

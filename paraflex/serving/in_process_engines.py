@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from paraflex.engine.core.messages import FreeMessage
 from paraflex.engine.engine_builder import build_engine, engine_routes
 from paraflex.engine.transport.base import Envelope
-from paraflex.engine.step_log import FLUSH_EVERY_S, StepLog
+from paraflex.engine.step_log import FLUSH_EVERY_S, StepLog, step_clock
 from paraflex.errors import ParaflexError
 
 
@@ -101,10 +101,10 @@ class InProcessEngines:
         worked = False
         logs = self.step_logs
         for engine in self.loops:
-            start, t0, c0 = time.time(), time.perf_counter(), time.thread_time()
+            clock = step_clock()
             ran = engine.step()
             if ran and engine.engine_id in logs:
-                logs[engine.engine_id].record_last_run(engine, start, time.perf_counter() - t0, time.thread_time() - c0)
+                logs[engine.engine_id].record_last_run(engine, clock)
             worked |= ran
         if logs and time.monotonic() - self.flushed > FLUSH_EVERY_S:
             for log in logs.values():
