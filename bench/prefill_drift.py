@@ -39,6 +39,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fidelity_setup import REAL_SHAPES, SMALL_SHAPES, build_setup  # noqa: E402
+from served_drift import python_workload_s  # noqa: E402
 from ttft_split import cpu_flags  # noqa: E402
 
 import torch  # noqa: E402
@@ -48,6 +49,8 @@ from paraflex.engine.core.sampling_params import SamplingParams  # noqa: E402
 from paraflex.planner import plan  # noqa: E402
 from paraflex.serving.in_process import LLMCluster  # noqa: E402
 from paraflex.serving.warm_up import ROUNDS  # noqa: E402
+
+CONTROL_ITERATIONS = 5000  # the control after each call: ~0.3 ms, short beside a prefill
 
 
 def allocator() -> tuple[int, int, int]:
@@ -101,23 +104,13 @@ def main() -> int:
             first = n not in seen[model]
             seen[model].add(n)
             calls.append((t0 - start, model, took, first, *allocator(), gc.get_stats()[2]["collections"], cpu,
-                          control_s()))
+                          python_workload_s(CONTROL_ITERATIONS)))
         if args.profile_calls:
             profile_calls(cluster, models, table, args.profile_calls, lo, hi, rng)
     finally:
         cluster.shutdown()
     report(calls, args.bin)
     return 0
-
-
-def control_s() -> float:
-    """Seconds of a fixed pure-Python workload (no torch, no device): the host CPU's own speed
-    now, so a bin whose calls and control both slow down was a slower host, not the engine."""
-    t0 = time.perf_counter()
-    total = 0
-    for k in range(5000):
-        total += k * k % 7
-    return time.perf_counter() - t0
 
 
 def profile_calls(cluster, models: list[str], table: dict, n: int, lo: int, hi: int, rng) -> None:

@@ -47,8 +47,9 @@ THREAD_COLUMNS = ("t", "tid", "name", "cpu_s")
 
 class ThreadSampler:
     """Every `every` seconds, each thread of process `pid`: its CPU seconds so far, appended to
-    `path` (THREAD_COLUMNS) by a daemon thread until `stop()`. Without /proc (not Linux) it
-    records nothing and says so once."""
+    `path` (THREAD_COLUMNS) by a daemon thread until `stop()`; the pid (whose main thread's tid it
+    is) goes to threads.json beside it, for `drift_report`. Without /proc (not Linux) it records
+    nothing and says so once."""
 
     def __init__(self, pid: int, path: str, every: float = 1.0) -> None:
         self.pid, self.path, self.every = pid, path, every
@@ -61,6 +62,8 @@ class ThreadSampler:
         self.file = open(path, "w", newline="", encoding="utf-8")
         self.writer = csv.writer(self.file)
         self.writer.writerow(THREAD_COLUMNS)
+        with open(os.path.join(os.path.dirname(path), "threads.json"), "w") as fh:
+            json.dump({"pid": pid}, fh)
         self.thread = threading.Thread(target=self._run, name="thread-sampler", daemon=True)
         self.thread.start()
 
@@ -94,26 +97,38 @@ class ThreadSampler:
 
 
 PROBE_EVERY_S = 0.25
-# the probe process: a fixed pure-Python workload timed, one CSV line per run, until terminated
-PROBE_CODE = """import sys, time
-out = open(sys.argv[1], "w", buffering=1)
-out.write("t,probe_s\\n")
-while True:
-    t0, s = time.perf_counter(), 0
-    for k in range(20000):
-        s += k * k % 7
-    out.write(f"{time.time():.3f},{time.perf_counter() - t0:.6f}\\n")
-    time.sleep(float(sys.argv[2]))
-"""
+PROBE_ITERATIONS = 20000  # the probe's workload: ~1.3 ms on the 2-vCPU Xeon, 0.5% of a core at 4 runs a second
+
+
+def python_workload_s(iterations: int = PROBE_ITERATIONS) -> float:
+    """Seconds of a fixed pure-Python workload (no torch, no device): the host CPU's own speed now
+    (bench/prefill_drift.py times it after each call too)."""
+    t0, total = time.perf_counter(), 0
+    for k in range(iterations):
+        total += k * k % 7
+    return time.perf_counter() - t0
+
+
+def probe_loop(path: str, every: float) -> None:
+    """The probe process's body: `python_workload_s` timed every `every` seconds, one CSV line per
+    run into `path`, until the process is terminated."""
+    with open(path, "w", buffering=1) as out:
+        out.write("t,probe_s\n")
+        while True:
+            took = python_workload_s()
+            out.write(f"{time.time():.3f},{took:.6f}\n")
+            time.sleep(every)
 
 
 class HostProbe:
     """The host CPU's speed over a run: a process of its own (so it shares no interpreter lock with
-    the caller) runs PROBE_CODE into `path` until `stop()`."""
+    the caller) runs `probe_loop` into `path` until `stop()`."""
 
     def __init__(self, path: str, every: float = PROBE_EVERY_S) -> None:
         self.path = path
-        self.proc = subprocess.Popen([sys.executable, "-c", PROBE_CODE, path, str(every)],
+        code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+                f"import served_drift; served_drift.probe_loop(sys.argv[1], float(sys.argv[2]))")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, path, str(every)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self) -> None:

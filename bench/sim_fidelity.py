@@ -248,8 +248,6 @@ def serve_loads(setup: Setup, args, out: str, config_path: str, placement_path: 
                                       "--step-log", os.path.join(out, "steps")))
     sampler = ThreadSampler(server.proc.pid, os.path.join(out, "threads.csv"))
     probe = HostProbe(os.path.join(out, "host.csv"))
-    with open(os.path.join(out, "threads.json"), "w") as fh:
-        json.dump({"pid": server.proc.pid}, fh)
     rng = np.random.default_rng(args.seed)
     windows = []
     try:
