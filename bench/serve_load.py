@@ -34,7 +34,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is no package: find serve_client.py
-from serve_client import (arrivals, closed_loop, open_loop, print_summary, prompts_for, summarize,  # noqa: E402
+from serve_client import (arrivals, closed_loop, open_loop, print_summary, prompts_for, summarize, wait_quiet,  # noqa: E402
                           write_report)
 import vllm_peer  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
@@ -149,7 +149,9 @@ def load_phase(args, url: str, rng) -> dict:
 
 def serve_round(url: str, prompts: list[list[int]], out_len: int, batch: int, timeout: float) -> dict:
     """One closed-loop round of `batch` concurrent requests against the OpenAI server at `url`
-    (ParaFlex's or the vLLM peer's): output tok/s, median TTFT and TPOT."""
+    (ParaFlex's or the vLLM peer's), started once the machine is quiet (serve_client.wait_quiet):
+    output tok/s, median TTFT and TPOT."""
+    wait_quiet()
     results, wall = asyncio.run(closed_loop(url, "smollm2-135m", prompts[:batch], out_len, batch, timeout))
     bad = [r.error for r in results if not r.ok]
     if bad:
@@ -211,6 +213,7 @@ def peer_phase(args, rng) -> dict:
                     for b in batches:
                         load0 = os.getloadavg()[0]
                         ours = serve_round(server.url, prompts, args.output_len, b, args.request_timeout)
+                        wait_quiet()
                         theirs = transformers_tok_s(model, prompts, args.output_len, b, peer_threads)
                         samples[b]["paraflex"].append(ours)
                         samples[b]["transformers"].append(theirs)

@@ -53,7 +53,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is no package
 from call_probe import Probe, collect, worker_runtime_env, wrap_engine  # noqa: E402
-from serve_client import closed_loop, prompts_for  # noqa: E402
+from serve_client import closed_loop, prompts_for, wait_quiet  # noqa: E402
 from serve_load import peer_config  # noqa: E402
 import vllm_peer  # noqa: E402
 
@@ -193,6 +193,7 @@ def main(argv=None) -> int:
         sent = {name: [] for name in urls}  # (send, first token, end) per request
         for rnd in range(args.rounds):
             for name, url in urls.items():
+                wait_quiet()  # the previous system's processes done with their work (vLLM's spin a second)
                 sent[name] += [(r.start, r.start + r.ttft, r.start + r.e2e) for r in requests(url, prompts)]
             print(f"round {rnd + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.1f}", flush=True)
         decode = {name: requests(url, prompts[:3], args.decode_tokens) if args.decode_tokens > 1 else []
