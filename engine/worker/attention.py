@@ -12,9 +12,10 @@ Pool layout seen here (one model's view, see `paraflex.engine.worker.kv_cache`):
 unused slack bytes. Batched prefill (any number of new tokens per request, including chunks
 after cached context) and decode (one new token per request) are the same code path.
 
-CPU float32 and bfloat16 decode batches (one new token per request) go to the compiled kernel of
-`paraflex.engine.kernels.native_attention`, which writes the new keys/values and attends over each
-request's blocks where they lie (no copy of the context); batches on CUDA tensors go to the
+CPU float32 and bfloat16 decode batches (one new token per request) go to the compiled decode kernel of
+`paraflex.engine.kernels.native_attention`, CPU float32 batches with prompts (contexts up to
+`PROMPT_KERNEL_MAX_CONTEXT` tokens) to its prompt kernel; both write the new keys/values and attend
+over each request's blocks where they lie (no copy of the context); batches on CUDA tensors go to the
 Triton kernels of `paraflex.engine.kernels.triton_paged_attention` (same idea, decode and
 prompts). Where neither applies (no compiler, no Triton, a shape the kernels refuse), the torch
 code below runs.
@@ -222,6 +223,9 @@ def paged_attention(
             return kernels.paged_attention(q, k, v, kv, layer, meta, scale)
     if meta.query_index is None and native_attention.usable(q, kv):
         return native_attention.decode_attention(q, k, v, kv, meta.block_table[layer], meta.context_lens, scale)
+    if meta.query_index is not None and native_attention.prompts_usable(q, kv, meta.max_context):
+        return native_attention.prompt_attention(q, k, v, kv, meta.block_table[layer], meta.context_lens,
+                                                 meta.query_start, scale)
     fresh = meta.fresh and meta.query_index is not None
     table, read, write, row = meta.rows(kv, read=not fresh)
     new = torch.stack((k, v)).to(kv.dtype)  # [2, T, Hkv, D]
