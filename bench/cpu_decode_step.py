@@ -17,7 +17,8 @@ Place in the project: a benchmark (not a test) for the CPU engine's compiled/pac
    the same layouts with the compiled attention and layer ops off ("step, ops off": what those
    two kernels save in a step);
 5. a --prompt-token prefill of one request (its first token: TTFT's forward) with the compiled
-   layer ops vs without (same layouts; prompts' attention is torch's either way).
+   layer ops vs without (same layouts and attention: the compiled prompt kernel in float32,
+   torch's in bfloat16).
 
 bfloat16 (--dtype bfloat16): the same rows, the compiled attention and layer ops in their
 bfloat16 variants (float32 math, bfloat16 in and out). Prints, per batch size, the least wall time of --repeat
