@@ -46,7 +46,7 @@ import threading
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is no package
-from serve_client import arrivals, open_loop, prompts_for, summarize, write_report  # noqa: E402
+from serve_client import arrivals, open_loop, prompts_for, summarize, wait_quiet, write_report  # noqa: E402
 from serve_process import ServeProcess  # noqa: E402
 from ttft_split import cpu_flags  # noqa: E402
 import vllm_peer  # noqa: E402
@@ -221,6 +221,9 @@ def plan_for(rates: dict[str, float], duration: float, prompts: list[list[int]],
 
 
 def run_system(url, pids: list[int], plan, args, slos) -> dict:
+    """One system's run of `plan`, started once the previous system's processes are idle
+    (serve_client.wait_quiet: vLLM's keep a core busy about a second after their last request)."""
+    wait_quiet()
     memory = PeakMemory(pids).start()
     load0 = os.getloadavg()[0]
     results, duration = asyncio.run(open_loop(url, plan, args.output_len, args.request_timeout))
