@@ -16,13 +16,12 @@
  * of slot s, head h at + (s * kv_heads + h) * head_dim, values at + v_offset + (s * kv_heads + h)
  * * head_dim.
  * Requests are the work items of the kernels' thread pool (thread_pool.c, `num_threads`
- * threads); each thread keeps its own scratch buffer. head_dim must be a multiple of 8 (the vector
- * width; the caller checks).
+ * threads); each thread keeps its own scratch buffer (thread_scratch.h). head_dim must be a
+ * multiple of 8 (the vector width; the caller checks).
  */
-#include <stdlib.h>
-
 #include "bf16.h"
 #include "thread_pool.h"
+#include "thread_scratch.h"
 #include "vec_math.h"
 
 
@@ -196,23 +195,10 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int64_t
     }
 }
 
-/* This thread's scratch buffer, grown to at least `floats` (kept for the thread's next calls). */
-static __thread float *thread_scores;
-static __thread size_t thread_capacity;
-
-static float *scores_buffer(size_t floats) {
-    if (floats > thread_capacity) {
-        free(thread_scores);
-        thread_scores = malloc(sizeof(float) * floats);
-        thread_capacity = thread_scores ? floats : 0;
-    }
-    return thread_scores;
-}
-
 static void attend_item(void *ctx, int64_t b) {
     job_t *j = (job_t *)ctx;
     const size_t heads = (size_t)j->kv_heads * (size_t)j->group;
-    float *sc = scores_buffer(heads * (size_t)j->context_lens[b] + (j->bf16 ? 2 * heads * (size_t)j->head_dim : 0));
+    float *sc = thread_scratch(heads * (size_t)j->context_lens[b] + (j->bf16 ? 2 * heads * (size_t)j->head_dim : 0));
     if (!sc) {
         __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
         return;

@@ -30,6 +30,7 @@
 #include <stdlib.h>
 
 #include "thread_pool.h"
+#include "thread_scratch.h"
 #include "vec_math.h"
 
 #ifdef __AVX512F__
@@ -62,44 +63,31 @@ typedef struct {
     int failed;
 } job_t;
 
-static __thread float *thread_scratch;
-static __thread size_t thread_capacity;
-
-static float *scratch(size_t floats) {
-    if (floats > thread_capacity) {
-        free(thread_scratch);
-        thread_scratch = malloc(sizeof(float) * floats);
-        thread_capacity = thread_scratch ? floats : 0;
+/* a0/a1 [0, count) += q0/q1 . the chunk's key vectors, from the transposed tile kt [D][KC]: per
+   d, one load of each key vector feeds both queries' broadcasts. Inlined, so a constant `count`
+   keeps the sums in registers as independent chains. */
+static inline __attribute__((always_inline)) void score_pair(const float *q0, const float *q1, const float *kt,
+                                                             int D, int count, kvec *a0, kvec *a1) {
+    for (int d = 0; d < D; d++) {
+        const kvec x0 = q0[d] - (kvec){0}, x1 = q1[d] - (kvec){0};
+        for (int v = 0; v < count; v++) {
+            const kvec key = load_k(kt + d * KC + v * KW);
+            a0[v] += x0 * key;
+            a1[v] += x1 * key;
+        }
     }
-    return thread_scratch;
 }
 
-/* s0/s1 [0, nv * KW) = (q0/q1 . key k) * scale for the chunk's keys, from the transposed tile kt
-   [D][KC]: per d, one load of each key vector feeds both queries' broadcasts (q1 NULL: q0
-   alone). The whole-chunk case runs with a constant count, so its sums stay in registers as
-   independent chains. */
+/* s0/s1 [0, nv * KW) = (q0/q1 . key k) * scale for the chunk's keys (q1 NULL: q0 alone); the
+   whole-chunk pair runs with the constant count NKV. */
 static inline void scores(const float *q0, const float *q1, const float *kt, int D, int nv, float scale,
                           float *s0, float *s1) {
     kvec a0[NKV], a1[NKV];
     for (int v = 0; v < NKV; v++) a0[v] = a1[v] = (kvec){0};
     if (q1 && nv == NKV) {
-        for (int d = 0; d < D; d++) {
-            const kvec x0 = q0[d] - (kvec){0}, x1 = q1[d] - (kvec){0};
-            for (int v = 0; v < NKV; v++) {
-                const kvec key = load_k(kt + d * KC + v * KW);
-                a0[v] += x0 * key;
-                a1[v] += x1 * key;
-            }
-        }
+        score_pair(q0, q1, kt, D, NKV, a0, a1);
     } else if (q1) {
-        for (int d = 0; d < D; d++) {
-            const kvec x0 = q0[d] - (kvec){0}, x1 = q1[d] - (kvec){0};
-            for (int v = 0; v < nv; v++) {
-                const kvec key = load_k(kt + d * KC + v * KW);
-                a0[v] += x0 * key;
-                a1[v] += x1 * key;
-            }
-        }
+        score_pair(q0, q1, kt, D, nv, a0, a1);
     } else {
         for (int d = 0; d < D; d++) {
             const kvec x0 = q0[d] - (kvec){0};
@@ -193,7 +181,7 @@ static void attend_item(void *ctx, int64_t item) {
     const int64_t r0 = (local % tiles) * QT, r1 = r0 + QT < qlen ? r0 + QT : qlen;
     const int64_t base = j->context_lens[b] - qlen; /* position of the request's first new token */
     const int nq = (int)(r1 - r0) * G;
-    float *acc = scratch((size_t)nq * D + 2 * (size_t)nq + 2 * (size_t)KC * D + 2 * KC);
+    float *acc = thread_scratch((size_t)nq * D + 2 * (size_t)nq + 2 * (size_t)KC * D + 2 * KC);
     if (!acc) {
         __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
         return;

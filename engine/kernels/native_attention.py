@@ -54,23 +54,31 @@ def usable(q: torch.Tensor, kv: torch.Tensor) -> bool:
     return kv.dtype == q.dtype and q.shape[-1] % 8 == 0 and LIBRARY.serves(q.device, q.dtype)
 
 
+def _run(fn, what: str, q, k, v, kv, block_table, context_lens, scale: float, *, query_start=None,
+         flags: tuple[int, ...] = ()) -> torch.Tensor:
+    """One kernel call with the arguments both kernels share (the new tokens' q/k/v, the pool's
+    geometry, the layer's block table, the requests' context lengths, the scale, the output and
+    the thread count); `query_start` (its pointer) and `flags` go where the kernel takes them."""
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads, tpb = k.shape[1], kv.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
+    starts = () if query_start is None else (query_start.data_ptr(),)
+    rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1), tpb,
+            kv_heads, num_heads // kv_heads, head_dim, block_table.data_ptr(), block_table.shape[1],
+            context_lens.data_ptr(), *starts, context_lens.shape[0], scale, out.data_ptr(), *flags,
+            torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"{what}: no memory for its scratch buffer")
+    return out
+
+
 def decode_attention(q, k, v, kv, block_table, context_lens, scale: float) -> torch.Tensor:
     """q [B, Hq, D], k/v [B, Hkv, D] (one new token per request), kv the model's pool view
     [blocks, 2, tpb, Hkv, D], block_table int64 [B, max_blocks] of this layer, context_lens int64
     [B] (including the new token). Writes k/v into the pool; returns [B, Hq * D]."""
-    b, num_heads, head_dim = q.shape
-    kv_heads, tpb = k.shape[1], kv.shape[2]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty(b, num_heads * head_dim, dtype=q.dtype)
-    rc = LIBRARY.lib.pf_paged_decode_attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1), tpb,
-        kv_heads, num_heads // kv_heads, head_dim, block_table.data_ptr(), block_table.shape[1],
-        context_lens.data_ptr(), b, scale, out.data_ptr(), int(q.dtype == torch.bfloat16),
-        torch.get_num_threads(),
-    )
-    if rc != 0:
-        raise MemoryError("compiled CPU attention: no memory for its score buffer")
-    return out
+    return _run(LIBRARY.lib.pf_paged_decode_attention, LIBRARY.what, q, k, v, kv, block_table, context_lens, scale,
+                flags=(int(q.dtype == torch.bfloat16),))
 
 
 # The prompt kernel's longest context. Per layer of SmolLM2's shape (9 query heads over 3 kv heads,
@@ -95,16 +103,5 @@ def prompt_attention(q, k, v, kv, block_table, context_lens, query_start, scale:
     the new tokens), query_start int64 [B + 1] (request i owns packed tokens [i]:[i + 1]). Writes
     k/v into the pool; each new token attends its request's context up to its own position;
     returns [T, Hq * D]."""
-    num_tokens, num_heads, head_dim = q.shape
-    kv_heads, tpb = k.shape[1], kv.shape[2]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
-    rc = PROMPT_LIBRARY.lib.pf_paged_prompt_attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1), tpb,
-        kv_heads, num_heads // kv_heads, head_dim, block_table.data_ptr(), block_table.shape[1],
-        context_lens.data_ptr(), query_start.data_ptr(), context_lens.shape[0], scale, out.data_ptr(),
-        torch.get_num_threads(),
-    )
-    if rc != 0:
-        raise MemoryError("compiled CPU prompt attention: no memory for its scratch buffer")
-    return out
+    return _run(PROMPT_LIBRARY.lib.pf_paged_prompt_attention, PROMPT_LIBRARY.what, q, k, v, kv, block_table,
+                context_lens, scale, query_start=query_start)
