@@ -5,12 +5,15 @@
  * engine/native_attention.py loads it with ctypes and calls `pf_paged_decode_attention` from
  * `paged_attention` for every layer of a CPU decode batch. The function first stores each
  * request's new key/value vectors into their slots (the last position of its context), then,
- * for every request, computes all its query heads' scores over the whole context (query head
- * h * group + g reads kv head h), a max-subtracted softmax and the weighted sum of values: the
- * same operations as the torch path (scores * scale, softmax, @ V), in float32, without
- * materialising the context. bfloat16 (queries, pool and output; `bf16` set): the math stays
- * float32 (keys and values widened as they are read), rounded to bfloat16 where the torch path's
- * bfloat16 tensors round: each score, the scaled score, each probability and the output.
+ * for every request, computes all its query heads' attention over the whole context (query head
+ * h * group + g reads kv head h): the same operations as the torch path (scores * scale,
+ * softmax, @ V), in float32, without materialising the context.
+ * float32: one pass, block by block, with the online softmax of flash attention (attend_f32), so
+ * the next block streams in while a block's softmax and weighted sum run; results equal the
+ * torch path's to float32 rounding. bfloat16 (queries, pool and output; `bf16` set): two passes
+ * (attend_bf16), the math in float32 (keys and values widened as they are read), rounded to
+ * bfloat16 where the torch path's bfloat16 tensors round: each score, the scaled score, each
+ * probability (after the sum over the whole context) and the output.
  *
  * Pool layout (one model's view, in elements): block b starts at pool + b * block_stride; keys
  * of slot s, head h at + (s * kv_heads + h) * head_dim, values at + v_offset + (s * kv_heads + h)
@@ -46,10 +49,6 @@ static inline __attribute__((always_inline)) v8f load8_at(const void *p, int64_t
 
 static inline __attribute__((always_inline)) const void *elem_at(const void *p, int64_t i, const int bf16) {
     return (const char *)p + i * (bf16 ? (int64_t)sizeof(bf16_t) : (int64_t)sizeof(float));
-}
-
-static inline __attribute__((always_inline)) float rounded(float x, const int bf16) {
-    return bf16 ? round_bf16(x) : x;
 }
 
 static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int n, const int bf16) {
@@ -99,54 +98,132 @@ static inline float dot_bf16(const bf16_t *a, const bf16_t *b, int n) {
 #define WIDEN_QUERIES 1
 #endif
 
-/* query head . key head: both bfloat16 where the CPU has avx512_bf16, else the query widened */
-static inline __attribute__((always_inline)) float score(const void *q, const void *k, int n, const int bf16) {
+/* bfloat16 query head . key head: both bfloat16 where the CPU has avx512_bf16, else the query
+   widened to float32 */
+static inline __attribute__((always_inline)) float score(const void *q, const bf16_t *k, int n) {
 #ifdef __AVX512BF16__
-    if (bf16) return dot_bf16((const bf16_t *)q, (const bf16_t *)k, n);
+    return dot_bf16((const bf16_t *)q, k, n);
+#else
+    return dot((const float *)q, k, n, 1);
 #endif
-    return dot((const float *)q, k, n, bf16);
 }
 
-/* Prefetch one slot's keys and values (all kv heads: `bytes` each). */
+/* Prefetch one slot's keys and values (all kv heads: `bytes` each) into L2, not L1
+   (prefetcht1): on the 2-core AMD EPYC VM, prefetches into L1 wait for its few line-fill
+   buffers and stall the loop that issues them; into L2 the decode kernel ran 1.2x faster. */
 static inline void prefetch_slot(const char *k, int64_t v_bytes, int64_t bytes) {
     for (int64_t c = 0; c < bytes; c += 64) {
-        __builtin_prefetch(k + c);
-        __builtin_prefetch(k + v_bytes + c);
+        __builtin_prefetch(k + c, 0, 2);
+        __builtin_prefetch(k + v_bytes + c, 0, 2);
     }
 }
 
-/* One request: all its query heads over its whole context. The context is walked block by
-   block and slot by slot, all kv heads of a slot at once, so keys and values stream through
-   memory in address order inside a block; while a block is read, the same slot of the next
-   block is prefetched (the blocks lie anywhere, so the hardware prefetcher stops at each).
-   `sc`: scratch of HQ * n scores, then (bfloat16) HQ * D floats each for the widened queries and
-   the output sums. */
-static inline __attribute__((always_inline)) void attend(const job_t *j, int64_t b, float *sc, const int bf16) {
+/* Prefetch `bytes` from p into L2. */
+static inline void prefetch_row(const char *p, int64_t bytes) {
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 2);
+}
+
+/* Prefetch the first `slots` slots of a block (its first block: nothing before it fetched it). */
+static inline void prefetch_block(const char *block, int64_t slots, int64_t v_bytes, int64_t row_bytes) {
+    for (int64_t s = 0; s < slots; s++) prefetch_slot(block + s * row_bytes, v_bytes, row_bytes);
+}
+
+/* float32, one pass over the context block by block (the online softmax of flash attention): a
+   block's scores, their exponentials against the running maximum (the sums so far rescaled
+   when it grows), then its values weighed into the output, all while the next block streams in
+   (prefetched slot by slot with the scores), so memory stays busy while the softmax and the
+   weighted sum run. `p`: scratch of HQ * tokens_per_block weights, then HQ maxima and HQ sums. */
+static void attend_f32(const job_t *j, int64_t b, float *p) {
     const int D = j->head_dim, H = j->kv_heads, G = j->group, HQ = H * G, tpb = j->tokens_per_block;
     const int row = H * D;
     const int64_t n = j->context_lens[b];
     const int64_t *table = j->block_table + b * j->max_blocks;
-    const int64_t elem = bf16 ? (int64_t)sizeof(bf16_t) : (int64_t)sizeof(float);
-    const void *q = elem_at(j->q, b * (int64_t)HQ * D, bf16);
-    float *out = (float *)elem_at(j->out, b * (int64_t)HQ * D, bf16);
-    if (bf16) {  /* sum the output in float32; widen the queries once (without avx512_bf16) */
-        float *wide = sc + HQ * n;
-        if (WIDEN_QUERIES) {
-            for (int c = 0; c < HQ * D; c += 8) store8(wide + c, load8_at(q, c, 1));
-            q = wide;
-        }
-        out = wide + HQ * D;
-    }
+    const float *q = (const float *)j->q + b * (int64_t)HQ * D;
+    float *out = (float *)j->out + b * (int64_t)HQ * D;
+    float *m = p + HQ * tpb, *l = m + HQ;
+    const float *pool = (const float *)j->pool;
+    for (int hq = 0; hq < HQ; hq++) m[hq] = -3.0e38f, l[hq] = 0;
+    memset(out, 0, sizeof(float) * (size_t)(HQ * D));
+    prefetch_block((const char *)(pool + table[0] * j->block_stride), n < tpb ? n : tpb, j->v_offset * 4, row * 4);
     for (int64_t t0 = 0, blk = 0; t0 < n; t0 += tpb, blk++) {
-        const void *k = elem_at(j->pool, table[blk] * j->block_stride, bf16);
-        const void *next = t0 + tpb < n ? elem_at(j->pool, table[blk + 1] * j->block_stride, bf16) : NULL;
+        const float *k = pool + table[blk] * j->block_stride, *v = k + j->v_offset;
+        const char *next = t0 + tpb < n ? (const char *)(pool + table[blk + 1] * j->block_stride) : NULL;
         const int64_t end = n - t0 < tpb ? n - t0 : tpb;
-        for (int64_t s = 0; s < end; s++, k = elem_at(k, row, bf16)) {
-            if (next) prefetch_slot((const char *)next + s * row * elem, j->v_offset * elem, row * elem);
+        const int64_t next_end = next ? (n - t0 - tpb < tpb ? n - t0 - tpb : tpb) : 0;
+        for (int64_t s = 0; s < end; s++) {
+            if (s < next_end) prefetch_row(next + s * row * 4, row * 4);
             for (int hq = 0; hq < HQ; hq++)
-                sc[hq * n + t0 + s] = rounded(rounded(score(elem_at(q, hq * D, bf16 && !WIDEN_QUERIES),
-                                                            elem_at(k, (hq / G) * D, bf16), D, bf16), bf16)
-                                              * j->scale, bf16);
+                p[hq * tpb + s] = dot(q + hq * D, k + s * row + (hq / G) * D, D, 0) * j->scale;
+        }
+        for (int64_t s = end; s < next_end; s++) prefetch_row(next + s * row * 4, row * 4);
+        for (int hq = 0; hq < HQ; hq++) {
+            float *w = p + hq * tpb, top = m[hq], sum = 0;
+            for (int64_t s = 0; s < end; s++) top = w[s] > top ? w[s] : top;
+            for (int64_t s = 0; s < end; s++) w[s] = exp_clamped(w[s] - top);
+            for (int64_t s = 0; s < end; s++) sum += w[s];
+            if (top > m[hq]) {  /* the sums so far were against a smaller maximum */
+                const float shrink = exp_clamped(m[hq] - top);
+                l[hq] *= shrink;
+                for (int c = 0; c < D; c++) out[hq * D + c] *= shrink;
+                m[hq] = top;
+            }
+            l[hq] += sum;
+        }
+        for (int hq = 0; hq < HQ; hq++) {
+            const float *w = p + hq * tpb, *vh = v + (hq / G) * D;
+            float *o = out + hq * D;
+            for (int64_t s = hq * next_end / HQ; s < (hq + 1) * next_end / HQ; s++)
+                prefetch_row(next + (j->v_offset + s * row) * 4, row * 4);
+            int c0 = 0;
+            for (; c0 + 32 <= D; c0 += 32) {
+                v8f a0 = load8(o + c0), a1 = load8(o + c0 + 8), a2 = load8(o + c0 + 16), a3 = load8(o + c0 + 24);
+                for (int64_t s = 0; s < end; s++) {
+                    const float *x = vh + s * row + c0;
+                    a0 += w[s] * load8(x), a1 += w[s] * load8(x + 8), a2 += w[s] * load8(x + 16), a3 += w[s] * load8(x + 24);
+                }
+                store8(o + c0, a0), store8(o + c0 + 8, a1), store8(o + c0 + 16, a2), store8(o + c0 + 24, a3);
+            }
+            for (; c0 < D; c0 += 8) {
+                v8f a = load8(o + c0);
+                for (int64_t s = 0; s < end; s++) a += w[s] * load8(vh + s * row + c0);
+                store8(o + c0, a);
+            }
+        }
+    }
+    for (int hq = 0; hq < HQ; hq++) {
+        const float inv = 1.0f / l[hq];
+        for (int c = 0; c < D; c++) out[hq * D + c] *= inv;
+    }
+}
+
+/* bfloat16, two passes: the scores of the whole context (each rounded where the torch path's
+   bfloat16 tensors round), the softmax (each probability rounded, so the sum over the whole
+   context comes first), then the weighted values. Slots are read in address order inside a
+   block, all kv heads at once, and the same slot of the next block is prefetched (the blocks lie
+   anywhere, so the hardware prefetcher stops at each). `sc`: scratch of HQ * n scores, then
+   HQ * D floats each for the widened queries and the output sums. */
+static void attend_bf16(const job_t *j, int64_t b, float *sc) {
+    const int D = j->head_dim, H = j->kv_heads, G = j->group, HQ = H * G, tpb = j->tokens_per_block;
+    const int row = H * D;
+    const int64_t n = j->context_lens[b];
+    const int64_t *table = j->block_table + b * j->max_blocks;
+    const bf16_t *pool = (const bf16_t *)j->pool;
+    const void *q = (const bf16_t *)j->q + b * (int64_t)HQ * D;
+    float *wide = sc + HQ * n, *out = wide + HQ * D;  /* the output summed in float32 */
+    if (WIDEN_QUERIES) {  /* without avx512_bf16: the queries widened once */
+        for (int c = 0; c < HQ * D; c += 8) store8(wide + c, load8_bf16((const bf16_t *)q + c));
+        q = wide;
+    }
+    prefetch_block((const char *)(pool + table[0] * j->block_stride), n < tpb ? n : tpb, j->v_offset * 2, row * 2);
+    for (int64_t t0 = 0, blk = 0; t0 < n; t0 += tpb, blk++) {
+        const bf16_t *k = pool + table[blk] * j->block_stride;
+        const char *next = t0 + tpb < n ? (const char *)(pool + table[blk + 1] * j->block_stride) : NULL;
+        const int64_t end = n - t0 < tpb ? n - t0 : tpb;
+        for (int64_t s = 0; s < end; s++, k += row) {
+            if (next) prefetch_slot(next + s * row * 2, j->v_offset * 2, row * 2);
+            for (int hq = 0; hq < HQ; hq++)
+                sc[hq * n + t0 + s] = round_bf16(round_bf16(score(elem_at(q, hq * D, !WIDEN_QUERIES), k + (hq / G) * D, D))
+                                                 * j->scale);
         }
     }
     for (int hq = 0; hq < HQ; hq++) {
@@ -155,7 +232,7 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int64_t
         for (int64_t t = 0; t < n; t++) s[t] = exp_clamped(s[t] - m);
         for (int64_t t = 0; t < n; t++) sum += s[t];
         const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < n; t++) s[t] = rounded(s[t] * inv, bf16);
+        for (int64_t t = 0; t < n; t++) s[t] = round_bf16(s[t] * inv);
     }
     /* out[hq] = sum over t of p[hq, t] v[t, hq / G], in slices of 32 (then 8) floats whose sums
        stay in registers over the whole context (the values of one kv head stay in cache) */
@@ -166,14 +243,12 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int64_t
         for (; c0 + 32 <= D; c0 += 32) {
             v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int64_t t0 = 0, blk = 0; t0 < n; t0 += tpb, blk++) {
-                const void *v = elem_at(j->pool, table[blk] * j->block_stride + head + c0, bf16);
+                const bf16_t *v = pool + table[blk] * j->block_stride + head + c0;
                 const int64_t end = n - t0 < tpb ? n - t0 : tpb;
-                for (int64_t s = 0; s < end; s++, v = elem_at(v, row, bf16)) {
+                for (int64_t s = 0; s < end; s++, v += row) {
                     const float w = p[t0 + s];
-                    a0 += w * load8_at(v, 0, bf16);
-                    a1 += w * load8_at(v, 8, bf16);
-                    a2 += w * load8_at(v, 16, bf16);
-                    a3 += w * load8_at(v, 24, bf16);
+                    a0 += w * load8_bf16(v), a1 += w * load8_bf16(v + 8);
+                    a2 += w * load8_bf16(v + 16), a3 += w * load8_bf16(v + 24);
                 }
             }
             float *o = out + hq * D + c0;
@@ -182,31 +257,30 @@ static inline __attribute__((always_inline)) void attend(const job_t *j, int64_t
         for (; c0 < D; c0 += 8) {
             v8f a = {0};
             for (int64_t t0 = 0, blk = 0; t0 < n; t0 += tpb, blk++) {
-                const void *v = elem_at(j->pool, table[blk] * j->block_stride + head + c0, bf16);
+                const bf16_t *v = pool + table[blk] * j->block_stride + head + c0;
                 const int64_t end = n - t0 < tpb ? n - t0 : tpb;
-                for (int64_t s = 0; s < end; s++, v = elem_at(v, row, bf16)) a += p[t0 + s] * load8_at(v, 0, bf16);
+                for (int64_t s = 0; s < end; s++, v += row) a += p[t0 + s] * load8_bf16(v);
             }
             store8(out + hq * D + c0, a);
         }
     }
-    if (bf16) {
-        bf16_t *dst = (bf16_t *)elem_at(j->out, b * (int64_t)HQ * D, 1);
-        for (int c = 0; c < HQ * D; c += 8) store8_bf16(dst + c, load8(out + c));
-    }
+    bf16_t *dst = (bf16_t *)j->out + b * (int64_t)HQ * D;
+    for (int c = 0; c < HQ * D; c += 8) store8_bf16(dst + c, load8(out + c));
 }
 
 static void attend_item(void *ctx, int64_t b) {
     job_t *j = (job_t *)ctx;
     const size_t heads = (size_t)j->kv_heads * (size_t)j->group;
-    float *sc = thread_scratch(heads * (size_t)j->context_lens[b] + (j->bf16 ? 2 * heads * (size_t)j->head_dim : 0));
+    float *sc = j->bf16 ? thread_scratch(heads * ((size_t)j->context_lens[b] + 2 * (size_t)j->head_dim))
+                        : thread_scratch(heads * ((size_t)j->tokens_per_block + 2));
     if (!sc) {
         __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
         return;
     }
     if (j->bf16)
-        attend(j, b, sc, 1);
+        attend_bf16(j, b, sc);
     else
-        attend(j, b, sc, 0);
+        attend_f32(j, b, sc);
 }
 
 /* Returns 0, or -1 when scratch memory cannot be had. k_new/v_new: [B, kv_heads, head_dim];

@@ -172,6 +172,31 @@ def test_softmax_of_extreme_scores_matches_torch(context):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rising", [True, False])
+def test_maximum_that_moves_between_blocks_matches_torch(rising):
+    """float32 runs one pass with an online softmax: when a later block holds a larger score, the
+    sums so far are rescaled. Here the scores step by 90 from block to block (beyond the
+    exponential's range), upwards or downwards, so each rescale matters or none may happen
+    (scores stay within +-90: larger ones would carry float32 rounding of their own)."""
+    g = torch.Generator().manual_seed(5)
+    tpb, context, head_dim = 4, 12, 16
+    kv, meta, q, k, v = _decode_case(g, [context], 1, 2, head_dim, tpb, num_layers=1)
+    direction = torch.randn(head_dim, generator=g)
+    direction /= direction.norm()
+    q[:] = direction * 10  # scale 1: score of slot t = 10 * its key's length along `direction`
+    table = meta.block_table[0, 0]
+    for t in range(context):
+        level = (t // tpb - 1) * (1 if rising else -1)  # -1, 0, 1
+        key = direction * (9.0 * level) + 0.01 * torch.randn(head_dim, generator=g)
+        kv[table[t // tpb], 0, t % tpb, 0] = key
+    k[:] = kv[table[(context - 1) // tpb], 0, (context - 1) % tpb]
+    kv_torch = kv.clone()
+    out = paged_attention(q, k, v, kv, 0, meta, 1.0)
+    with mock.patch.object(native_attention, "usable", lambda *_: False):
+        ref = paged_attention(q, k, v, kv_torch, 0, meta, 1.0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("capability, flags, expected", [
     ("AVX512", {"avx512f", "avx512_bf16"}, ["-mavx512f", "-mavx512vl", "-mfma", "-mavx512bf16"]),
     ("AVX512", {"avx512f"}, ["-mavx512f", "-mavx512vl", "-mfma"]),
