@@ -20,6 +20,9 @@ Usage: python bench/serve_load.py [CONFIG] [--rate 2] [--num-requests 40] [--arr
 --burstiness 0.5] [--models tiny-2l=3,tiny-4l=1] [--peer none] [--out results.json]
 The issue's comparison alone: python bench/serve_load.py --skip-load --threads 2 --rounds 2
                                    [--vllm-python /path/to/vllm-venv/bin/python]
+An AVX2 machine's code paths on an AVX-512 one: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+python bench/serve_load.py ... (ParaFlex's kernels are built for torch's capability; vLLM is held
+to its AVX2 kernels the same way, bench/vllm_peer.py's `hold_to_avx2`).
 """
 
 from __future__ import annotations
@@ -280,6 +283,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
     machine = f"{machine_line()} at start"
+    if vllm_peer.held_to_avx2(os.environ):
+        machine += "; both systems held to AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, vLLM's _C_AVX2)"
     print(f"machine: {machine}", flush=True)
     report = {"machine": machine, "args": vars(args)}
     if not args.skip_load:

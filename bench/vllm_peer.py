@@ -64,6 +64,32 @@ def export_tokenizer(out: str, max_length: int = 8192) -> None:
         json.dump(config, fh)
 
 
+# Run at start-up of every vLLM process (the API server, its engine core and worker children)
+# when torch is held to AVX2: vLLM picks its kernel library (_C_AVX2 or an AVX-512 one) and its
+# attention ISA from torch.cpu's AVX-512 probes, which do not read ATEN_CPU_CAPABILITY.
+AVX2_SITECUSTOMIZE = """import torch
+torch.cpu._is_avx512_supported = lambda: False
+torch.cpu._is_avx512_bf16_supported = lambda: False
+"""
+
+
+def held_to_avx2(env: dict) -> bool:
+    """Whether this run holds torch to AVX2 (`ATEN_CPU_CAPABILITY=avx2`), so that the peer must be
+    held there too."""
+    return env.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
+
+
+def hold_to_avx2(env: dict) -> str:
+    """Make the vLLM processes started with `env` take their AVX2 kernels (torch's capability
+    and oneDNN's ISA capped, vLLM's probes answered so by a sitecustomize module on PYTHONPATH,
+    written to a temporary folder, whose path is returned for removal)."""
+    folder = tempfile.mkdtemp(prefix="vllm-avx2-")
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as fh:
+        fh.write(AVX2_SITECUSTOMIZE)
+    env.update(PYTHONPATH=folder, ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+    return folder
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,7 +102,8 @@ class VllmServer:
     `cores` binds them elsewhere, e.g. "1"), `kv_gb` GiB of KV cache (`VLLM_CPU_KVCACHE_SPACE`),
     Intel OpenMP preloaded as vLLM's CPU guide asks, at most `max_batch` sequences, other
     settings vLLM's defaults; `url` once it answers /health. (tcmalloc, which the guide also
-    suggests, is not installed here.)"""
+    suggests, is not installed here.) When this process holds torch to AVX2
+    (`ATEN_CPU_CAPABILITY=avx2`), vLLM is held to its AVX2 kernels too (`hold_to_avx2`)."""
 
     def __init__(self, python: str, checkpoint: str, threads: int, max_batch: int, timeout: float = 900.0, *,
                  name: str = MODEL, cores: str | None = None, kv_gb: int = 2, dtype: str = "float32"):
@@ -86,6 +113,7 @@ class VllmServer:
                "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
                "VLLM_LOGGING_LEVEL": "WARNING"}
         env.pop("PYTHONPATH", None)
+        self.avx2_folder = hold_to_avx2(env) if held_to_avx2(env) else None
         env.pop("OMP_NUM_THREADS", None)  # vLLM warns it slows its non-worker processes; the bind sets the worker's
         iomp = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(python))), "lib", "libiomp5.so")
         if os.path.exists(iomp):  # vLLM's CPU guide: Intel OpenMP preloaded (the package installs it)
@@ -135,6 +163,8 @@ class VllmServer:
         self.log.close()
         if not keep_log:
             os.unlink(self.log.name)
+        if self.avx2_folder:
+            shutil.rmtree(self.avx2_folder, ignore_errors=True)
 
 
 def remove(checkpoint: str) -> None:
