@@ -14,7 +14,8 @@ def test_freeze_keeps_the_heap_out_of_collections_and_can_be_turned_off(monkeypa
         frozen = freeze_start_up_heap()
         assert frozen is not None and frozen.objects >= len(kept) and frozen.full_collection_s >= 0
         assert "objects kept out of garbage collection" in frozen.describe()
-        assert gc.get_freeze_count() == frozen.objects
+        # frozen objects can still die (another test's thread dropping its last reference), never join
+        assert len(kept) <= gc.get_freeze_count() <= frozen.objects
         monkeypatch.setenv("PARAFLEX_GC_FREEZE", "0")
         gc.unfreeze()
         assert freeze_start_up_heap() is None and gc.get_freeze_count() == 0
