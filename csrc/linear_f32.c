@@ -30,6 +30,15 @@
    8 rows 1.25x, 32 rows 1.15-1.2x, 128 rows 1.1-1.15x faster, 1 row level; 16 to 64 lines ahead
    measured alike, 8 worse. */
 #define PREFETCH_K 32
+/* When the whole batch is one tile (m <= MR rows: a decode step of a few requests) each weight
+   line is read once, so it is prefetched into L2 only (prefetcht1), further ahead: prefetches into
+   L1 wait for its few line-fill buffers and stall the FMAs that follow. Same-run A/B on the AMD
+   EPYC VM (avx512f, 2 threads, SmolLM2's 30 layers + head, cold weights, 2026-11-27, six runs as
+   the host's memory speed moved): 1 row 1.08-1.23x faster (17.5 -> 14.3 ms, 18.8 -> 16.8 ms),
+   8 rows 1.10-1.16x; the AVX2 build 1.15-1.21x at 1 row.
+   Where later tiles reread the lines (more rows), L2-only prefetches were level or up to 11% slower
+   in the AVX2 build, so those keep prefetching into L1. */
+#define PREFETCH_K_STREAM 48
 
 /* w [n, k] row-major (the checkpoint layout) -> out [ceil(n / 16)][k][16]. */
 void pf_pack_weight(const float *w, int64_t n, int64_t k, float *out) {
@@ -67,13 +76,16 @@ static inline void store_vec(float *p, vec_t v) { memcpy(p, &v, sizeof v); }
    ldc), NP * 16 columns, plus bias (NP * 16 values, or NULL). */
 #define DEFINE_TILE(R, NP, NAME)                                                                     \
     static inline void NAME(const float *a, int64_t lda, const float *w, int64_t k, const float *bias, \
-                            float *c, int64_t ldc) {                                                 \
+                            float *c, int64_t ldc, int stream) {                                     \
         vec_t acc[R][NP * VPP];                                                                      \
         for (int r = 0; r < R; r++)                                                                  \
             for (int j = 0; j < NP * VPP; j++) acc[r][j] = (vec_t){0};                               \
         for (int64_t kk = 0; kk < k; kk++) {                                                         \
             vec_t wv[NP * VPP];                                                                      \
-            for (int p = 0; p < NP; p++) __builtin_prefetch(w + (p * k + kk + PREFETCH_K) * NR, 0, 3);  \
+            for (int p = 0; p < NP; p++) {                                                           \
+                if (stream) __builtin_prefetch(w + (p * k + kk + PREFETCH_K_STREAM) * NR, 0, 2);      \
+                else __builtin_prefetch(w + (p * k + kk + PREFETCH_K) * NR, 0, 3);                    \
+            }                                                                                        \
             for (int p = 0; p < NP; p++)                                                             \
                 for (int v = 0; v < VPP; v++) wv[p * VPP + v] = load_vec(w + (p * k + kk) * NR + v * VW); \
             for (int r = 0; r < R; r++) {                                                            \
@@ -96,16 +108,16 @@ static inline void store_vec(float *p, vec_t v) { memcpy(p, &v, sizeof v); }
     DEFINE_TILE(2, NP, tile2##SUFFIX)                                                                \
     DEFINE_TILE(1, NP, tile1##SUFFIX)                                                                \
     static void tile_rows##SUFFIX(int rows, const float *a, int64_t lda, const float *w, int64_t k,   \
-                                  const float *bias, float *c, int64_t ldc) {                        \
+                                  const float *bias, float *c, int64_t ldc, int stream) {            \
         switch (rows) {                                                                              \
-        case 8: tile8##SUFFIX(a, lda, w, k, bias, c, ldc); break;                                    \
-        case 7: tile7##SUFFIX(a, lda, w, k, bias, c, ldc); break;                                    \
-        case 6: tile6##SUFFIX(a, lda, w, k, bias, c, ldc); break;                                    \
-        case 5: tile5##SUFFIX(a, lda, w, k, bias, c, ldc); break;                                    \
-        case 4: tile4##SUFFIX(a, lda, w, k, bias, c, ldc); break;                                    \
-        case 3: tile3##SUFFIX(a, lda, w, k, bias, c, ldc); break;                                    \
-        case 2: tile2##SUFFIX(a, lda, w, k, bias, c, ldc); break;                                    \
-        default: tile1##SUFFIX(a, lda, w, k, bias, c, ldc); break;                                   \
+        case 8: tile8##SUFFIX(a, lda, w, k, bias, c, ldc, stream); break;                            \
+        case 7: tile7##SUFFIX(a, lda, w, k, bias, c, ldc, stream); break;                            \
+        case 6: tile6##SUFFIX(a, lda, w, k, bias, c, ldc, stream); break;                            \
+        case 5: tile5##SUFFIX(a, lda, w, k, bias, c, ldc, stream); break;                            \
+        case 4: tile4##SUFFIX(a, lda, w, k, bias, c, ldc, stream); break;                            \
+        case 3: tile3##SUFFIX(a, lda, w, k, bias, c, ldc, stream); break;                            \
+        case 2: tile2##SUFFIX(a, lda, w, k, bias, c, ldc, stream); break;                            \
+        default: tile1##SUFFIX(a, lda, w, k, bias, c, ldc, stream); break;                           \
         }                                                                                            \
     }
 DEFINE_TILES(1, _one)           /* one panel: the last, odd or partial panel of a group */
@@ -130,10 +142,10 @@ static void panel_item(const linear_t *L, int64_t m0, int64_t m1, int64_t p) {
     for (int64_t m = m0; m < m1; m += MR) {
         const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
         if (cols == NR) {
-            tile_rows_one(rows, L->x + m * L->k, L->k, w, L->k, bias, L->y + m * L->n + p * NR, L->n);
+            tile_rows_one(rows, L->x + m * L->k, L->k, w, L->k, bias, L->y + m * L->n + p * NR, L->n, L->m <= MR);
         } else {
             float tmp[MR * NR];
-            tile_rows_one(rows, L->x + m * L->k, L->k, w, L->k, bias, tmp, NR);
+            tile_rows_one(rows, L->x + m * L->k, L->k, w, L->k, bias, tmp, NR, L->m <= MR);
             for (int r = 0; r < rows; r++) memcpy(L->y + (m + r) * L->n + p * NR, tmp + r * NR, sizeof(float) * cols);
         }
     }
@@ -151,7 +163,7 @@ static void item(const linear_t *L, int64_t m0, int64_t m1, int64_t g) {
     const float *bias = L->bias ? L->bias + p0 * NR : NULL;
     for (int64_t m = m0; m < m1; m += MR) {
         const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
-        tile_rows_group(rows, L->x + m * L->k, L->k, w, L->k, bias, L->y + m * L->n + p0 * NR, L->n);
+        tile_rows_group(rows, L->x + m * L->k, L->k, w, L->k, bias, L->y + m * L->n + p0 * NR, L->n, L->m <= MR);
     }
 }
 
