@@ -131,8 +131,8 @@ static inline void prefetch_block(const char *block, int64_t slots, int64_t v_by
 /* float32, one pass over the context block by block (the online softmax of flash attention): a
    block's scores, their exponentials against the running maximum (the sums so far rescaled
    when it grows), then its values weighed into the output, all while the next block streams in
-   (prefetched slot by slot with the scores), so memory stays busy while the softmax and the
-   weighted sum run. `p`: scratch of HQ * tokens_per_block weights, then HQ maxima and HQ sums. */
+   (its keys prefetched slot by slot with the scores, its values with the weighted sums), so
+   memory stays busy while the softmax and the weighted sum run. `p`: scratch of HQ * tokens_per_block weights, then HQ maxima and HQ sums. */
 static void attend_f32(const job_t *j, int64_t b, float *p) {
     const int D = j->head_dim, H = j->kv_heads, G = j->group, HQ = H * G, tpb = j->tokens_per_block;
     const int row = H * D;
