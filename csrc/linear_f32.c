@@ -131,6 +131,7 @@ typedef struct {
     const float *x, *packed, *bias;
     float *y;
     int64_t m, k, n, panels, blocks;
+    int stream; /* the batch is one tile (m <= MR): each weight line is read once (PREFETCH_K_STREAM) */
 } linear_t;
 
 /* Rows [m0, m1) times one panel p. A panel past column n (the last, partial one) is computed into a
@@ -142,10 +143,10 @@ static void panel_item(const linear_t *L, int64_t m0, int64_t m1, int64_t p) {
     for (int64_t m = m0; m < m1; m += MR) {
         const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
         if (cols == NR) {
-            tile_rows_one(rows, L->x + m * L->k, L->k, w, L->k, bias, L->y + m * L->n + p * NR, L->n, L->m <= MR);
+            tile_rows_one(rows, L->x + m * L->k, L->k, w, L->k, bias, L->y + m * L->n + p * NR, L->n, L->stream);
         } else {
             float tmp[MR * NR];
-            tile_rows_one(rows, L->x + m * L->k, L->k, w, L->k, bias, tmp, NR, L->m <= MR);
+            tile_rows_one(rows, L->x + m * L->k, L->k, w, L->k, bias, tmp, NR, L->stream);
             for (int r = 0; r < rows; r++) memcpy(L->y + (m + r) * L->n + p * NR, tmp + r * NR, sizeof(float) * cols);
         }
     }
@@ -163,7 +164,7 @@ static void item(const linear_t *L, int64_t m0, int64_t m1, int64_t g) {
     const float *bias = L->bias ? L->bias + p0 * NR : NULL;
     for (int64_t m = m0; m < m1; m += MR) {
         const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
-        tile_rows_group(rows, L->x + m * L->k, L->k, w, L->k, bias, L->y + m * L->n + p0 * NR, L->n, L->m <= MR);
+        tile_rows_group(rows, L->x + m * L->k, L->k, w, L->k, bias, L->y + m * L->n + p0 * NR, L->n, L->stream);
     }
 }
 
@@ -180,6 +181,6 @@ static void run_item(void *ctx, int64_t i) {
 void pf_linear(const float *x, int64_t m, int64_t k, const float *packed, const float *bias, int64_t n, float *y,
                int num_threads) {
     if (m <= 0 || n <= 0) return;
-    linear_t L = {x, packed, bias, y, m, k, n, (n + NR - 1) / NR, (m + ROW_BLOCK - 1) / ROW_BLOCK};
+    linear_t L = {x, packed, bias, y, m, k, n, (n + NR - 1) / NR, (m + ROW_BLOCK - 1) / ROW_BLOCK, m <= MR};
     pf_pool_run(run_item, &L, L.blocks * ((L.panels + TILE_PANELS - 1) / TILE_PANELS), num_threads);
 }
