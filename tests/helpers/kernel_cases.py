@@ -1,15 +1,18 @@
 """Batches over a shared KV pool for the attention-kernel tests: random block tables, ragged
 cached/new lengths, a pool whose blocks end in slack bytes and whose unused slots hold noise,
-and the reference output computed from the contiguous keys/values of every request."""
+and the reference output computed from the contiguous keys/values of every request; and a
+compiled CPU kernel's output beside the torch path's on the same batch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
-from paraflex.engine.worker.attention import AttentionMetadata
+from paraflex.engine.kernels import native_attention
+from paraflex.engine.worker.attention import AttentionMetadata, paged_attention
 from paraflex.engine.worker.kv_cache import KVCache
 
 NUM_LAYERS = 2
@@ -72,3 +75,21 @@ def written_slots(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """The (keys, values) the pool holds in the new tokens' slots of LAYER."""
     blocks, offsets = case.meta.write_block[LAYER], case.meta.write_offset
     return case.kv[blocks, 0, offsets], case.kv[blocks, 1, offsets]
+
+
+def kernel_and_torch_path(switch: str, q, k, v, kv, layer: int, meta, scale: float, threads: int | None = None):
+    """`paged_attention` on the batch twice: as routed (a compiled CPU kernel, on `threads`
+    threads if given) and on the torch path (`native_attention.<switch>`, the kernel's routing
+    test, patched to refuse), each writing the new keys/values into its own copy of the pool.
+    Returns (out, ref, kv, kv_torch)."""
+    kv_torch = kv.clone()
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        out = paged_attention(q, k, v, kv, layer, meta, scale)
+    finally:
+        torch.set_num_threads(previous)
+    with mock.patch.object(native_attention, switch, lambda *_: False):
+        ref = paged_attention(q, k, v, kv_torch, layer, meta, scale)
+    return out, ref, kv, kv_torch

@@ -2,7 +2,6 @@
 
 import logging
 import os
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 from paraflex.engine.kernels import native_attention, native_build
 from paraflex.engine.worker.attention import AttentionMetadata, paged_attention
 from paraflex.engine.worker.kv_cache import KVCache
+from kernel_cases import kernel_and_torch_path
 
 pytestmark = pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler on this machine")
 
@@ -49,15 +49,8 @@ def _decode_case(g, contexts, kv_heads, group, head_dim, tpb, num_layers=2, dtyp
 def test_kernel_matches_the_torch_path_and_writes_the_same_slots(contexts, kv_heads, group, head_dim, tpb, threads, seed):
     g = torch.Generator().manual_seed(seed)
     kv, meta, q, k, v = _decode_case(g, contexts, kv_heads, group, head_dim, tpb)
-    kv_torch = kv.clone()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:  # every thread count asked for is used, however small the batch
-        out = paged_attention(q, k, v, kv, 1, meta, head_dim ** -0.5)
-    finally:
-        torch.set_num_threads(previous)
-    with mock.patch.object(native_attention, "usable", lambda *_: False):
-        ref = paged_attention(q, k, v, kv_torch, 1, meta, head_dim ** -0.5)
+    # every thread count asked for is used, however small the batch
+    out, ref, kv, kv_torch = kernel_and_torch_path("usable", q, k, v, kv, 1, meta, head_dim ** -0.5, threads)
     assert torch.equal(kv, kv_torch)  # the new key/value landed in the same slots, nothing else moved
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -94,10 +87,7 @@ def test_bf16_kernel_rounds_like_the_torch_path(contexts, kv_heads, group, head_
     g = torch.Generator().manual_seed(seed)
     kv, meta, q, k, v = _decode_case(g, contexts, kv_heads, group, head_dim, tpb, dtype=torch.bfloat16)
     assert native_attention.usable(q, kv)
-    kv_torch = kv.clone()
-    out = paged_attention(q, k, v, kv, 1, meta, head_dim ** -0.5)
-    with mock.patch.object(native_attention, "usable", lambda *_: False):
-        ref = paged_attention(q, k, v, kv_torch, 1, meta, head_dim ** -0.5)
+    out, ref, kv, kv_torch = kernel_and_torch_path("usable", q, k, v, kv, 1, meta, head_dim ** -0.5)
     assert out.dtype == torch.bfloat16
     assert torch.equal(kv, kv_torch)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -7)
@@ -165,10 +155,7 @@ def test_softmax_of_extreme_scores_matches_torch(context):
     g = torch.Generator().manual_seed(context)
     kv, meta, q, k, v = _decode_case(g, [context], 1, 2, 16, 8, num_layers=1)
     q = q * 60  # scale 0.25: scores of order +-200
-    kv_torch = kv.clone()
-    out = paged_attention(q, k, v, kv, 0, meta, 0.25)
-    with mock.patch.object(native_attention, "usable", lambda *_: False):
-        ref = paged_attention(q, k, v, kv_torch, 0, meta, 0.25)
+    out, ref, _, _ = kernel_and_torch_path("usable", q, k, v, kv, 0, meta, 0.25)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
 
 
@@ -190,10 +177,7 @@ def test_maximum_that_moves_between_blocks_matches_torch(rising):
         key = direction * (9.0 * level) + 0.01 * torch.randn(head_dim, generator=g)
         kv[table[t // tpb], 0, t % tpb, 0] = key
     k[:] = kv[table[(context - 1) // tpb], 0, (context - 1) % tpb]
-    kv_torch = kv.clone()
-    out = paged_attention(q, k, v, kv, 0, meta, 1.0)
-    with mock.patch.object(native_attention, "usable", lambda *_: False):
-        ref = paged_attention(q, k, v, kv_torch, 0, meta, 1.0)
+    out, ref, _, _ = kernel_and_torch_path("usable", q, k, v, kv, 0, meta, 1.0)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -1,8 +1,6 @@
 """The compiled CPU prompt-attention kernel (csrc/paged_prompt_attention.c) against the torch path:
 whole prompts, chunks after cached context and decode tokens in one packed batch."""
 
-from unittest import mock
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,6 +9,7 @@ from hypothesis import strategies as st
 from paraflex.engine.kernels import native_attention, native_build
 from paraflex.engine.worker.attention import AttentionMetadata, paged_attention
 from paraflex.engine.worker.kv_cache import KVCache
+from kernel_cases import kernel_and_torch_path
 
 pytestmark = pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler on this machine")
 
@@ -35,19 +34,6 @@ def _case(g, query_lens, cached, kv_heads, group, head_dim, tpb, num_layers=2, d
     return kv, meta, q, k, v
 
 
-def _both(kv, meta, q, k, v, scale, threads=2):
-    kv_torch = kv.clone()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = paged_attention(q, k, v, kv, 1, meta, scale)
-    finally:
-        torch.set_num_threads(previous)
-    with mock.patch.object(native_attention, "prompts_usable", lambda *_: False):
-        ref = paged_attention(q, k, v, kv_torch, 1, meta, scale)
-    return out, ref, kv, kv_torch
-
-
 @given(
     requests=st.lists(st.tuples(st.integers(1, 80), st.sampled_from([0, 0, 1, 5, 70])), min_size=1, max_size=4),
     kv_heads=st.integers(1, 3),
@@ -65,7 +51,7 @@ def test_kernel_matches_the_torch_path_and_writes_the_same_slots(requests, kv_he
         query_lens = (2,) + query_lens[1:]
     g = torch.Generator().manual_seed(seed)
     kv, meta, q, k, v = _case(g, query_lens, cached, kv_heads, group, head_dim, tpb)
-    out, ref, kv, kv_torch = _both(kv, meta, q, k, v, head_dim ** -0.5, threads)
+    out, ref, kv, kv_torch = kernel_and_torch_path("prompts_usable", q, k, v, kv, 1, meta, head_dim ** -0.5, threads)
     assert torch.equal(kv, kv_torch)  # the new keys/values landed in the same slots, nothing else moved
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -95,5 +81,5 @@ def test_softmax_of_extreme_scores_matches_torch(length):
     moves between chunks of 64 keys) still give torch's weights."""
     g = torch.Generator().manual_seed(length)
     kv, meta, q, k, v = _case(g, [length + 1], [0], 1, 2, 16, 8, num_layers=2)
-    out, ref, _, _ = _both(kv, meta, q * 60, k, v, 0.25)
+    out, ref, _, _ = kernel_and_torch_path("prompts_usable", q * 60, k, v, kv, 1, meta, 0.25, 2)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
