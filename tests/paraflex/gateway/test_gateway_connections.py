@@ -112,7 +112,12 @@ def test_headers_sent_a_byte_at_a_time_are_cut_off(quick_url):
                     return
         sender = threading.Thread(target=trickle)
         sender.start()
-        got = sock.recv(65536)  # blocks until the server closes (or, before, answers)
+        try:
+            got = sock.recv(65536)  # blocks until the server closes (or, before, answers)
+        except ConnectionResetError:
+            # A byte that lands after the server's close makes its kernel answer with a
+            # reset instead of an orderly end: closed all the same, and with no answer.
+            got = b""
         closed.set()
         sender.join(30)
     assert got == b""
