@@ -11,9 +11,9 @@ request log's ids, so a request's own steps are found exactly:
   back         that end -> the first token at the frontend (output push, OutputRouter, the
                gateway's long poll)
 
-and `hops`: for a batch that a stage hands to the next one on another engine, the time from the
-end of the sending step to the start of the receiving one, counted only where the receiving
-engine was idle in between (no queueing in it): the served hop, wake-up included.
+and the served hand-overs between engines where the receiving engine was idle (no queueing in it;
+paraflex/costs/served_hop.py, `handovers`): the hop to the next stage and the token message back
+to the first stage, wake-up included.
 
 `step_split` and `served_parts` put a load window's served steps and TTFT parts next to the
 simulator's terms for them (the lines bench/sim_fidelity.py prints per load).
@@ -29,7 +29,8 @@ import numpy as np
 
 from paraflex.costs.host_cpu import engine_timelines, in_flight_fn, step_busy_engines
 from paraflex.costs.loop_fit import read_step_log, stage_time_fn
-from paraflex.costs.serving_terms import gateway, host_cpu, measured_hop, request_delay_s, return_path
+from paraflex.costs.served_hop import handovers
+from paraflex.costs.serving_terms import gateway, host_cpu, measured_hop, request_delay_s, return_path, served_hop
 
 PARTS = ("gateway", "to prefill", "prefill", "back")
 
@@ -59,31 +60,6 @@ def ttft_parts(requests: list[dict], steps: list[dict]) -> dict[str, dict[str, f
                                   float(r["first_token_s"]) - done))
     return {m: {**{p: statistics.median(v) for p, v in zip(PARTS, zip(*rows))}, "requests": len(rows)}
             for m, rows in sorted(parts.items())}
-
-
-def hops(steps: list[dict]) -> list[float]:
-    """Served hops (seconds) between the stages of one batch, where the receiver was idle."""
-    by_engine: dict[str, list[dict]] = defaultdict(list)
-    for s in steps:
-        by_engine[s["engine"]].append(s)
-    idle_since = {}  # id(step) -> when its engine's previous step ended
-    for rows in by_engine.values():
-        rows.sort(key=lambda s: float(s["start_s"]))
-        for prev, s in zip([None] + rows, rows):
-            idle_since[id(s)] = _end(prev) if prev is not None else 0.0
-    sent: dict[tuple, list[dict]] = defaultdict(list)  # the same requests' steps, one per token
-    for s in steps:
-        sent[(s["model"], int(s["stage"]), s["kind"], s.get("req_ids", ""))].append(s)
-    out = []
-    for s in steps:
-        stage, start = int(s["stage"]), float(s["start_s"])
-        earlier = [p for p in sent.get((s["model"], stage - 1, s["kind"], s.get("req_ids", "")), [])
-                   if _end(p) <= start] if stage > 0 else []
-        if earlier:
-            src = max(earlier, key=_end)  # the step that handed this batch over
-            if src["engine"] != s["engine"] and idle_since[id(s)] <= _end(src):
-                out.append(start - _end(src))
-    return out
 
 
 def step_split(config, placement, steps_dir: str, start: float, end: float, log_path: str | None = None) -> str:
@@ -126,18 +102,20 @@ def served_parts(log_path: str, steps_dir: str, ids: set, start: float, end: flo
     steps = [r for r in read_step_log(steps_dir) if start <= float(r["start_s"]) <= end]
     parts = ttft_parts([r for r in _rows(log_path) if r["id"] in ids], steps)
     text = "; ".join(f"{m} " + "/".join(f"{1000 * p[k]:.1f}" for k in PARTS) for m, p in parts.items())
-    served = hops(steps)
-    hop, back, term = measured_hop(profile), return_path(profile), gateway(profile)
+    forward, tokens = handovers(steps)
+    hop, back, term = served_hop(profile) or measured_hop(profile), return_path(profile), gateway(profile)
     back_text = f"{1000 * back.latency_s:.1f} ms x the host's stretch" if back else "0 ms"
     before = f"{1000 * request_delay_s(profile):.1f} ms per request before the engines"
     if term is not None and term.quiet_delay_s is not None:  # stretched where the cluster is a shared host CPU
         before = (f"{1000 * term.engine_path_s:.1f} ms + the gateway's {1000 * term.quiet_delay_s:.1f} ms x the host's "
                   f"stretch per request before the engines")
-    hop_text = (f"served hop (receiver idle) median {1000 * float(np.median(served)):.2f} ms over {len(served)}"
-                if served else "no served hop")
+    median = lambda gaps: f"{1000 * float(np.median([g for _, g in gaps])):.2f}" if gaps else "-"  # noqa: E731
+    simulated = "nan / nan" if hop is None else (
+        f"{1000 * hop.latency_s:.2f} / {1000 * hop.token_latency_s:.2f} ms simulated x the host's stretch"
+        if hasattr(hop, "token_latency_s") else f"{1000 * hop.latency_s:.2f} ms (the probed hop) simulated")
     return (f"served TTFT parts, median ms ({' / '.join(PARTS)}): {text}; simulated: "
-            f"{before}, back {back_text}; {hop_text} vs "
-            f"{1000 * hop.latency_s if hop else float('nan'):.2f} ms simulated")
+            f"{before}, back {back_text}; served hop / token message back to an idle engine, median "
+            f"{median(forward)} / {median(tokens)} ms over {len(forward)} / {len(tokens)} vs {simulated}")
 
 
 def _rows(path: str) -> list[dict]:

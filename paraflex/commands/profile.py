@@ -19,9 +19,11 @@ their logged arrivals with this profile, on the config's placement (`--placement
 and first, as `engine_loop`, what the served engine loop adds per stage step: the logged mean TBT
 minus the simulated one of the same request alone, over the model's stages (with `--step-log
 DIR`: lines fitted from the logged steps, paraflex/costs/loop_fit.py). With both logs of one
-served run it also stores `return_path`, each token's way back to the frontend, and on a `device:
-cpu` cluster (with `--step-log`) `host_cpu`, the shared host CPU that stretches steps and tokens
-while other engines run (paraflex/costs/return_path.py, paraflex/costs/host_cpu.py).
+served run it also stores `return_path`, each token's way back to the frontend, `served_hop`, the
+hop to an idle engine and the token message back as the served engines take them, and on a
+`device: cpu` cluster (with `--step-log`) `host_cpu`, the shared host CPU that stretches steps,
+hops and tokens while other engines run (paraflex/costs/return_path.py, paraflex/costs/
+served_hop.py, paraflex/costs/host_cpu.py).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ import platform
 import sys
 
 from paraflex.config.schema import load_config
-from paraflex.costs.serving_terms import (ENGINE_LOOP_KEY, GATEWAY_KEY, HOP_KEY, RETURN_PATH_KEY, EngineLoopTerm,
-                                          GatewayTerm, HopTerm, gateway_delays, read_log, served_alone, store)
+from paraflex.costs.serving_terms import (ENGINE_LOOP_KEY, GATEWAY_KEY, HOP_KEY, RETURN_PATH_KEY, SERVED_HOP_KEY,
+                                          EngineLoopTerm, GatewayTerm, HopTerm, gateway_delays, measured_hop, read_log,
+                                          served_alone, store)
 from paraflex.costs.host_cpu import HOST_CORES_KEY, HOST_CPU_KEY
 from paraflex.costs.loop_fit import OUTLIER_FACTOR
 from paraflex.costs.step_overheads import KEY as STEP_KEY, NOISE_KEY
@@ -199,7 +202,7 @@ def _store_gateway(config, args) -> int:
     if unknown:
         raise UserError(f"--gateway-log {args.gateway_log}: model {unknown[0]!r} is not in the config; pass the "
                         f"config the logged server ran")
-    for key in (ENGINE_LOOP_KEY, RETURN_PATH_KEY, HOST_CPU_KEY, GATEWAY_KEY):  # fitted afresh, none from an earlier fit
+    for key in (ENGINE_LOOP_KEY, RETURN_PATH_KEY, SERVED_HOP_KEY, HOST_CPU_KEY, GATEWAY_KEY):  # fitted afresh, none from an earlier fit
         store(args.output, key, None)
     profiled, layout = _profiled(config, args)
     archs = {m.name: m.arch for m in profiled.models}
@@ -224,7 +227,7 @@ def _store_gateway(config, args) -> int:
         print(f"engine loop per stage step, fitted from {loop.requests} logged {loop.source}: {steps or 'none'}")
     if not args.gateway_log:
         return 0
-    quiet_gateway = None
+    quiet_gateway, gateway_spread = None, []
     if args.step_log:
         from paraflex.costs.host_cpu import fit_stretched_latency
         from paraflex.costs.loop_fit import read_step_log
@@ -232,15 +235,17 @@ def _store_gateway(config, args) -> int:
 
         steps = read_step_log(args.step_log)
         back = fit_return_path(rows, steps, host)
+        hop = _served_hop(steps, rows, host, archs, measured_hop(args.output))
+        store(args.output, SERVED_HOP_KEY, hop)
         if host is not None:
-            quiet_gateway = fit_stretched_latency(gateway_delays(rows), steps, rows, host)
+            quiet_gateway, gateway_spread = fit_stretched_latency(gateway_delays(rows), steps, rows, host)
         store(args.output, RETURN_PATH_KEY, back)
         if back is not None:
             print(f"return path per token (last-stage step end -> frontend), fitted from {back.tokens} logged tokens: "
                   f"{1000 * back.latency_s:.2f} ms" + (" x the shared host CPU's stretch" if host else ""))
     arrival0 = min(float(r["arrival_s"]) for r in rows)
     ttft = [t for t, _ in _simulated(*_profiled(config, args), rows, [float(r["arrival_s"]) - arrival0 for r in rows])]
-    term = GatewayTerm.from_log(rows, args.gateway_log, ttft, quiet_gateway)
+    term = GatewayTerm.from_log(rows, args.gateway_log, ttft, quiet_gateway, gateway_spread)
     store(args.output, GATEWAY_KEY, term)
     quiet = "" if quiet_gateway is None else f" ({1000 * quiet_gateway:.2f} ms on a quiet host x the shared host CPU's stretch)"
     print(f"per-request delays (medians of {term.requests} requests in {args.gateway_log}): gateway "
@@ -248,6 +253,29 @@ def _store_gateway(config, args) -> int:
           f"{os.path.join(args.output, 'profile.json')}; the simulator delays every request by both, adds the "
           f"engine loop term to every stage step and the return path to every token")
     return 0
+
+
+def _served_hop(steps, rows, host, archs, probed):
+    """The served hop fitted from `steps` (paraflex/costs/served_hop.py), each forward hop less its
+    hidden state's bytes at the probed hop's bandwidth; printed, None where the log has none."""
+    from paraflex.costs.costmodel import CostModel
+    from paraflex.costs.served_hop import fit_served_hop
+
+    bandwidth = probed.bandwidth_Bps if probed is not None and probed.bandwidth_Bps else None
+
+    def transfer_s(step: dict) -> float:
+        if bandwidth is None:
+            return 0.0
+        tokens = int(step["prefill_tokens"]) if step["kind"] != "decode" else int(step["batch_size"])
+        return CostModel.hidden_bytes(archs[step["model"]], tokens) / bandwidth
+
+    hop = fit_served_hop(steps, rows, host, transfer_s)
+    if hop is not None:
+        stretched = " x the shared host CPU's stretch" if host else ""
+        print(f"served hop to an idle engine, fitted from {hop.hops} logged hops and {hop.tokens} token messages: "
+              f"{1000 * hop.latency_s:.2f} ms (+ bytes), token message back {1000 * hop.token_latency_s:.2f} ms"
+              f"{stretched}" + (f" (probed hop: {1000 * probed.latency_s:.2f} ms)" if probed else ""))
+    return hop
 
 
 def _describe(e: dict) -> str:

@@ -16,7 +16,8 @@ mean number of other engines executing over the `window_s` before the step start
 (`busy_seconds` over the same timelines the fit reads from the step log), and the requests in
 flight then; the return path (return_path.py) and the gateway's delay (serving_terms.GatewayTerm) are
 latencies stretched by all engines busy over the window before a token (a request's HTTP
-arrival) and the requests in flight then (`fit_stretched_latency` fits both). The requests'
+arrival) and the requests in flight then (`fit_stretched_latency` fits both, and how the logged
+samples spread around them: latency_spread.py). The requests'
 demand together is capped at `REQUEST_CORES`.
 
 Off for GPU clusters (a GPU's host threads are not its compute): `host_cpu` returns None unless
@@ -30,6 +31,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+from paraflex.costs.latency_spread import spread_of
 from paraflex.costs.loop_fit import fit_loop_lines, loop_line_s
 
 HOST_CPU_KEY = "host_cpu"
@@ -128,15 +130,18 @@ def in_flight_fn(requests: list[dict]) -> Callable[[float], int]:
 
 
 def fit_stretched_latency(samples: list[tuple[float, float]], steps: list[dict], requests: list[dict],
-                          host: HostCpu | None) -> float:
-    """The latency on a quiet host of work logged as `samples` ((time it began, seconds it took)),
-    stretched by `host` over the engines of step log `steps` busy in the window before it began
-    and the `requests` (request-log rows) open then: least squares through the origin (`host`
-    None: the mean)."""
+                          host: HostCpu | None) -> tuple[float, list[float]]:
+    """(the latency on a quiet host, its spread) of work logged as `samples` ((time it began,
+    seconds it took)), stretched by `host` over the engines of step log `steps` busy in the window
+    before it began and the `requests` (request-log rows) open then: least squares through the
+    origin (`host` None: the mean); the spread (paraflex/costs/latency_spread.py) of the samples
+    de-stretched, over that latency."""
     timelines, open_at = list(engine_timelines(steps).values()), in_flight_fn(requests)
     stretches = [1.0 if host is None else host.stretch(busy_engines(timelines, t, host.window_s), open_at(t))
                  for t, _ in samples]
-    return max(0.0, sum(s * x for s, (_, x) in zip(stretches, samples)) / sum(s * s for s in stretches))
+    latency = max(0.0, sum(s * x for s, (_, x) in zip(stretches, samples)) / sum(s * s for s in stretches))
+    spread = spread_of([x / (s * latency) for s, (_, x) in zip(stretches, samples)]) if latency > 0 else []
+    return latency, spread
 
 
 def fit_host_cpu(rows: list[dict], stage_time: Callable[[dict], float], cores: int,

@@ -8,10 +8,10 @@ finish time at the frontend (paraflex/serving/request_log.py). `paraflex profile
 its first token (end of its last-stage prefill step -> first token at the frontend) and of its
 last (end of its last step -> finish), against the host's stretch over the engines busy in the
 window before that step ended and the requests in flight then (paraflex/costs/host_cpu.py, fitted from the same step log); a
-least-squares latency gives a `ReturnPathTerm` (paraflex/costs/serving_terms.py, `return_path` in
+least-squares latency and the samples' spread around it give a `ReturnPathTerm` (paraflex/costs/serving_terms.py, `return_path` in
 profile.json). The simulator measures the same busy engines over the same window from its own
-engine timeline (simulator/core/cluster.py) and records each token `latency_s` x that stretch
-later. Pure: rows are dicts.
+engine timeline (simulator/core/cluster.py) and records each token `latency_s` x a ratio drawn
+from the spread x that stretch later. Pure: rows are dicts.
 
 Why the host's stretch: on the 2-vCPU machine the way back of a token was ~4 ms while at most
 one engine was executing and 8-13 ms while both were (the output push, the OutputRouter actor
@@ -56,4 +56,5 @@ def fit_return_path(requests: list[dict], steps: list[dict], host: HostCpu | Non
     backs = token_backs(requests, steps)
     if not backs:
         return None
-    return ReturnPathTerm(fit_stretched_latency(backs, steps, requests, host), len(backs))
+    latency, spread = fit_stretched_latency(backs, steps, requests, host)
+    return ReturnPathTerm(latency, len(backs), spread)

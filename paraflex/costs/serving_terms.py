@@ -30,6 +30,10 @@ Place in the data flow:
   the shared host CPU (`host_cpu`, paraflex/costs/host_cpu.py, fitted from the same step log and
   stored under ``host_cpu``); the simulator (simulator/core/cluster.py) adds it to every token it
   records and stretches every stage execution of a `device: cpu` cluster by the same term.
+  With both logs it also fits a `ServedHopTerm` under ``served_hop`` (paraflex/costs/
+  served_hop.py): the hop to an idle engine and the token message back as the served engines
+  take them, latencies the same term stretches, which the simulator charges in place of the
+  probed hop's latency between engines of one node.
 """
 
 from __future__ import annotations
@@ -39,10 +43,11 @@ import json
 import math
 import os
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from paraflex.costs.host_cpu import HOST_CPU_KEY, HostCpu
 from paraflex.costs.interconnect import Interconnect
+from paraflex.costs.latency_spread import spread_ratio
 from paraflex.costs.loop_fit import line_at
 from paraflex.costs.step_overheads import PROFILE_FILE, arch_key
 from paraflex.errors import UserError
@@ -51,6 +56,7 @@ HOP_KEY = "hop"
 GATEWAY_KEY = "gateway"
 ENGINE_LOOP_KEY = "engine_loop"
 RETURN_PATH_KEY = "return_path"
+SERVED_HOP_KEY = "served_hop"
 LINE_KEYS = ("prefill_s", "prefill_per_token_s", "decode_s", "decode_per_seq_s")
 
 
@@ -81,16 +87,18 @@ class GatewayTerm:
     `delay_s` from the HTTP arrival to the frontend taking the request (parse, tokenize,
     admission), `engine_path_s` from the frontend to the engines and the first token back; on a
     shared host CPU (paraflex/costs/host_cpu.py) `quiet_delay_s`, the gateway's delay as a latency
-    the host's stretch at the HTTP arrival lengthens (None: not fitted, `delay_s` for every request)."""
+    the host's stretch at the HTTP arrival lengthens (None: not fitted, `delay_s` for every request),
+    and `spread`, how the logged delays spread around it (paraflex/costs/latency_spread.py)."""
 
     delay_s: float
     requests: int
     engine_path_s: float = 0.0
     quiet_delay_s: float | None = None
+    spread: list = field(default_factory=list)
 
     @classmethod
     def from_log(cls, rows: list[dict], path: str, engine_ttft_s: list[float] | None = None,
-                 quiet_delay_s: float | None = None) -> "GatewayTerm":
+                 quiet_delay_s: float | None = None, spread: list | None = None) -> "GatewayTerm":
         """From the rows of request log `path` that carry an http_arrival_s; `engine_ttft_s`, one
         per such row, the simulated TTFT of that request alone (None: no engine path)."""
         rows = [r for r in rows if r.get("http_arrival_s")]
@@ -99,14 +107,15 @@ class GatewayTerm:
         delay = statistics.median(float(r["arrival_s"]) - float(r["http_arrival_s"]) for r in rows)
         path_s = 0.0 if engine_ttft_s is None else statistics.median(
             float(r["ttft_s"]) - t for r, t in zip(rows, engine_ttft_s))
-        return cls(max(0.0, delay), len(rows), max(0.0, path_s), quiet_delay_s)
+        return cls(max(0.0, delay), len(rows), max(0.0, path_s), quiet_delay_s, spread or [])
 
-    def delay_s_at(self, stretch: float | None) -> float:
+    def delay_s_at(self, stretch: float | None, u: float | None = None) -> float:
         """The gateway's delay for a request arriving while the shared host stretches work by
-        `stretch` (None: no host term, the median `delay_s`)."""
+        `stretch` (None: no host term, the median `delay_s`), at quantile `u` of its spread (None:
+        the fitted latency)."""
         if stretch is None or self.quiet_delay_s is None:
             return self.delay_s
-        return self.quiet_delay_s * stretch
+        return self.quiet_delay_s * spread_ratio(self.spread, u) * stretch
 
 
 def gateway_delays(rows: list[dict]) -> list[tuple[float, float]]:
@@ -173,9 +182,33 @@ class ReturnPathTerm:
 
     latency_s: float
     tokens: int
+    spread: list = field(default_factory=list)  # around latency_s (paraflex/costs/latency_spread.py)
 
-    def delay_s(self, stretch: float = 1.0) -> float:
-        return self.latency_s * stretch
+    def delay_s(self, stretch: float = 1.0, u: float | None = None) -> float:
+        """The way back while the host stretches work by `stretch`, at quantile `u` of the spread
+        (None: the fitted latency)."""
+        return self.latency_s * spread_ratio(self.spread, u) * stretch
+
+
+@dataclass(frozen=True)
+class ServedHopTerm:
+    """A hand-over between engines of one node as the served engines see it (paraflex/costs/
+    served_hop.py): `latency_s` of a forward hop (its bytes go on top at the measured hop's
+    bandwidth) and `token_latency_s` of a token message back to the first stage, on a quiet host,
+    each stretched by the shared host CPU; fitted over `hops` and `tokens` logged hand-overs."""
+
+    latency_s: float
+    token_latency_s: float
+    hops: int
+    tokens: int
+    hop_spread: list = field(default_factory=list)  # around each latency (paraflex/costs/latency_spread.py)
+    token_spread: list = field(default_factory=list)
+
+    def hop_latency_s(self, stretch: float, u: float | None = None) -> float:
+        return self.latency_s * spread_ratio(self.hop_spread, u) * stretch
+
+    def token_message_s(self, stretch: float, u: float | None = None) -> float:
+        return self.token_latency_s * spread_ratio(self.token_spread, u) * stretch
 
 
 def served_alone(rows: list[dict]) -> list[dict]:
@@ -234,6 +267,11 @@ def return_path(profile_dir: str | None) -> ReturnPathTerm | None:
                         f"from before the shared host CPU term; fit it again: paraflex profile CONFIG --gateway-log "
                         f"FILE --step-log DIR -o {profile_dir}")
     return ReturnPathTerm(**d) if d else None
+
+
+def served_hop(profile_dir: str | None) -> ServedHopTerm | None:
+    d = _read(profile_dir).get(SERVED_HOP_KEY)
+    return ServedHopTerm(**d) if d else None
 
 
 def host_cpu(cluster) -> HostCpu | None:

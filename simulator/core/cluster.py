@@ -14,7 +14,8 @@ each finished stage forwards its batch message to the next stage's engine after 
 (hidden + residual bytes over the link between the two engines, inside a node or between
 nodes: `Topology`, paraflex/costs/topology.py, overlapping compute); the last stage emits one
 token per request, sends the tokens back to the first stage (metadata only: that link's
-latency) and frees finished requests' KV on every stage. Engines decide what to run with the
+latency; where the profile fitted the served hop, paraflex/costs/served_hop.py, its latencies
+stretched by the shared host CPU) and frees finished requests' KV on every stage. Engines decide what to run with the
 engine core's scheduler; this module only moves messages and adds time. On a `device: cpu`
 cluster whose profile fitted a shared host CPU (paraflex/costs/host_cpu.py) every stage execution
 is stretched by the engines busy in the window before it (the fast path then steps aside).
@@ -22,11 +23,12 @@ is stretched by the engines busy in the window before it (the fast path then ste
 
 from __future__ import annotations
 
+import random
 from bisect import bisect_right
 
 from paraflex.costs.costmodel import CostModel
 from paraflex.costs.host_cpu import busy_engines
-from paraflex.costs.serving_terms import host_cpu
+from paraflex.costs.serving_terms import host_cpu, served_hop
 from paraflex.costs.topology import Topology
 from paraflex.engine.core.block_pool import BlockPool
 from paraflex.engine.core.dispatcher import Dispatcher
@@ -105,6 +107,10 @@ class Cluster:
         self.host = host_cpu(cl)
         self.gateway_arrivals: list[float] = []  # sorted; the runner sets them where `host` counts open requests
         self.gateway = None  # a GatewayTerm whose delay `host` stretches (the runner sets it; None: a constant delay)
+        # the served hand-overs between engines of one node (paraflex/costs/served_hop.py; None: the link's latency)
+        self.served_hop = served_hop(cl.profile_dir)
+        # quantiles for the served latencies' spreads (paraflex/costs/latency_spread.py), seeded: a run repeats
+        self.draw = random.Random(settings.seed).random
 
     def enable_fast_forward(self, requests) -> None:
         """Replay in closed form what the engines' policy allows (simulator/fastpath/hook.py);
@@ -190,7 +196,7 @@ class Cluster:
             nbytes = CostModel.hidden_bytes(info.arch, tokens)
             self.metrics.hop(nbytes)
             nxt = self.engines[info.next_engine]
-            at = t + self.topology.hop_time(eng.id, nxt.id, nbytes)
+            at = t + self.hop_s(eng.id, nxt.id, nbytes, t)
             self.send_batch(nxt, (sb.model, info.replica), sb.message, at)
         else:
             self._emit_tokens(eng, info, done, t)
@@ -236,6 +242,27 @@ class Cluster:
         eng.running = None
         eng.busy = False
 
+    def hop_s(self, src: int, dst: int, nbytes: int, t: float) -> float:
+        """A batch's hidden state of `nbytes` leaving engine `src` for `dst` at t: the link's
+        transfer time, its latency the served hop's (stretched by the shared host CPU) where the
+        profile fitted one and the engines share a node."""
+        topology = self.topology
+        base = topology.hop_time(src, dst, nbytes)
+        if self.served_hop is None or topology.node_of[src] != topology.node_of[dst]:
+            return base
+        return base - topology.intra.latency_s + self.served_hop.hop_latency_s(self._stretch(t), self.draw())
+
+    def token_message_s(self, last: int, first: int, t: float) -> float:
+        """A token message from last-stage engine `last` to first-stage engine `first` sent at t:
+        the link's latency, or the served one (stretched) as in `hop_s`."""
+        topology = self.topology
+        if self.served_hop is None or topology.node_of[last] != topology.node_of[first]:
+            return topology.link(last, first).latency_s
+        return self.served_hop.token_message_s(self._stretch(t), self.draw())
+
+    def _stretch(self, t: float) -> float:
+        return 1.0 if self.host is None else self.host_stretch(t)
+
     def host_stretch(self, t: float, engine: SimEngine | None = None) -> float:
         """How much the shared host CPU stretches work beginning at t: by the engines executing
         over its window before t (for a step of `engine`: that engine plus the others) and the
@@ -260,15 +287,13 @@ class Cluster:
     def gateway_delay_s(self, t: float) -> float:
         """The gateway's delay for a request arriving at t: its quiet latency stretched by the
         shared host CPU over the engines busy before t and the requests open at t."""
-        return self.gateway.delay_s_at(self.host_stretch(t))
+        return self.gateway.delay_s_at(self.host_stretch(t), self.draw())
 
     def token_delay_fn(self, term):
         """The way back of a token produced at t (`term`: a ReturnPathTerm): its latency, stretched
         by the shared host CPU over the engines busy before t and the requests open at t where the
         cluster has one."""
-        if self.host is None:
-            return lambda t: term.delay_s()
-        return lambda t: term.delay_s(self.host_stretch(t))
+        return lambda t: term.delay_s(self._stretch(t), self.draw())
 
     def _emit_tokens(self, eng: SimEngine, info: StageInfo, done, t: float) -> None:
         """Last stage: record the tokens, free finished requests on the middle stages (the
@@ -288,7 +313,7 @@ class Cluster:
             # in the other order: later block ids may differ, no result depends on them.)
             eng.scheduler.receive_tokens(done.token_message)
             return
-        delay = 0.0 if first is eng else self.topology.link(eng.id, first.id).latency_s
+        delay = 0.0 if first is eng else self.token_message_s(eng.id, first.id, t)
         self.send_tokens(first, (info.model, info.replica), done.token_message, t + delay)
 
     def finish_requests(self, key: tuple[str, int], req_ids: list[str], t: float) -> None:

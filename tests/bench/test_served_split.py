@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 from repo_paths import load_bench
 
+from paraflex.costs.served_hop import handovers
+
 
 def _step(engine, stage, kind, start, busy, ids):
-    return {"engine": str(engine), "model": "m", "stage": str(stage), "kind": kind, "start_s": str(start),
+    return {"engine": str(engine), "model": "m", "stage": str(stage), "num_stages": "2", "kind": kind, "start_s": str(start),
             "busy_s": str(busy), "req_ids": " ".join(ids)}
 
 
@@ -26,4 +28,6 @@ def test_ttft_parts_and_hops_follow_each_requests_own_steps():
     assert parts["requests"] == 1
     assert [parts[p] for p in split.PARTS] == pytest.approx([0.002, 0.008, 0.011, 0.005])
     # the prefill hop waited for engine 1 (busy until 10.016): not a hop; the decode one counts
-    assert split.hops(steps) == pytest.approx([0.0015])
+    forward, tokens = handovers(steps)
+    assert [gap for _, gap in forward] == pytest.approx([0.0015])
+    assert [gap for _, gap in tokens] == pytest.approx([0.009])  # a's prefill ended at 10.021, engine 0 next at 10.030

@@ -9,6 +9,7 @@ import yaml
 from paraflex.cli import main
 from paraflex.config.schema import Config, load_config
 from paraflex.costs.costmodel import CostModel
+from paraflex.costs.latency_spread import SPREAD_POINTS
 from paraflex.placement import Placement
 from paraflex.costs.profile_tables import ALL_OPS, ProfileIndex
 from repo_paths import CONFIGS
@@ -162,7 +163,9 @@ def test_a_step_log_with_its_request_log_gives_the_return_path_and_the_delays(tm
     assert "return path per token" in capsys.readouterr().out
     meta = json.loads((out / "profile.json").read_text())
     back = meta["return_path"]
-    assert back == {"latency_s": pytest.approx(0.004, abs=2e-4), "tokens": 6}  # one engine, one request: no stretch
+    assert back == {"latency_s": pytest.approx(0.004, abs=2e-4), "tokens": 6,  # one engine, one request: no stretch
+                    "spread": pytest.approx([1.0] * SPREAD_POINTS)}  # every token 4 ms back: no spread around it
+    assert "served_hop" not in meta  # one stage: no hand-over between engines
     host = meta["host_cpu"]  # a cpu cluster: the shared host CPU, fitted from the same steps, on the profiled cores
     assert host["cores"] == meta["host_cores"] and host["steps"] == 6
     assert host["demand_per_engine"] + host["demand_per_request"] <= host["cores"]

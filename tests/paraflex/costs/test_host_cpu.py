@@ -3,6 +3,7 @@ over a window, the stretch, requests in flight, and the fit recovering a planted
 
 import pytest
 
+from paraflex.costs.latency_spread import SPREAD_POINTS
 from paraflex.costs.host_cpu import (REQUEST_CORES, HostCpu, busy_seconds, engine_timelines, fit_host_cpu,
                                      fit_stretched_latency, in_flight_fn, step_busy_engines)
 
@@ -103,5 +104,8 @@ def test_a_stretched_latency_is_recovered_from_work_logged_quiet_and_busy():
     steps = [_step(0, 0.0, 1.0), _step(1, 0.0, 1.0)]  # both engines busy over [0, 1]
     host = HostCpu(cores=1, demand_per_engine=1.0)
     samples = [(0.5, 0.006), (5.0, 0.003)]  # at 0.5 s two busy engines stretch x2; at 5 s none
-    assert fit_stretched_latency(samples, steps, [], host) == pytest.approx(0.003)
-    assert fit_stretched_latency(samples, steps, [], None) == pytest.approx(0.0045)  # no host: the mean
+    latency, spread = fit_stretched_latency(samples, steps, [], host)
+    assert latency == pytest.approx(0.003) and spread == pytest.approx([1.0] * SPREAD_POINTS)  # both 3 ms when quiet
+    latency, spread = fit_stretched_latency(samples, steps, [], None)
+    assert latency == pytest.approx(0.0045)  # no host: the mean
+    assert spread[0] == pytest.approx(2 / 3) and spread[-1] == pytest.approx(4 / 3)  # 3 and 6 ms around it
