@@ -28,7 +28,7 @@ steps per time bin beside the threads' cores, and each load window's host speed 
 calibration's. `--warm-in S` serves S seconds at the calibration's load (after the burst) before
 calibrating.
 
-    python bench/sim_fidelity.py [--out DIR] [--requests 40] [--runs 1] [--profile DIR | --no-profile]
+    python bench/sim_fidelity.py [--out DIR] [--requests 600] [--runs 1] [--profile DIR | --no-profile]
                                  [--saturation RPS] [--warm-in S] [--tiny] [--resimulate DIR]
 
 `--runs K`: K independent runs (each profiles, calibrates and serves anew) in DIR/run-<k>, then
@@ -369,7 +369,10 @@ def one_run(args, out: str, n: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="sim-fidelity-results", help="results folder")
-    ap.add_argument("--requests", type=int, default=40, help="requests per load (default 40)")
+    ap.add_argument("--requests", type=int, default=600,
+                    help="requests per load (default 600: the saturation burst is 600 and the 2-vCPU machine's "
+                         "load windows last 16-90 s; with 200 the burst overstated the sustainable rate 2x and the "
+                         "windows lasted 3-18 s, one host-speed regime each: docs/simulate.md)")
     ap.add_argument("--runs", type=int, default=1, help="independent runs, each profiling anew (default 1)")
     ap.add_argument("--profile", help="reuse this `paraflex profile` folder instead of profiling now")
     ap.add_argument("--no-profile", action="store_true", help="simulate with the plain roofline")
