@@ -148,13 +148,14 @@ def simulate(config, settings: SimSettings, layout: SystemLayout | None = None, 
     # ParaFlex's served return path (seed systems model none) and a CPU cluster's shared host
     # (paraflex/costs/host_cpu.py): a token's way back and an engine's step depend on the engines
     # busy before them, so such a run goes step by step (the fast path steps aside; so it does
-    # for the served hop, paraflex/costs/served_hop.py, whose fast-path twin would re-state it)
+    # for the served hop, paraflex/costs/served_hop.py, and the steps' spread, loop_fit.py, whose
+    # fast-path twins would re-state them)
     back = return_path(config.cluster.profile_dir) if layout.seed is None else None
     if back is not None:
         metrics.token_delay = cluster.token_delay_fn(back)
     if shared_host:  # the requests it counts open: from their gateway arrival (the records' arrival)
         cluster.gateway_arrivals = sorted(r.arrival - metrics.request_delay for r in requests)
-    if (layout.seed is None and back is None and cluster.served_hop is None and not shared_host
+    if (layout.seed is None and back is None and cluster.served_hop is None and not cluster.step_spread and not shared_host
             and settings.replan_interval is None and settings.fast_forward):
         cluster.enable_fast_forward(requests)
     # Freeze the set-up objects out of the cyclic GC and pause it during the run (the loop

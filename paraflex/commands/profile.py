@@ -208,8 +208,8 @@ def _store_gateway(config, args) -> int:
     archs = {m.name: m.arch for m in profiled.models}
     loop = host = None
     if args.step_log:
-        lines, host = _loop_lines(profiled, layout, args.step_log, args.output, rows)
-        loop = EngineLoopTerm.from_lines(lines, archs)
+        lines, host, spread = _loop_lines(profiled, layout, args.step_log, args.output, rows)
+        loop = EngineLoopTerm.from_lines(lines, archs, spread)
         if left_out := sum(e["outliers"] for e in lines.values()):
             print(f"engine loop: {left_out} logged step(s) over {OUTLIER_FACTOR:g}x their expected time left out as "
                   f"one-offs (a kernel compiling on first use, a full garbage collection)")
@@ -304,25 +304,28 @@ def _profiled(config, args) -> tuple:
     return profiled, layout
 
 
-def _loop_lines(profiled, layout, step_log: str, output: str, requests: list[dict]) -> tuple[dict, object]:
-    """(the engine loop's lines per model, the shared host CPU or None) from the step log against
-    the profiled cost model's stage time of each logged step (no engine loop term: OUTPUT's was
-    dropped). On a `device: cpu` cluster the lines are fitted on the steps de-stretched by the
-    host CPU fitted with them (paraflex/costs/host_cpu.py) over OUTPUT's `host_cores` (this
-    machine's where the profile has none) and the served `requests` in flight (none: engines only)."""
-    from paraflex.costs.host_cpu import fit_host_cpu
-    from paraflex.costs.loop_fit import fit_loop_lines, read_step_log, stage_time_fn
+def _loop_lines(profiled, layout, step_log: str, output: str, requests: list[dict]) -> tuple[dict, object, dict]:
+    """(the engine loop's lines per model, the shared host CPU or None, how the steps spread
+    around them) from the step log against the profiled cost model's stage time of each logged
+    step (no engine loop term: OUTPUT's was dropped). On a `device: cpu` cluster the lines are
+    fitted on the steps de-stretched by the host CPU fitted with them (paraflex/costs/host_cpu.py)
+    over OUTPUT's `host_cores` (this machine's where the profile has none) and the served
+    `requests` in flight (none: engines only)."""
+    from paraflex.costs.host_cpu import fit_host_cpu, step_stretches
+    from paraflex.costs.loop_fit import fit_loop_lines, read_step_log, stage_time_fn, step_spreads
 
     models = layout.placement.models
     rows = [r for r in read_step_log(step_log) if r["model"] in models]
     archs = {m.name: m.arch for m in profiled.models}
     stage_time = stage_time_fn(profiled.cluster.cost_model(), layout.placement, archs)
+    host = None
     if profiled.cluster.device != "cpu" or not rows:
-        return fit_loop_lines(rows, stage_time), None
-    with open(os.path.join(output, "profile.json"), encoding="utf-8") as fh:
-        cores = json.load(fh).get(HOST_CORES_KEY) or os.cpu_count() or 1
-    host, lines = fit_host_cpu(rows, stage_time, cores, requests)
-    return lines, host
+        lines = fit_loop_lines(rows, stage_time)
+    else:
+        with open(os.path.join(output, "profile.json"), encoding="utf-8") as fh:
+            cores = json.load(fh).get(HOST_CORES_KEY) or os.cpu_count() or 1
+        host, lines = fit_host_cpu(rows, stage_time, cores, requests)
+    return lines, host, step_spreads(rows, stage_time, lines, step_stretches(rows, host, requests))
 
 
 def _simulated(profiled, layout, rows: list[dict], arrivals: list[float] | None = None) -> list[tuple[float, float]]:

@@ -129,6 +129,16 @@ def in_flight_fn(requests: list[dict]) -> Callable[[float], int]:
     return lambda t: level[bisect_right(times, t)]
 
 
+def step_stretches(rows: list[dict], host: HostCpu | None, requests: list[dict]) -> list[float]:
+    """What `host` stretched each logged step of `rows` by: its own engine and the others busy over
+    the window before it, the `requests` (request-log rows) open then (None: 1 each)."""
+    if host is None:
+        return [1.0] * len(rows)
+    timelines, open_at = engine_timelines(rows), in_flight_fn(requests)
+    return [host.stretch(step_busy_engines(timelines, r["engine"], float(r["start_s"]), host.window_s),
+                         open_at(float(r["start_s"]))) for r in rows]
+
+
 def fit_stretched_latency(samples: list[tuple[float, float]], steps: list[dict], requests: list[dict],
                           host: HostCpu | None) -> tuple[float, list[float]]:
     """(the latency on a quiet host, its spread) of work logged as `samples` ((time it began,

@@ -16,7 +16,9 @@ collection), not what the loop adds to every step: on an H100 a served
 calibration held prefills of 0.5-1.7 s (Triton compiles) among ones of ~15 ms, and they lifted
 llama-1b-shape's fitted prefill line from ~8 to 41 ms per step. The lines go
 into `EngineLoopTerm` (paraflex/costs/serving_terms.py, `engine_loop` in profile.json), which
-the cost model adds to every stage execution at its size. Mixed (Sarathi) steps are not used.
+the cost model adds to every stage execution at its size, with `step_spreads`, how the steps
+spread around the lines' prediction, which the simulator draws each stage execution's time from.
+Mixed (Sarathi) steps are not used.
 Pure: rows are dicts, the stage time a function.
 """
 
@@ -29,6 +31,7 @@ import statistics
 from collections import defaultdict
 from typing import Callable, Sequence
 
+from paraflex.costs.latency_spread import spread_of
 from paraflex.errors import UserError
 
 OUTLIER_FACTOR = 20.0  # a logged step over this many times its expected time is a one-off, left out
@@ -112,6 +115,25 @@ def fit_loop_lines(rows: list[dict], stage_time: Callable[[dict], float],
         e["steps"] += kept
         e["outliers"] += len(steps) - kept
     return out
+
+
+def step_spreads(rows: list[dict], stage_time: Callable[[dict], float], lines: dict[str, dict],
+                 stretches: Sequence[float] | None = None) -> dict[str, list]:
+    """"prefill" / "decode" -> how the logged steps `rows` spread around what `lines` (fitted on
+    them) predict: each step's `busy_s` over `(stage_time + line) x stretch`, over their mean, as
+    quantiles (latency_spread.py); the one-offs `fit_loop_lines` leaves out are left out here too.
+    The simulator draws each stage execution's time from it (simulator/core/cluster.py)."""
+    ratios: dict[str, list[float]] = {"prefill": [], "decode": []}
+    for i, r in enumerate(rows):
+        line = loop_line_s(lines, r)
+        if line is None:
+            continue
+        compute = stage_time(r)
+        expected = max(compute + line, compute) * (stretches[i] if stretches is not None else 1.0)
+        took = float(r["busy_s"])
+        if expected > 0 and took <= OUTLIER_FACTOR * expected:
+            ratios[r["kind"]].append(took / expected)
+    return {kind: spread_of([x / statistics.fmean(v) for x in v]) for kind, v in ratios.items() if v}
 
 
 def line_at(e: dict, prefill: bool, size: int) -> float:

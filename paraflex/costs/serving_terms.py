@@ -136,6 +136,9 @@ class EngineLoopTerm:
     step_s: float
     requests: int
     source: str = "requests"
+    # "prefill" / "decode" -> how the logged steps spread around the lines (loop_fit.step_spreads;
+    # empty: every stage execution takes its predicted time)
+    step_spread: dict = field(default_factory=dict)
 
     @classmethod
     def fit(cls, rows: list[dict], alone_tbt_s: list[float], stages: dict[str, int], archs: dict) -> "EngineLoopTerm":
@@ -153,13 +156,14 @@ class EngineLoopTerm:
         return cls(per_model, step, sum(len(v) for v in extra.values()))
 
     @classmethod
-    def from_lines(cls, lines: dict[str, dict], archs: dict) -> "EngineLoopTerm":
-        """From `paraflex.costs.loop_fit.fit_loop_lines`' lines per model (`archs` by model);
-        `step_s` of an entry (and for a model not logged) is its decode line at batch 1."""
+    def from_lines(cls, lines: dict[str, dict], archs: dict, step_spread: dict | None = None) -> "EngineLoopTerm":
+        """From `paraflex.costs.loop_fit.fit_loop_lines`' lines per model (`archs` by model) and
+        the steps' `step_spread` around them; `step_s` of an entry (and for a model not logged) is
+        its decode line at batch 1."""
         per_model = [{"model": m, "key": list(arch_key(archs[m])), "step_s": max(0.0, e["decode_s"] + e["decode_per_seq_s"]),
                       **{k: e[k] for k in LINE_KEYS}} for m, e in sorted(lines.items())]
         step = statistics.median(e["step_s"] for e in per_model) if per_model else 0.0
-        return cls(per_model, step, sum(e["steps"] for e in lines.values()), "steps")
+        return cls(per_model, step, sum(e["steps"] for e in lines.values()), "steps", step_spread or {})
 
     def stage_step_s(self, arch, prefill: bool = False, size: int = 1) -> float:
         """What the engine loop adds to one stage execution of `arch` over `size` prompt tokens

@@ -28,7 +28,8 @@ from bisect import bisect_right
 
 from paraflex.costs.costmodel import CostModel
 from paraflex.costs.host_cpu import busy_engines
-from paraflex.costs.serving_terms import host_cpu, served_hop
+from paraflex.costs.latency_spread import spread_ratio
+from paraflex.costs.serving_terms import engine_loop, host_cpu, served_hop
 from paraflex.costs.topology import Topology
 from paraflex.engine.core.block_pool import BlockPool
 from paraflex.engine.core.dispatcher import Dispatcher
@@ -109,7 +110,11 @@ class Cluster:
         self.gateway = None  # a GatewayTerm whose delay `host` stretches (the runner sets it; None: a constant delay)
         # the served hand-overs between engines of one node (paraflex/costs/served_hop.py; None: the link's latency)
         self.served_hop = served_hop(cl.profile_dir)
-        # quantiles for the served latencies' spreads (paraflex/costs/latency_spread.py), seeded: a run repeats
+        # how the served steps spread around their predicted time ("prefill" / "decode":
+        # paraflex/costs/loop_fit.py, `step_spreads`; empty: every stage execution as predicted)
+        loop = engine_loop(cl.profile_dir)
+        self.step_spread = loop.step_spread if loop is not None else {}
+        # quantiles for the served latencies' and steps' spreads (paraflex/costs/latency_spread.py), seeded: a run repeats
         self.draw = random.Random(settings.seed).random
 
     def enable_fast_forward(self, requests) -> None:
@@ -174,6 +179,8 @@ class Cluster:
         run, decodes, tokens = eng.batch_time(eng.stages[sb.model], sb)
         if self.host is not None:  # the other engines' recent work and the open requests share the host's cores
             run *= self.host_stretch(t, eng)
+        if self.step_spread:  # the served steps' spread around their predicted time
+            run *= spread_ratio(self.step_spread.get("decode" if decodes else "prefill", []), self.draw())
         self.start_batch(eng, sb, t, t + eng.swap_time(swapped) + run, decodes, tokens)
 
     def start_batch(self, eng: SimEngine, sb, t: float, end: float, decodes: int, tokens: int) -> None:

@@ -1,7 +1,7 @@
 """The served hop in the simulator (paraflex/costs/served_hop.py, simulator/core/cluster.py): a
 profile's `served_hop` replaces the link's latency of every hop between engines of one node and
 of every token message back to the first stage; its spread draws each one around it, the same
-draws for the same seed."""
+draws for the same seed; so does the engine loop's step spread for every stage execution."""
 
 import pytest
 from hand_placement import hand_placement
@@ -9,7 +9,8 @@ from hand_placement import hand_placement
 from paraflex.config.schema import Config
 from paraflex.costs.costmodel import CostModel
 from paraflex.costs.latency_spread import spread_of
-from paraflex.costs.serving_terms import SERVED_HOP_KEY, ServedHopTerm, served_hop, store
+from paraflex.costs.serving_terms import (ENGINE_LOOP_KEY, SERVED_HOP_KEY, EngineLoopTerm, ServedHopTerm, served_hop,
+                                          store)
 from paraflex.simulator.runner import SimSettings, simulate
 from paraflex.simulator.systems.layouts import SystemLayout
 from paraflex.simulator.workload import SimRequest
@@ -52,3 +53,15 @@ def test_the_spread_draws_hops_around_the_latency_and_a_seed_repeats_them(tmp_pa
     store(str(tmp_path), SERVED_HOP_KEY, ServedHopTerm(0.002, 0.003, 10, 10))
     flat = [(r.last_token - r.first_token) / (r.tokens - 1) for r in _run(tmp_path, requests).values()]
     assert sum(tbts) / len(tbts) == pytest.approx(sum(flat) / len(flat), rel=0.1)  # the mean stays near the latency
+
+
+def test_the_step_spread_draws_every_stage_execution_around_its_time(tmp_path):
+    requests = [SimRequest(i, "a", 0.5 * i, 16, 41) for i in range(8)]
+    plain = _run(requests=requests)
+    store(str(tmp_path), ENGINE_LOOP_KEY, EngineLoopTerm([], 0.0, 0, "steps", {"decode": spread_of([0.5, 1.5])}))
+    drawn, again = _run(tmp_path, requests), _run(tmp_path, requests)
+    assert [r.last_token for r in drawn.values()] == [r.last_token for r in again.values()]
+    tbt = lambda r: (r.last_token - r.first_token) / (r.tokens - 1)  # noqa: E731
+    ratios = [tbt(drawn[i]) / tbt(plain[i]) for i in plain]
+    assert max(ratios) - min(ratios) > 0.05 and 0.9 < sum(ratios) / len(ratios) < 1.1  # spread, the mean kept
+    assert all(drawn[i].first_token == plain[i].first_token for i in plain)  # prefills: no spread given

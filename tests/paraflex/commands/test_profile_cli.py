@@ -130,6 +130,7 @@ def test_a_step_log_gives_the_engine_loop_as_lines_in_the_steps_size(tmp_path, c
     entry = loop["per_model"][0]
     assert loop["source"] == "steps" and entry["model"] == model
     assert entry["decode_s"] == pytest.approx(0.001, abs=1e-6) and entry["decode_per_seq_s"] == pytest.approx(0.0005)
+    assert loop["step_spread"]["decode"] == pytest.approx([1.0] * SPREAD_POINTS)  # every step on its line
     assert main(["profile", DEMO, "--step-log", str(tmp_path / "none"), "-o", str(out)]) == 2
     assert "--step-log" in capsys.readouterr().err
 

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from paraflex.costs.costmodel import CostModel
-from paraflex.costs.loop_fit import OUTLIER_FACTOR, fit_loop_lines, read_step_log, stage_time_fn, step_size, weighted_line
+from paraflex.costs.loop_fit import (OUTLIER_FACTOR, fit_loop_lines, read_step_log, stage_time_fn, step_size,
+                                     step_spreads, weighted_line)
 from paraflex.costs.serving_terms import EngineLoopTerm
 from paraflex.engine.step_log import STEP_LOG_COLUMNS
 from paraflex.errors import UserError
@@ -59,6 +60,21 @@ def test_one_off_steps_far_over_their_stage_time_are_left_out_and_counted():
     kept = [float(r["busy_s"]) - 0.009 for r in rows[:200]] + [0.009 * (OUTLIER_FACTOR - 2)]
     assert e["prefill_s"] + e["prefill_per_token_s"] * 240 == pytest.approx(sum(kept) / len(kept), rel=0.05)
     assert fit_loop_lines(rows[:200], lambda r: 0.009)["m"]["outliers"] == 0
+
+
+def test_the_steps_spread_around_the_lines_mean_one_one_offs_left_out():
+    """Decode steps of 2 and 6 ms around a 4 ms prediction (stage 1 ms + line 3 ms), one 1.2 s
+    one-off; prefills all as predicted; a stretch of 2 on every other decode step doubles both the
+    prediction and the step, so it changes nothing."""
+    rows = [_row("m", "decode", 1, t) for t in (0.002, 0.006) * 50] + [_row("m", "decode", 1, 1.2)]
+    rows += [_row("m", "prefill", 8, 0.004) for _ in range(20)]
+    lines = {"m": {"prefill_s": 0.003, "prefill_per_token_s": 0.0, "decode_s": 0.003, "decode_per_seq_s": 0.0}}
+    spread = step_spreads(rows, lambda r: 0.001, lines)
+    assert spread["decode"][0] == pytest.approx(0.5) and spread["decode"][-1] == pytest.approx(1.5)
+    assert spread["prefill"] == pytest.approx([1.0] * len(spread["prefill"]))
+    stretched = [dict(r, busy_s=str(2 * float(r["busy_s"]))) if i % 2 else r for i, r in enumerate(rows)]
+    stretches = [2.0 if i % 2 else 1.0 for i in range(len(rows))]
+    assert step_spreads(stretched, lambda r: 0.001, lines, stretches) == spread
 
 
 def test_the_cost_model_adds_the_line_at_the_steps_size_and_never_goes_below_the_ops():
