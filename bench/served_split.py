@@ -103,16 +103,19 @@ def served_parts(log_path: str, steps_dir: str, ids: set, start: float, end: flo
     parts = ttft_parts([r for r in _rows(log_path) if r["id"] in ids], steps)
     text = "; ".join(f"{m} " + "/".join(f"{1000 * p[k]:.1f}" for k in PARTS) for m, p in parts.items())
     forward, tokens = handovers(steps)
-    hop, back, term = served_hop(profile) or measured_hop(profile), return_path(profile), gateway(profile)
+    probed, served, back, term = measured_hop(profile), served_hop(profile), return_path(profile), gateway(profile)
     back_text = f"{1000 * back.latency_s:.1f} ms x the host's stretch" if back else "0 ms"
     before = f"{1000 * request_delay_s(profile):.1f} ms per request before the engines"
     if term is not None and term.quiet_delay_s is not None:  # stretched where the cluster is a shared host CPU
         before = (f"{1000 * term.engine_path_s:.1f} ms + the gateway's {1000 * term.quiet_delay_s:.1f} ms x the host's "
                   f"stretch per request before the engines")
     median = lambda gaps: f"{1000 * float(np.median([g for _, g in gaps])):.2f}" if gaps else "-"  # noqa: E731
-    simulated = "nan / nan" if hop is None else (
-        f"{1000 * hop.latency_s:.2f} / {1000 * hop.token_latency_s:.2f} ms simulated x the host's stretch"
-        if hasattr(hop, "token_latency_s") else f"{1000 * hop.latency_s:.2f} ms (the probed hop) simulated")
+    if served is not None:
+        simulated = f"{1000 * served.latency_s:.2f} / {1000 * served.token_latency_s:.2f} ms simulated x the host's stretch"
+    elif probed is not None:
+        simulated = f"{1000 * probed.latency_s:.2f} ms (the probed hop) simulated"
+    else:
+        simulated = "the config's link simulated"
     return (f"served TTFT parts, median ms ({' / '.join(PARTS)}): {text}; simulated: "
             f"{before}, back {back_text}; served hop / token message back to an idle engine, median "
             f"{median(forward)} / {median(tokens)} ms over {len(forward)} / {len(tokens)} vs {simulated}")
