@@ -27,16 +27,12 @@ from collections import defaultdict
 
 import numpy as np
 
-from paraflex.costs.host_cpu import engine_timelines, in_flight_fn, step_busy_engines
-from paraflex.costs.loop_fit import read_step_log, stage_time_fn
+from paraflex.costs.host_cpu import step_stretches
+from paraflex.costs.loop_fit import read_step_log, stage_time_fn, step_end
 from paraflex.costs.served_hop import handovers
 from paraflex.costs.serving_terms import gateway, host_cpu, measured_hop, request_delay_s, return_path, served_hop
 
 PARTS = ("gateway", "to prefill", "prefill", "back")
-
-
-def _end(step: dict) -> float:
-    return float(step["start_s"]) + float(step["busy_s"])
 
 
 def ttft_parts(requests: list[dict], steps: list[dict]) -> dict[str, dict[str, float]]:
@@ -54,7 +50,7 @@ def ttft_parts(requests: list[dict], steps: list[dict]) -> dict[str, dict[str, f
             continue
         first = min(mine, key=lambda s: (int(s["stage"]), float(s["start_s"])))
         last_stage = max(int(s["stage"]) for s in mine)
-        done = max(_end(s) for s in mine if int(s["stage"]) == last_stage)
+        done = max(step_end(s) for s in mine if int(s["stage"]) == last_stage)
         arrival, start = float(r["arrival_s"]), float(first["start_s"])
         parts[r["model"]].append((arrival - float(r["http_arrival_s"]), start - arrival, done - start,
                                   float(r["first_token_s"]) - done))
@@ -73,27 +69,17 @@ def step_split(config, placement, steps_dir: str, start: float, end: float, log_
         return "no decode steps logged"
     stage_time = stage_time_fn(config.cluster.cost_model(), placement, {m.name: m.arch for m in config.models})
     host = host_cpu(config.cluster)
-    stretch = (lambda r: 1.0) if host is None else _served_stretch(host, logged, _rows(log_path) if log_path else [])
+    # each step's stretch on the served timeline (every logged step's busy engines, the open requests)
+    stretch = dict(zip(map(id, logged), step_stretches(logged, host, _rows(log_path) if log_path else [])))
     out = []
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == model]
         if mine:
             served = float(np.mean([float(r["busy_s"]) for r in mine]))
-            sim = float(np.mean([stage_time(r) * stretch(r) for r in mine]))
+            sim = float(np.mean([stage_time(r) * stretch[id(r)] for r in mine]))
             out.append(f"{model} {1000 * served:.2f} vs {1000 * sim:.2f} ms ({(sim - served) / served:+.0%})")
     shared = "" if host is None else " (stretched by the shared host CPU on the served timeline)"
     return f"decode stage step, served vs simulated for the same steps{shared}: " + "; ".join(out)
-
-
-def _served_stretch(host, steps: list[dict], requests: list[dict]):
-    """A logged step's stretch by `host` from the served engines' timelines and open requests."""
-    timelines, open_at = engine_timelines(steps), in_flight_fn(requests)
-
-    def stretch(r: dict) -> float:
-        t = float(r["start_s"])
-        return host.stretch(step_busy_engines(timelines, r["engine"], t, host.window_s), open_at(t))
-
-    return stretch
 
 
 def served_parts(log_path: str, steps_dir: str, ids: set, start: float, end: float, profile: str) -> str:

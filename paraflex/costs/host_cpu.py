@@ -129,14 +129,19 @@ def in_flight_fn(requests: list[dict]) -> Callable[[float], int]:
     return lambda t: level[bisect_right(times, t)]
 
 
+def step_loads(rows: list[dict], requests: list[dict], window_s: float = WINDOW_S) -> tuple[list[float], list[int]]:
+    """(busy engines, requests open) at each logged step of `rows`: its own engine and the others
+    busy over the `window_s` before it, and the `requests` (request-log rows) open then."""
+    timelines, open_at = engine_timelines(rows), in_flight_fn(requests)
+    busy = [step_busy_engines(timelines, r["engine"], float(r["start_s"]), window_s) for r in rows]
+    return busy, [open_at(float(r["start_s"])) for r in rows]
+
+
 def step_stretches(rows: list[dict], host: HostCpu | None, requests: list[dict]) -> list[float]:
-    """What `host` stretched each logged step of `rows` by: its own engine and the others busy over
-    the window before it, the `requests` (request-log rows) open then (None: 1 each)."""
+    """What `host` stretched each logged step of `rows` by, at its `step_loads` (None: 1 each)."""
     if host is None:
         return [1.0] * len(rows)
-    timelines, open_at = engine_timelines(rows), in_flight_fn(requests)
-    return [host.stretch(step_busy_engines(timelines, r["engine"], float(r["start_s"]), host.window_s),
-                         open_at(float(r["start_s"]))) for r in rows]
+    return [host.stretch(b, n) for b, n in zip(*step_loads(rows, requests, host.window_s))]
 
 
 def fit_stretched_latency(samples: list[tuple[float, float]], steps: list[dict], requests: list[dict],
@@ -161,10 +166,7 @@ def fit_host_cpu(rows: list[dict], stage_time: Callable[[dict], float], cores: i
     error, over a grid of demands per engine (up to `cores`) and,
     with the served `requests` of the same run, per request in flight (else 0; only demands whose
     requests stay under `REQUEST_CORES` in these steps: the cap is an extrapolation, never fitted)."""
-    timelines = engine_timelines(rows)
-    busy = [step_busy_engines(timelines, r["engine"], float(r["start_s"])) for r in rows]
-    open_at = in_flight_fn(requests or [])
-    in_flight = [open_at(float(r["start_s"])) for r in rows]
+    busy, in_flight = step_loads(rows, requests or [])
     compute = {id(r): stage_time(r) for r in rows}  # once per row, not once per grid point
     best = None
     # the open requests' cap is not seen in the calibration: only demands that stay under it there

@@ -29,18 +29,12 @@ def spread_of(ratios: list[float]) -> list[float]:
     if not ratios:
         return []
     xs = sorted(max(0.0, r) for r in ratios)
-    out = []
-    for i in range(SPREAD_POINTS):
-        pos = i * (len(xs) - 1) / (SPREAD_POINTS - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        out.append(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
-    return out
+    return [spread_ratio(xs, i / (SPREAD_POINTS - 1)) for i in range(SPREAD_POINTS)]
 
 
 def spread_ratio(spread: list[float], u: float | None) -> float:
-    """The ratio at quantile u (0 <= u < 1) of `spread`, linear between its points; 1 for an
-    empty spread or u None (the fitted latency itself)."""
+    """The ratio at quantile u (0 <= u <= 1) of `spread` (any sorted values), linear between its
+    points; 1 for an empty spread or u None (the fitted latency itself)."""
     if not spread or u is None:
         return 1.0
     pos = u * (len(spread) - 1)

@@ -49,6 +49,11 @@ def read_step_log(directory: str) -> list[dict]:
     return rows
 
 
+def step_end(row: dict) -> float:
+    """When a logged step ended: its start plus its loop iteration's wall time."""
+    return float(row["start_s"]) + float(row["busy_s"])
+
+
 def stage_time_fn(cost, placement, archs: dict) -> Callable[[dict], float]:
     """The cost model's time of a logged step (a row): its stage's layers on `placement`, its
     kind and size (`archs` by model name)."""

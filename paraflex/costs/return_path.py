@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from paraflex.costs.host_cpu import HostCpu, fit_stretched_latency
+from paraflex.costs.loop_fit import step_end
 from paraflex.costs.serving_terms import ReturnPathTerm
 
 
@@ -34,9 +35,8 @@ def token_backs(requests: list[dict], steps: list[dict]) -> list[tuple[float, fl
     last_stage: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for s in steps:
         if int(s["stage"]) == int(s["num_stages"]) - 1:
-            end = float(s["start_s"]) + float(s["busy_s"])
             for rid in (s.get("req_ids") or "").split():
-                last_stage[rid].append((end, s["kind"]))
+                last_stage[rid].append((step_end(s), s["kind"]))
     out = []
     for r in requests:
         mine = sorted(last_stage.get(r["id"], []))

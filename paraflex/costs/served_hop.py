@@ -26,11 +26,8 @@ from collections import defaultdict
 from typing import Callable
 
 from paraflex.costs.host_cpu import HostCpu, fit_stretched_latency
+from paraflex.costs.loop_fit import step_end
 from paraflex.costs.serving_terms import ServedHopTerm
-
-
-def _end(step: dict) -> float:
-    return float(step["start_s"]) + float(step["busy_s"])
 
 
 def _idle_since(steps: list[dict]) -> dict[int, float]:
@@ -44,7 +41,7 @@ def _idle_since(steps: list[dict]) -> dict[int, float]:
         prev_end = 0.0
         for s in rows:
             out[id(s)] = prev_end
-            prev_end = _end(s)
+            prev_end = step_end(s)
     return out
 
 
@@ -66,7 +63,7 @@ def handovers(steps: list[dict]) -> tuple[list[tuple[dict, float]], list[tuple[f
         rids = (s.get("req_ids") or "").split()
         if last == 0 or not rids:
             continue
-        end = _end(s)
+        end = step_end(s)
         to = 0 if stage == last else stage + 1
         nxt = next((p for p in by_req[(s["model"], to, rids[0])] if float(p["start_s"]) >= end), None)
         if nxt is None or nxt["engine"] == s["engine"] or idle[id(nxt)] > end:
@@ -87,7 +84,7 @@ def fit_served_hop(steps: list[dict], requests: list[dict], host: HostCpu | None
     forward, tokens = handovers(steps)
     if not forward or not tokens:
         return None
-    hops = [(_end(s), max(0.0, gap - transfer_s(s))) for s, gap in forward]
+    hops = [(step_end(s), max(0.0, gap - transfer_s(s))) for s, gap in forward]
     hop_s, hop_spread = fit_stretched_latency(hops, steps, requests, host)
     token_s, token_spread = fit_stretched_latency(tokens, steps, requests, host)
     return ServedHopTerm(hop_s, token_s, len(hops), len(tokens), hop_spread, token_spread)
