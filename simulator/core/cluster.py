@@ -253,19 +253,21 @@ class Cluster:
         """A batch's hidden state of `nbytes` leaving engine `src` for `dst` at t: the link's
         transfer time, its latency the served hop's (stretched by the shared host CPU) where the
         profile fitted one and the engines share a node."""
-        topology = self.topology
-        base = topology.hop_time(src, dst, nbytes)
-        if self.served_hop is None or topology.node_of[src] != topology.node_of[dst]:
+        base = self.topology.hop_time(src, dst, nbytes)
+        if not self._served_between(src, dst):
             return base
-        return base - topology.intra.latency_s + self.served_hop.hop_latency_s(self._stretch(t), self.draw())
+        return base - self.topology.intra.latency_s + self.served_hop.hop_latency_s(self._stretch(t), self.draw())
 
     def token_message_s(self, last: int, first: int, t: float) -> float:
         """A token message from last-stage engine `last` to first-stage engine `first` sent at t:
         the link's latency, or the served one (stretched) as in `hop_s`."""
-        topology = self.topology
-        if self.served_hop is None or topology.node_of[last] != topology.node_of[first]:
-            return topology.link(last, first).latency_s
+        if not self._served_between(last, first):
+            return self.topology.link(last, first).latency_s
         return self.served_hop.token_message_s(self._stretch(t), self.draw())
+
+    def _served_between(self, a: int, b: int) -> bool:
+        """Whether a hand-over from engine a to b takes the served hop: one was fitted, and they share a node."""
+        return self.served_hop is not None and self.topology.node_of[a] == self.topology.node_of[b]
 
     def _stretch(self, t: float) -> float:
         return 1.0 if self.host is None else self.host_stretch(t)
